@@ -1,0 +1,65 @@
+"""The PyTorch backend: loads a checkpoint, builds the engine core and runs it on the engine thread."""
+
+from __future__ import annotations
+
+import logging
+
+from pocketllm.backends.base import EngineCaps
+from pocketllm.config import EngineArgs
+from pocketllm.engine.engine_core import EngineCore
+from pocketllm.engine.loop import EngineLoop
+from pocketllm.errors import InvalidRequestError, UnsupportedFeatureError
+from pocketllm.loaders.checkpoint import load_checkpoint
+from pocketllm.loaders.default_model import default_model_path
+from pocketllm.sampling_params import MAX_LOGPROBS
+from pocketllm.tokenizer.eos import resolve_eos
+
+logger = logging.getLogger("pocketllm.backend")
+
+KNOWN_OPTIONS = frozenset({"eos_token_id"})
+
+
+class TorchBackend:
+    """One model, one engine thread."""
+
+    name = "torch"
+
+    def __init__(self, args: EngineArgs) -> None:
+        unknown = sorted(set(args.backend_options) - KNOWN_OPTIONS)
+        if unknown:
+            raise InvalidRequestError(
+                f"backend_options {unknown} are not understood by the torch backend "
+                f"(known: {', '.join(sorted(KNOWN_OPTIONS))})", param="backend_options")
+        if args.tensor_parallel_size > 1:
+            raise UnsupportedFeatureError(
+                f"tensor_parallel_size={args.tensor_parallel_size} is not supported yet: this build runs one rank; "
+                "use tensor_parallel_size=1")
+        self.args = args
+        self.model_path = args.model or default_model_path()
+        self.checkpoint = load_checkpoint(self.model_path, args.load_format)
+        self.tokenizer = self.checkpoint.tokenizer
+        eos_ids, eos_source = resolve_eos(args.backend_options, self.checkpoint.generation_config,
+                                          self.checkpoint.hf_config, self.tokenizer)
+        dummy = args.load_format == "dummy" or self.checkpoint.format == "dummy"
+        weights = None if dummy else self.checkpoint.iter_weights()
+        self.core = EngineCore(args, self.checkpoint.hf_config, weights, eos_ids)
+        self.loop = EngineLoop(self.core)
+        self.caps = EngineCaps(
+            max_slots=args.max_num_seqs,
+            chunked_prefill=args.enable_chunked_prefill,
+            prefix_caching=args.enable_prefix_caching,
+            max_logprobs=MAX_LOGPROBS,
+            details={
+                "eos_source": eos_source,
+                "eos_token_ids": sorted(eos_ids),
+                "architecture": (self.checkpoint.hf_config.architectures or ["?"])[0],
+                "format": self.checkpoint.format,
+                "device": str(self.core.device),
+                "dtype": str(self.core.dtype).removeprefix("torch."),
+                "max_model_len": self.core.max_model_len,
+                "block_size": args.block_size,
+                "num_kv_blocks": self.core.blocks.num_blocks,
+            })
+
+    def shutdown(self) -> None:
+        self.loop.shutdown()

@@ -1,0 +1,105 @@
+"""``pocketllm run`` (one prompt) and ``pocketllm chat`` (a conversation in the terminal)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Iterable
+
+from pocketllm.api import LLM
+from pocketllm.cli.engine_flags import add_engine_flags, add_sampling_flags, engine_args_from, sampling_params_from
+from pocketllm.outputs import TokenEvent, Usage
+from pocketllm.sampling_params import SamplingParams
+
+CLI_SAMPLING_DEFAULTS = {"max_tokens": 512, "temperature": 0.7}
+
+
+def add_run_parser(subparsers) -> None:
+    parser = subparsers.add_parser("run", help="Generate an answer to one prompt, streamed to stdout.")
+    parser.add_argument("--prompt", required=True, help="The user message (or the raw prompt with --raw).")
+    parser.add_argument("--system", default=None, help="A system message to put first.")
+    parser.add_argument("--raw", action="store_true", help="Send the prompt as is, without the chat template.")
+    parser.add_argument("--verbose", action="store_true", help="Log scheduling decisions at DEBUG.")
+    add_sampling_flags(parser, CLI_SAMPLING_DEFAULTS)
+    add_engine_flags(parser)
+    parser.set_defaults(handler=run_command)
+
+
+def add_chat_parser(subparsers) -> None:
+    parser = subparsers.add_parser("chat", help="Hold a conversation in the terminal (/exit to leave).")
+    parser.add_argument("--system", default=None, help="A system message to put first.")
+    parser.add_argument("--verbose", action="store_true", help="Log scheduling decisions at DEBUG.")
+    add_sampling_flags(parser, CLI_SAMPLING_DEFAULTS)
+    add_engine_flags(parser)
+    parser.set_defaults(handler=chat_command)
+
+
+def _stream_to_stdout(events: Iterable[TokenEvent]) -> tuple[str, Usage | None, str | None]:
+    text, usage, reason = [], None, None
+    for event in events:
+        if event.text:
+            sys.stdout.write(event.text)
+            sys.stdout.flush()
+            text.append(event.text)
+        if event.finished:
+            usage, reason = event.usage, event.finish_reason
+    sys.stdout.write("\n")
+    sys.stdout.flush()
+    return "".join(text), usage, reason
+
+
+def _report(usage: Usage | None, reason: str | None) -> None:
+    if usage is None:
+        return
+    decode_rate = (usage.completion_tokens - 1) / usage.decode_time_s if usage.decode_time_s > 0 else 0.0
+    print(f"[{usage.completion_tokens} tokens, finish {reason}; prompt {usage.prompt_tokens} tokens, "
+          f"prefill {usage.prefill_time_s * 1000:.1f} ms, decode {usage.decode_time_s * 1000:.1f} ms "
+          f"({decode_rate:.1f} tok/s)]", file=sys.stderr)
+
+
+def _messages(system: str | None, turns: list[dict[str, str]]) -> list[dict[str, str]]:
+    return ([{"role": "system", "content": system}] if system else []) + turns
+
+
+def run_command(args: argparse.Namespace) -> int:
+    params = sampling_params_from(args)
+    with LLM(engine_args_from(args)) as llm:
+        if args.raw:
+            events = llm.generate_stream(args.prompt, params)
+        else:
+            events = llm.chat_stream(_messages(args.system, [{"role": "user", "content": args.prompt}]), params)
+        _, usage, reason = _stream_to_stdout(events)
+        _report(usage, reason)
+    return 0
+
+
+def _chat_turn(llm: LLM, messages: list[dict[str, str]], params: SamplingParams) -> str:
+    text, usage, reason = _stream_to_stdout(llm.chat_stream(messages, params))
+    _report(usage, reason)
+    return text
+
+
+def chat_command(args: argparse.Namespace) -> int:
+    params = sampling_params_from(args)
+    with LLM(engine_args_from(args)) as llm:
+        llm.render_chat(_messages(args.system, [{"role": "user", "content": "hi"}]))  # fail early without template
+        turns: list[dict[str, str]] = []
+        print("Type a message; /exit to leave.", file=sys.stderr)
+        while True:
+            try:
+                line = input("> ")
+            except (EOFError, KeyboardInterrupt):
+                print(file=sys.stderr)
+                return 0
+            if line.strip() in ("/exit", "/quit"):
+                return 0
+            if not line.strip():
+                continue
+            turns.append({"role": "user", "content": line})
+            try:
+                answer = _chat_turn(llm, _messages(args.system, turns), params)
+            except KeyboardInterrupt:
+                print("\n[interrupted]", file=sys.stderr)
+                turns.pop()
+                continue
+            turns.append({"role": "assistant", "content": answer})

@@ -1,0 +1,124 @@
+"""``EngineArgs``: the one typed source of engine configuration (the CLI's engine flags come from it)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any
+
+from pocketllm.errors import InvalidRequestError
+
+BACKENDS = ("auto", "torch", "cpp")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+LOAD_FORMATS = ("auto", "dummy")
+DEVICES = ("auto", "cpu", "cuda")
+
+
+def _opt(default: Any, help_text: str) -> Any:
+    """A field with its command-line help attached."""
+    return field(default=default, metadata={"help": help_text})
+
+
+@dataclass(frozen=True)
+class EngineArgs:
+    """Engine options. ``None`` means "derive from the checkpoint or the device"."""
+
+    model: str | None = _opt(None, "Checkpoint: a .gguf file, an HF safetensors directory, or a preset "
+                             "name with load_format=dummy (default: the packaged SmolLM2-135M-Instruct GGUF).")
+    backend: str = _opt("auto", "auto | torch | cpp (the native plane is not built yet).")
+    device: str = _opt("auto", "auto (cuda when available, else cpu) | cpu | cuda.")
+    dtype: str = _opt("auto", "Compute dtype: auto (float32 on CPU, bfloat16 on CUDA) | float32 | bfloat16 | "
+                              "float16.")
+    max_model_len: int | None = _opt(None, "Longest prompt + output in tokens (default: the checkpoint's "
+                                           "context, capped by the KV cache).")
+    max_num_seqs: int = _opt(64, "Most requests running at once.")
+    max_num_batched_tokens: int = _opt(2048, "Token budget of one engine step (decode tokens plus prefill "
+                                             "chunks).")
+    enable_chunked_prefill: bool = _opt(True, "Split long prompts across steps so decodes keep running.")
+    block_size: int = _opt(16, "Tokens per KV-cache block.")
+    enable_prefix_caching: bool = _opt(True, "Reuse KV blocks of identical prompt prefixes.")
+    num_kv_blocks: int | None = _opt(None, "Size the KV cache in blocks explicitly (default: from memory).")
+    cpu_kv_cache_gb: float = _opt(2.0, "KV-cache size on CPU, in GiB.")
+    gpu_memory_utilization: float = _opt(0.9, "Fraction of GPU memory the engine may use.")
+    load_format: str = _opt("auto", "auto | dummy (random weights with the checkpoint's or preset's shapes).")
+    seed: int = _opt(0, "Seed of the shared sampling generator (requests without their own seed).")
+    tensor_parallel_size: int = _opt(1, "Number of tensor-parallel ranks.")
+    backend_options: dict[str, Any] = field(
+        default_factory=dict, metadata={"help": 'Backend-specific knobs as JSON, e.g. {"eos_token_id": 2}.'})
+
+    def __post_init__(self) -> None:
+        self._choice("backend", BACKENDS)
+        self._choice("device", DEVICES)
+        self._choice("dtype", DTYPES)
+        self._choice("load_format", LOAD_FORMATS)
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "tensor_parallel_size"):
+            self._positive(name)
+        for name in ("max_model_len", "num_kv_blocks"):
+            if getattr(self, name) is not None:
+                self._positive(name)
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise InvalidRequestError("gpu_memory_utilization must be in (0, 1]",
+                                      param="gpu_memory_utilization")
+        if not self.cpu_kv_cache_gb > 0:
+            raise InvalidRequestError("cpu_kv_cache_gb must be positive", param="cpu_kv_cache_gb")
+        if not isinstance(self.backend_options, dict):
+            raise InvalidRequestError("backend_options must be a mapping", param="backend_options")
+
+    def _choice(self, name: str, choices: tuple[str, ...]) -> None:
+        if getattr(self, name) not in choices:
+            raise InvalidRequestError(
+                f"{name} must be one of {', '.join(choices)}; got {getattr(self, name)!r}", param=name)
+
+    def _positive(self, name: str) -> None:
+        value = getattr(self, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise InvalidRequestError(f"{name} must be a positive integer; got {value!r}", param=name)
+
+    @classmethod
+    def from_env(cls, environ: typing.Mapping[str, str] | None = None, **overrides: Any) -> EngineArgs:
+        """Read ``POCKETLLM_<FIELD>`` variables (explicit ``overrides`` win)."""
+        environ = os.environ if environ is None else environ
+        values: dict[str, Any] = {}
+        for f in dataclasses.fields(cls):
+            raw = environ.get(f"POCKETLLM_{f.name.upper()}")
+            if raw is not None:
+                values[f.name] = parse_field(f.name, raw)
+        values.update(overrides)
+        return cls(**values)
+
+    def replace(self, **changes: Any) -> EngineArgs:
+        """A copy with ``changes`` applied (the original is never mutated)."""
+        return dataclasses.replace(self, **changes)
+
+
+def field_kind(name: str) -> type:
+    """The basic type (int, float, bool, str, dict) a field of EngineArgs holds."""
+    hint = typing.get_type_hints(EngineArgs)[name]
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        hint = next(a for a in typing.get_args(hint) if a is not type(None))
+    return typing.get_origin(hint) or hint
+
+
+def parse_field(name: str, raw: str) -> Any:
+    """Parse a string (environment or command line) into field ``name``'s type."""
+    kind = field_kind(name)
+    try:
+        if kind is bool:
+            lowered = raw.strip().lower()
+            if lowered not in ("1", "0", "true", "false", "yes", "no", "on", "off"):
+                raise ValueError(raw)
+            return lowered in ("1", "true", "yes", "on")
+        if kind is dict:
+            value = json.loads(raw)
+            if not isinstance(value, dict):
+                raise ValueError(raw)
+            return value
+        if kind in (int, float):
+            return kind(raw)
+        return raw
+    except ValueError:
+        raise InvalidRequestError(f"{name}: cannot read {raw!r} as {kind.__name__}", param=name) from None

@@ -1,0 +1,130 @@
+"""Paged KV-cache blocks: allocation, reference counts and the prefix cache (LRU over free blocks)."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from pocketllm.engine.request import Request
+
+BlockKey = tuple[int, tuple[int, ...]]
+
+
+@dataclass
+class Block:
+    block_id: int
+    ref_count: int = 0
+    key: BlockKey | None = None      # (parent block's hash, this block's tokens) once full and cached
+    hash: int | None = None
+
+
+class BlockManager:
+    """Hands out fixed-size KV blocks to requests.
+
+    A full block's identity is the chain ``hash((parent_hash, tokens))``; the cache maps that key to the
+    block, and the dictionary's equality check on the key verifies the tokens on every hit. Freed blocks
+    keep their contents and stay findable until reused, oldest first.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool) -> None:
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self.cached: dict[BlockKey, int] = {}
+        self.prefix_queries = 0
+        self.prefix_hits = 0
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free)
+
+    def usage(self) -> float:
+        return 1.0 - self.num_free_blocks / max(1, self.num_blocks)
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def _keys(self, token_ids: list[int], num_blocks: int, start: int = 0, parent: int = 0):
+        """(key, hash) of blocks ``start..num_blocks-1``, chained from ``parent``."""
+        for i in range(start, num_blocks):
+            tokens = tuple(token_ids[i * self.block_size:(i + 1) * self.block_size])
+            key = (parent, tokens)
+            parent = hash(key)
+            yield key, parent
+
+    def find_cached_prefix(self, request: Request) -> list[int]:
+        """Blocks holding the longest cached prefix of the request (always leaving one token to compute)."""
+        if not self.enable_prefix_caching:
+            return []
+        tokens = request.all_token_ids
+        found: list[int] = []
+        for key, _ in self._keys(tokens, (len(tokens) - 1) // self.block_size):
+            block_id = self.cached.get(key)
+            if block_id is None:
+                break
+            found.append(block_id)
+        self.prefix_queries += len(tokens)
+        self.prefix_hits += len(found) * self.block_size
+        return found
+
+    def can_allocate(self, request: Request, num_new_tokens: int, cached: list[int] = ()) -> bool:
+        held = len(request.block_table) or len(cached)
+        need = self.blocks_needed(request.num_computed_tokens + num_new_tokens) - held
+        reusable_free = sum(1 for b in cached if self.blocks[b].ref_count == 0)
+        return need <= self.num_free_blocks - reusable_free
+
+    def allocate(self, request: Request, num_new_tokens: int, cached: list[int] = ()) -> None:
+        """Grow the request's block table to hold ``num_new_tokens`` more tokens (after taking ``cached``)."""
+        for block_id in cached:
+            block = self.blocks[block_id]
+            if block.ref_count == 0:
+                del self.free[block_id]
+            block.ref_count += 1
+            request.block_table.append(block_id)
+        need = self.blocks_needed(request.num_computed_tokens + num_new_tokens) - len(request.block_table)
+        for _ in range(need):
+            block_id, _ = self.free.popitem(last=False)
+            block = self.blocks[block_id]
+            if block.key is not None:
+                if self.cached.get(block.key) == block_id:
+                    del self.cached[block.key]
+                block.key = block.hash = None
+            block.ref_count = 1
+            request.block_table.append(block_id)
+
+    def cache_full_blocks(self, request: Request) -> None:
+        """Register the request's blocks whose every token's KV is now computed."""
+        if not self.enable_prefix_caching:
+            return
+        full = min(request.num_computed_tokens // self.block_size, len(request.block_table))
+        if full <= request.num_hashed_blocks:
+            return
+        tokens = request.all_token_ids
+        start, parent = request.num_hashed_blocks, request.last_block_hash
+        for i, (key, digest) in enumerate(self._keys(tokens, full, start, parent), start):
+            block = self.blocks[request.block_table[i]]
+            if block.key is None:
+                block.key, block.hash = key, digest
+                self.cached.setdefault(key, block.block_id)
+            parent = digest
+        request.num_hashed_blocks, request.last_block_hash = full, parent
+
+    def free_request(self, request: Request) -> None:
+        """Drop the request's references; blocks reaching zero go to the free list (most recent last)."""
+        for block_id in reversed(request.block_table):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free[block_id] = None
+        request.block_table = []
+        request.num_hashed_blocks, request.last_block_hash = 0, 0
+
+    def reset_prefix_cache(self) -> None:
+        for block in self.blocks:
+            block.key = block.hash = None
+        self.cached.clear()

@@ -1,0 +1,149 @@
+"""The engine core: scheduler + model runner, stepping token ids (no text, no threads)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from pocketllm.config import EngineArgs
+from pocketllm.engine.block_manager import BlockManager
+from pocketllm.engine.request import FinishReason, Request
+from pocketllm.engine.scheduler import Scheduler, SchedulerLimits
+from pocketllm.errors import InvalidRequestError, UnsupportedFeatureError
+from pocketllm.runner.model_runner import ModelRunner, resolve_device, resolve_dtype
+from pocketllm.runner.sampler import SampledToken
+from pocketllm.sampling_params import SamplingParams
+
+logger = logging.getLogger("pocketllm.engine")
+
+GiB = 1 << 30
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    """One request's result of a step: the token it sampled (None when it ended without one)."""
+
+    request: Request
+    token: SampledToken | None
+
+
+class EngineCore:
+    """Owns the model runner, the KV blocks and the scheduler; ``step()`` advances every running request."""
+
+    def __init__(self, args: EngineArgs, hf_config, weights, eos_token_ids: frozenset[int]) -> None:
+        self.args = args
+        self.device = resolve_device(args.device)
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise UnsupportedFeatureError("device 'cuda' was asked for but no CUDA device is available")
+        self.dtype = resolve_dtype(args.dtype, self.device)
+        self.eos_token_ids = eos_token_ids
+        self.runner = ModelRunner(hf_config, self.device, self.dtype, args.block_size, args.seed)
+        self.runner.load(weights, dummy_seed=args.seed)
+        num_blocks = args.num_kv_blocks or self._blocks_from_memory()
+        capacity = num_blocks * args.block_size
+        context = int(getattr(hf_config, "max_position_embeddings", capacity))
+        max_model_len = args.max_model_len or min(context, capacity)
+        if max_model_len > capacity:
+            raise InvalidRequestError(
+                f"max_model_len {max_model_len} needs more KV cache than the {capacity} tokens available; "
+                "lower max_model_len or give the cache more memory", param="max_model_len")
+        if max_model_len > context:
+            logger.warning("max_model_len %d exceeds the checkpoint's context %d", max_model_len, context)
+        self.max_model_len = max_model_len
+        self.runner.allocate_kv_cache(num_blocks)
+        self.blocks = BlockManager(num_blocks, args.block_size, args.enable_prefix_caching)
+        limits = SchedulerLimits(args.max_num_seqs, args.max_num_batched_tokens, max_model_len)
+        chunk = args.max_num_batched_tokens if args.enable_chunked_prefill else 0
+        self.scheduler = Scheduler(limits, self.blocks, chunk)
+        self.requests: dict[str, Request] = {}
+        self.vocab_size = int(hf_config.vocab_size)
+        self.num_steps = 0
+        logger.info("KV cache: %d blocks of %d tokens (%.2f GiB), max_model_len %d",
+                    num_blocks, args.block_size, num_blocks * self.runner.kv_bytes_per_block() / GiB,
+                    max_model_len)
+
+    def _blocks_from_memory(self) -> int:
+        per_block = self.runner.kv_bytes_per_block()
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            budget = free - total * (1.0 - self.args.gpu_memory_utilization)
+        else:
+            budget = self.args.cpu_kv_cache_gb * GiB
+        return max(1, int(budget // per_block))
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Request:
+        """Validate and queue a request."""
+        if request_id in self.requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already active", param="request_id")
+        if not prompt_token_ids:
+            raise InvalidRequestError("the prompt is empty", param="prompt")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise InvalidRequestError(
+                f"the prompt has {len(prompt_token_ids)} tokens; this engine's context is {self.max_model_len} "
+                "tokens and needs room for at least one generated token", param="prompt")
+        bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise InvalidRequestError(f"prompt token id {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})",
+                                      param="prompt")
+        generator = None
+        if params.seed is not None and not params.greedy:
+            generator = torch.Generator(device=self.device).manual_seed(params.seed)
+        request = Request(request_id, list(prompt_token_ids), params, self.eos_token_ids, generator)
+        self.requests[request_id] = request
+        self.scheduler.add(request)
+        return request
+
+    def abort(self, request_id: str) -> Request | None:
+        """Cancel an active request at this step boundary; its blocks are freed at once."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return None
+        self.scheduler.finish(request, FinishReason.CANCELLED)
+        return request
+
+    def finish(self, request: Request, reason: FinishReason) -> None:
+        """End a request the front end decided is complete (e.g. a stop string matched)."""
+        if self.requests.pop(request.request_id, None) is not None:
+            self.scheduler.finish(request, reason)
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    def _check_finished(self, request: Request, token: int) -> FinishReason | None:
+        params = request.params
+        if token in params.stop_token_ids or (not params.ignore_eos and token in request.eos_token_ids):
+            request.stop_reason = token
+            return FinishReason.STOP
+        if len(request.output_token_ids) >= params.max_tokens or request.num_tokens >= self.max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+    def step(self) -> list[StepOutput]:
+        chunks = self.scheduler.schedule()
+        if not chunks:
+            return []
+        sampled = iter(self.runner.execute(chunks))
+        now = time.monotonic()
+        self.num_steps += 1
+        outputs: list[StepOutput] = []
+        for chunk in chunks:
+            request = chunk.request
+            samples = chunk.samples
+            request.num_computed_tokens += chunk.num_tokens
+            if not samples:
+                self.blocks.cache_full_blocks(request)
+                continue
+            token = next(sampled)
+            request.output_token_ids.append(token.token_id)
+            if request.first_token_time is None:
+                request.first_token_time = now
+            self.blocks.cache_full_blocks(request)
+            reason = self._check_finished(request, token.token_id)
+            if reason is not None:
+                self.requests.pop(request.request_id, None)
+                self.scheduler.finish(request, reason)
+            outputs.append(StepOutput(request, token))
+        return outputs

@@ -1,0 +1,158 @@
+"""The engine thread: takes commands between steps, runs steps while there is work, hands outputs to sinks."""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any, Protocol
+
+from pocketllm.engine.engine_core import EngineCore, StepOutput
+from pocketllm.engine.request import FinishReason, Request
+from pocketllm.errors import EngineDeadError
+from pocketllm.runner.sampler import SampledToken
+
+logger = logging.getLogger("pocketllm.engine")
+
+
+class OutputSink(Protocol):
+    """Receives a request's outputs on the engine thread; must not block."""
+
+    def on_output(self, request: Request, token: SampledToken | None) -> bool:
+        """Handle one step's result (``token`` None: ended without a new token, e.g. cancelled).
+
+        Return True to end the request now (the front end found a stop string).
+        """
+        ...
+
+    def on_error(self, error: BaseException) -> None: ...
+
+
+class EngineLoop:
+    """Runs ``EngineCore.step`` on a daemon thread. All engine state is touched only on that thread."""
+
+    def __init__(self, core: EngineCore) -> None:
+        self.core = core
+        self.commands: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self.sinks: dict[str, OutputSink] = {}
+        self.active: set[str] = set()
+        self.error: BaseException | None = None
+        self._stopping = False
+        self.thread = threading.Thread(target=self._run, name="pocketllm-engine", daemon=True)
+        self.thread.start()
+
+    # --- called from any thread -------------------------------------------------------------------
+    def submit(self, request_id: str, prompt_token_ids: list[int], params, sink: OutputSink) -> Future:
+        """Queue a request; the future resolves once the engine accepted it (or raises its error)."""
+        self._check_alive()
+        self.active.add(request_id)
+        return self.call(lambda: self._add(request_id, prompt_token_ids, params, sink),
+                         on_error=lambda: self.active.discard(request_id))
+
+    def abort(self, request_id: str) -> bool:
+        """Ask for a cancel at the next step boundary; True if the request is active now."""
+        if request_id not in self.active or self.error is not None:
+            return False
+        self.commands.put(lambda: self._abort(request_id))
+        return True
+
+    def call(self, fn: Callable[[], Any], on_error: Callable[[], None] | None = None) -> Future:
+        """Run ``fn`` on the engine thread between steps; its result comes back through the future."""
+        self._check_alive()
+        future: Future = Future()
+
+        def command() -> None:
+            try:
+                future.set_result(fn())
+            except BaseException as exc:  # handed to the caller through the future
+                if on_error is not None:
+                    on_error()
+                future.set_exception(exc)
+
+        self.commands.put(command)
+        return future
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """Cancel what is still running and stop the thread."""
+        if not self.thread.is_alive():
+            return
+        self.commands.put(self._cancel_all)
+        self.commands.put(None)
+        self.thread.join(timeout)
+
+    # --- engine thread ----------------------------------------------------------------------------
+    def _check_alive(self) -> None:
+        if self.error is not None:
+            raise EngineDeadError(f"the engine stopped after an error: {self.error!r}") from self.error
+        if self._stopping or not self.thread.is_alive():
+            raise EngineDeadError("the engine has been shut down")
+
+    def _add(self, request_id: str, prompt_token_ids: list[int], params, sink: OutputSink) -> None:
+        self.core.add_request(request_id, prompt_token_ids, params)
+        self.sinks[request_id] = sink
+
+    def _abort(self, request_id: str) -> None:
+        request = self.core.abort(request_id)
+        if request is not None:
+            self._deliver(request, None)
+
+    def _cancel_all(self) -> None:
+        for request_id in list(self.sinks):
+            self._abort(request_id)
+
+    def _deliver(self, request: Request, token: SampledToken | None) -> None:
+        sink = self.sinks.get(request.request_id)
+        if sink is None:
+            return
+        try:
+            end_now = sink.on_output(request, token)
+        except Exception:
+            logger.exception("output handler of request %s failed; cancelling it", request.request_id)
+            end_now = not request.is_finished
+            if end_now:
+                self.core.finish(request, FinishReason.CANCELLED)
+            self._release(request.request_id)
+            return
+        if end_now and not request.is_finished:
+            self.core.finish(request, FinishReason.STOP)
+        if request.is_finished:
+            self._release(request.request_id)
+
+    def _release(self, request_id: str) -> None:
+        self.sinks.pop(request_id, None)
+        self.active.discard(request_id)
+
+    def _drain(self, block: bool) -> bool:
+        """Run queued commands; False once asked to stop."""
+        try:
+            command = self.commands.get(block=block)
+        except queue.Empty:
+            return True
+        while True:
+            if command is None:
+                return False
+            command()
+            try:
+                command = self.commands.get_nowait()
+            except queue.Empty:
+                return True
+
+    def _run(self) -> None:
+        try:
+            while self._drain(block=not self.core.has_work()):
+                outputs: list[StepOutput] = self.core.step()
+                for output in outputs:
+                    self._deliver(output.request, output.token)
+        except BaseException as exc:
+            logger.exception("engine loop crashed")
+            self.error = exc
+            for request_id, sink in list(self.sinks.items()):
+                try:
+                    sink.on_error(exc)
+                except Exception:
+                    logger.exception("error handler of request %s failed", request_id)
+                self._release(request_id)
+        finally:
+            self._stopping = True

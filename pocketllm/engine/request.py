@@ -1,0 +1,70 @@
+"""An engine request: token ids in, token ids out, and where it stands in the schedule."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from pocketllm.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"          # EOS or a stop token id (or a stop string, decided by the front end)
+    LENGTH = "length"      # max_tokens or the model's context ran out
+    CANCELLED = "cancelled"
+
+
+@dataclass
+class Request:
+    """State the scheduler and runner share for one sequence.
+
+    ``num_computed_tokens`` counts tokens whose KV is in the cache; the rest of ``all_token_ids``
+    (prompt and generated tokens) is still to be prefilled.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    eos_token_ids: frozenset[int]
+    generator: torch.Generator | None = None
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0
+    block_table: list[int] = field(default_factory=list)
+    num_hashed_blocks: int = 0
+    last_block_hash: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: FinishReason | None = None
+    stop_reason: int | None = None
+    num_preemptions: int = 0
+    arrival_time: float = field(default_factory=time.monotonic)
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+    prefill_time_s: float = 0.0
+    decode_time_s: float = 0.0
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED

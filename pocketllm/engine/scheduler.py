@@ -1,0 +1,136 @@
+"""One token-budget scheduler: every step mixes decode tokens and prefill chunks under one budget."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from pocketllm.engine.block_manager import BlockManager
+from pocketllm.engine.request import FinishReason, Request, RequestStatus
+
+logger = logging.getLogger("pocketllm.scheduler")
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    """``num_tokens`` tokens of ``request`` starting at its ``num_computed_tokens`` run this step."""
+
+    request: Request
+    num_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """Whether this chunk reaches the end of the known tokens, so a new token is sampled."""
+        return self.request.num_computed_tokens + self.num_tokens == self.request.num_tokens
+
+
+@dataclass(frozen=True)
+class SchedulerLimits:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+
+
+class Scheduler:
+    """Running requests first (oldest first), then waiting ones while the budget and the KV pool allow.
+
+    When a running request cannot get a block, the newest running request is preempted: its blocks are
+    freed and it goes back to the front of the queue to be recomputed (its generated tokens are kept).
+    ``prefill_chunk`` bounds one request's prefill per step (0: whole prompts in one step).
+    """
+
+    def __init__(self, limits: SchedulerLimits, block_manager: BlockManager, prefill_chunk: int) -> None:
+        self.limits = limits
+        self.blocks = block_manager
+        self.prefill_chunk = prefill_chunk
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    def set_prefill_chunk(self, tokens: int) -> None:
+        self.prefill_chunk = max(0, int(tokens))
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _chunk_size(self, remaining: int, budget: int, alone: bool) -> int:
+        """Tokens of a prefill of ``remaining`` tokens that fit this step (0 if it must wait).
+
+        Without chunking a prompt runs whole; one longer than the budget runs alone in its step.
+        """
+        if remaining == 1:
+            return min(1, budget)
+        if self.prefill_chunk == 0:
+            return remaining if remaining <= budget or alone else 0
+        return min(remaining, budget, self.prefill_chunk)
+
+    def _preempt(self, victim: Request) -> None:
+        self.running.remove(victim)
+        self.blocks.free_request(victim)
+        victim.num_computed_tokens = 0
+        victim.status = RequestStatus.WAITING
+        victim.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(victim)
+        logger.debug("preempted %s (recompute %d tokens)", victim.request_id, victim.num_tokens)
+
+    def schedule(self) -> list[ScheduledChunk]:
+        budget = self.limits.max_num_batched_tokens
+        chunks: list[ScheduledChunk] = []
+        scheduled: set[str] = set()
+        for request in list(self.running):
+            if request.status is not RequestStatus.RUNNING or request.request_id in scheduled:
+                continue
+            n = self._chunk_size(request.num_tokens - request.num_computed_tokens, budget, not chunks)
+            if n == 0:
+                continue
+            while not self.blocks.can_allocate(request, n):
+                victims = [r for r in self.running if r.request_id not in scheduled and r is not request]
+                victim = victims[-1] if victims else request
+                self._preempt(victim)
+                if victim is request:
+                    break
+            if request.status is not RequestStatus.RUNNING:
+                continue
+            self.blocks.allocate(request, n)
+            chunks.append(ScheduledChunk(request, n))
+            scheduled.add(request.request_id)
+            budget -= n
+        while self.waiting and budget > 0 and len(self.running) < self.limits.max_num_seqs:
+            request = self.waiting[0]
+            cached = self.blocks.find_cached_prefix(request) if not request.block_table else []
+            computed = len(cached) * self.blocks.block_size
+            n = self._chunk_size(request.num_tokens - computed, budget, not chunks)
+            if n == 0 or not self.blocks.can_allocate(request, computed + n - request.num_computed_tokens,
+                                                      cached):
+                break
+            self.waiting.popleft()
+            request.num_computed_tokens = computed
+            request.num_cached_tokens = max(request.num_cached_tokens, computed)
+            self.blocks.allocate(request, n, cached)
+            request.status = RequestStatus.RUNNING
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = time.monotonic()
+            self.running.append(request)
+            chunks.append(ScheduledChunk(request, n))
+            scheduled.add(request.request_id)
+            budget -= n
+            logger.debug("admitted %s: %d prompt tokens, %d from prefix cache, chunk %d",
+                         request.request_id, request.num_tokens, computed, n)
+        return chunks
+
+    def finish(self, request: Request, reason: FinishReason) -> None:
+        """End a request (running or waiting) and release its blocks."""
+        if request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        self.blocks.free_request(request)
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+        request.finished_time = time.monotonic()

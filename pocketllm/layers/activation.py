@@ -1,0 +1,15 @@
+"""Gated activations."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class SiluAndMul(nn.Module):
+    """``silu(gate) * up`` for an input holding [gate, up] along the last dimension."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        return F.silu(gate) * up

@@ -1,0 +1,74 @@
+"""Attention over the paged KV cache: the PyTorch reference path (CPU, and any device without kernels)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pocketllm.runner.attention_metadata import AttentionMetadata
+
+
+class Attention(nn.Module):
+    """Stores this step's keys/values into the cache, then attends each sequence over its context.
+
+    ``k_cache``/``v_cache`` ([num_blocks, block_size, num_kv_heads, head_dim]) are bound by the model
+    runner once it has sized the cache.
+    """
+
+    def __init__(self, num_heads: int, head_dim: int, num_kv_heads: int, scale: float) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.head_dim = head_dim
+        self.num_kv_heads = num_kv_heads
+        self.scale = scale
+        self.k_cache = torch.empty(0)
+        self.v_cache = torch.empty(0)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        """``q`` [T, H, D], ``k``/``v`` [T, KVH, D] → [T, H*D]."""
+        k_flat = self.k_cache.view(-1, self.num_kv_heads, self.head_dim)
+        v_flat = self.v_cache.view(-1, self.num_kv_heads, self.head_dim)
+        k_flat.index_copy_(0, meta.slot_mapping, k.to(k_flat.dtype))
+        v_flat.index_copy_(0, meta.slot_mapping, v.to(v_flat.dtype))
+        if meta.is_decode_only:
+            out = self._decode(q, meta)
+        else:
+            out = torch.cat([self._sequence(q, meta, i) for i in range(meta.num_seqs)], dim=0)
+        return out.reshape(q.shape[0], self.num_heads * self.head_dim)
+
+    def _context(self, meta: AttentionMetadata, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        length = meta.context_lens[i]
+        blocks = meta.block_tables[i, : -(-length // meta.block_size)]
+        k = self.k_cache[blocks].reshape(-1, self.num_kv_heads, self.head_dim)[:length]
+        v = self.v_cache[blocks].reshape(-1, self.num_kv_heads, self.head_dim)[:length]
+        return k, v
+
+    def _sequence(self, q: torch.Tensor, meta: AttentionMetadata, i: int) -> torch.Tensor:
+        start, end = meta.query_start[i], meta.query_start[i + 1]
+        k, v = self._context(meta, i)
+        q_len, ctx_len = end - start, k.shape[0]
+        mask = None
+        if q_len > 1:
+            rows = torch.arange(ctx_len - q_len, ctx_len, device=q.device)[:, None]
+            mask = torch.arange(ctx_len, device=q.device)[None, :] <= rows
+        out = F.scaled_dot_product_attention(
+            q[start:end].transpose(0, 1), k.transpose(0, 1).to(q.dtype), v.transpose(0, 1).to(q.dtype),
+            attn_mask=mask, scale=self.scale, enable_gqa=self.num_heads != self.num_kv_heads)
+        return out.transpose(0, 1)
+
+    def _decode(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """One query per sequence: pad every context to the longest and attend in one call."""
+        lens = torch.tensor(meta.context_lens, device=q.device)
+        max_len = int(max(meta.context_lens))
+        num_blocks = -(-max_len // meta.block_size)
+        blocks = meta.block_tables[:, :num_blocks]
+        shape = (meta.num_seqs, num_blocks * meta.block_size, self.num_kv_heads, self.head_dim)
+        k = self.k_cache[blocks].reshape(shape)[:, :max_len].transpose(1, 2).to(q.dtype)
+        v = self.v_cache[blocks].reshape(shape)[:, :max_len].transpose(1, 2).to(q.dtype)
+        mask = (torch.arange(max_len, device=q.device)[None, :] < lens[:, None])[:, None, None, :]
+        out = F.scaled_dot_product_attention(
+            q.unsqueeze(2), k, v, attn_mask=mask, scale=self.scale,
+            enable_gqa=self.num_heads != self.num_kv_heads)
+        return out.squeeze(2)

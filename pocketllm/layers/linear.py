@@ -1,0 +1,108 @@
+"""Tensor-parallel linear layers; each parameter carries a ``weight_loader`` that takes its shard."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pocketllm.distributed import all_reduce, tp_rank, tp_size
+
+
+def _divide(numerator: int, denominator: int) -> int:
+    if numerator % denominator:
+        raise ValueError(f"{numerator} is not divisible by the tensor-parallel size {denominator}")
+    return numerator // denominator
+
+
+class LinearBase(nn.Module):
+    """A weight (and optional bias) split along ``tp_dim`` (0: output rows, 1: input columns, None: whole)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp_dim: int | None) -> None:
+        super().__init__()
+        self.tp_dim = tp_dim
+        self.tp_rank = tp_rank()
+        self.tp_size = tp_size()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+        if bias:
+            self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False)
+            self.bias.weight_loader = self.weight_loader
+        else:
+            self.register_parameter("bias", None)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        if self.tp_dim is not None and self.tp_size > 1 and loaded.dim() > self.tp_dim:
+            dim = self.tp_dim if loaded.dim() > 1 else 0
+            if param.dim() == 1 and self.tp_dim == 1:
+                param.data.copy_(loaded)
+                return
+            size = param.shape[dim]
+            loaded = loaded.narrow(dim, self.tp_rank * size, size)
+        param.data.copy_(loaded)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class ReplicatedLinear(LinearBase):
+    """The same full weight on every rank."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+        super().__init__(in_features, out_features, bias, tp_dim=None)
+
+
+class ColumnParallelLinear(LinearBase):
+    """Output features split across ranks; the output stays sharded."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+        super().__init__(in_features, _divide(out_features, tp_size()), bias, tp_dim=0)
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel projections of one input stored as one weight (e.g. gate and up)."""
+
+    def __init__(self, in_features: int, output_sizes: list[int], bias: bool = False) -> None:
+        self.output_sizes = output_sizes
+        super().__init__(in_features, sum(output_sizes), bias)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int) -> None:
+        offset = sum(self.output_sizes[:shard_id]) // self.tp_size
+        size = self.output_sizes[shard_id] // self.tp_size
+        target = param.data.narrow(0, offset, size)
+        target.copy_(loaded.narrow(0, self.tp_rank * size, size))
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """The query, key and value projections as one weight; KV heads are replicated when fewer than ranks."""
+
+    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int,
+                 bias: bool = False) -> None:
+        size = tp_size()
+        self.head_dim = head_dim
+        self.num_heads = _divide(num_heads, size)
+        self.num_kv_heads = max(1, num_kv_heads // size)
+        self.kv_replicas = max(1, size // num_kv_heads)
+        out_features = (self.num_heads + 2 * self.num_kv_heads) * head_dim * size
+        super().__init__(hidden_size, out_features, bias)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str) -> None:
+        q_size = self.num_heads * self.head_dim
+        kv_size = self.num_kv_heads * self.head_dim
+        if shard_id == "q":
+            offset, size, rank = 0, q_size, self.tp_rank
+        else:
+            offset = q_size if shard_id == "k" else q_size + kv_size
+            size, rank = kv_size, self.tp_rank // self.kv_replicas
+        param.data.narrow(0, offset, size).copy_(loaded.narrow(0, rank * size, size))
+
+
+class RowParallelLinear(LinearBase):
+    """Input features split across ranks; partial outputs are summed (bias added once)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+        super().__init__(_divide(in_features, tp_size()), out_features, bias, tp_dim=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bias = self.bias if self.tp_rank == 0 else None
+        return all_reduce(F.linear(x, self.weight, bias))

@@ -1,0 +1,66 @@
+"""Routed mixture of experts: top-k softmax router and expert-parallel-ready stacked expert weights."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pocketllm.distributed import all_reduce, tp_rank, tp_size
+
+
+class FusedMoE(nn.Module):
+    """``num_experts`` SwiGLU experts stored stacked; the intermediate dimension is split across ranks.
+
+    ``w13`` is [E, 2*I/tp, H] (gate rows then up rows), ``w2`` is [E, H, I/tp].
+    """
+
+    def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int,
+                 renormalize: bool) -> None:
+        super().__init__()
+        self.num_experts = num_experts
+        self.top_k = top_k
+        self.renormalize = renormalize
+        self.tp_rank, self.tp_size = tp_rank(), tp_size()
+        self.shard = intermediate_size // self.tp_size
+        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * self.shard, hidden_size), requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, self.shard), requires_grad=False)
+        self.w13.weight_loader = self.weight_loader
+        self.w2.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str, expert: int) -> None:
+        """``shard_id`` is ``gate``, ``up`` (into w13) or ``down`` (into w2) of expert ``expert``."""
+        start = self.tp_rank * self.shard
+        if shard_id == "down":
+            param.data[expert].copy_(loaded.narrow(1, start, self.shard))
+            return
+        offset = 0 if shard_id == "gate" else self.shard
+        param.data[expert].narrow(0, offset, self.shard).copy_(loaded.narrow(0, start, self.shard))
+
+    def route(self, router_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Top-k experts per token and their weights (softmax in float32, optionally renormalised)."""
+        probs = F.softmax(router_logits, dim=-1, dtype=torch.float32)
+        weights, experts = torch.topk(probs, self.top_k, dim=-1)
+        if self.renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights.to(router_logits.dtype), experts
+
+    def forward(self, hidden: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+        weights, experts = self.route(router_logits)
+        out = torch.zeros_like(hidden)
+        flat_experts = experts.flatten()
+        order = torch.argsort(flat_experts, stable=True)
+        counts = torch.bincount(flat_experts, minlength=self.num_experts).tolist()
+        token_of = order // self.top_k
+        start = 0
+        for expert, count in enumerate(counts):
+            if count == 0:
+                continue
+            idx = order[start:start + count]
+            tokens = token_of[start:start + count]
+            start += count
+            gate, up = F.linear(hidden[tokens], self.w13[expert]).chunk(2, dim=-1)
+            y = F.linear(F.silu(gate) * up, self.w2[expert])
+            y = y * weights.flatten()[idx, None]
+            out.index_add_(0, tokens, y.to(out.dtype))
+        return all_reduce(out)

@@ -1,0 +1,137 @@
+"""Llama-family decoder (Llama 2/3, SmolLM2), parameterised for its Qwen2/Qwen3 relatives."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from pocketllm.layers.activation import SiluAndMul
+from pocketllm.layers.attention import Attention
+from pocketllm.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from pocketllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from pocketllm.layers.norm import RMSNorm
+from pocketllm.layers.rotary import RotaryEmbedding, rope_settings
+from pocketllm.runner.attention_metadata import AttentionMetadata
+
+
+def head_dim_of(config: Any) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+class SelfAttention(nn.Module):
+    """QKV projection, optional per-head q/k RMSNorm, rotary embedding, paged attention, output projection."""
+
+    def __init__(self, config: Any, qkv_bias: bool, qk_norm: bool) -> None:
+        super().__init__()
+        head_dim = head_dim_of(config)
+        self.qkv_proj = QKVParallelLinear(config.hidden_size, head_dim, config.num_attention_heads,
+                                          config.num_key_value_heads, bias=qkv_bias)
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        self.head_dim = head_dim
+        self.o_proj = RowParallelLinear(config.num_attention_heads * head_dim, config.hidden_size,
+                                        bias=getattr(config, "o_bias", False))
+        theta, scaling = rope_settings(config)
+        self.rotary_emb = RotaryEmbedding(head_dim, head_dim, config.max_position_embeddings, theta, scaling)
+        self.q_norm = RMSNorm(head_dim, config.rms_norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(head_dim, config.rms_norm_eps) if qk_norm else None
+        self.attn = Attention(self.num_heads, head_dim, self.num_kv_heads, head_dim ** -0.5)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        qkv = self.qkv_proj(hidden)
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary_emb(positions, q, k)
+        return self.o_proj(self.attn(q, k, v, meta))
+
+
+class GatedMLP(nn.Module):
+    """SwiGLU feed-forward: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size)
+        self.act = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm attention and feed-forward blocks with residuals carried through the norms."""
+
+    def __init__(self, config: Any, mlp: nn.Module, qkv_bias: bool, qk_norm: bool) -> None:
+        super().__init__()
+        self.self_attn = SelfAttention(config, qkv_bias, qk_norm)
+        self.mlp = mlp
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
+                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            hidden, residual = self.input_layernorm(hidden), hidden
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, meta)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class CausalLM(nn.Module):
+    """Embedding, a stack of decoder layers, final norm and LM head.
+
+    Subclasses choose each layer's feed-forward block and the attention options; everything else,
+    including how checkpoint names map onto the fused parameters, is shared.
+    """
+
+    qkv_bias = False
+    qk_norm = False
+    packed_modules = {
+        "q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+    }
+
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        self.config = config
+        qkv_bias = getattr(config, "attention_bias", self.qkv_bias) or self.qkv_bias
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, self.make_mlp(config, i), qkv_bias, self.qk_norm)
+            for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        if self.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def make_mlp(self, config: Any, layer_index: int) -> nn.Module:
+        return GatedMLP(config.hidden_size, config.intermediate_size)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        residual = None
+        for layer in self.layers:
+            hidden, residual = layer(positions, hidden, residual, meta)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    def checkpoint_name(self, name: str) -> str:
+        """The parameter name a checkpoint (HF layout) entry maps to, before packing."""
+        return name.removeprefix("model.")
+
+
+class LlamaForCausalLM(CausalLM):
+    """Llama 2/3 and SmolLM2 (Llama-3 rope scaling through the config)."""

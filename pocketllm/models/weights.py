@@ -1,0 +1,66 @@
+"""Loading checkpoint tensors (HF names) into a model's fused, tensor-parallel parameters."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from pocketllm.errors import CheckpointError
+
+_EXPERT = re.compile(r"^(layers\.\d+\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
+
+
+def _default_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
+    if param.shape != loaded.shape:
+        raise CheckpointError(f"shape mismatch: parameter {tuple(param.shape)} vs checkpoint {tuple(loaded.shape)}")
+    param.data.copy_(loaded)
+
+
+def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """Copy every checkpoint tensor into its parameter; raise if a parameter is left unloaded."""
+    params = dict(model.named_parameters())
+    loaded: set[str] = set()
+    tied = getattr(model, "tie_word_embeddings", False)
+    packed = getattr(model, "packed_modules", {})
+    for raw_name, tensor in weights:
+        name = model.checkpoint_name(raw_name)
+        if tied and name == "lm_head.weight":
+            continue
+        if "rotary_emb.inv_freq" in name:
+            continue
+        expert = _EXPERT.match(name)
+        if expert:
+            prefix, index, part = expert.groups()
+            target = f"{prefix}.{'w2' if part == 'down' else 'w13'}"
+            params[target].weight_loader(params[target], tensor, part, int(index))
+            loaded.add(target)
+            continue
+        for key, (fused, shard) in packed.items():
+            if f".{key}." in name:
+                target = name.replace(f".{key}.", f".{fused}.")
+                params[target].weight_loader(params[target], tensor, shard)
+                loaded.add(target)
+                break
+        else:
+            if name not in params:
+                raise CheckpointError(f"checkpoint tensor {raw_name!r} has no parameter in {type(model).__name__}")
+            param = params[name]
+            getattr(param, "weight_loader", _default_loader)(param, tensor)
+            loaded.add(name)
+    missing = sorted(set(params) - loaded - ({"lm_head.weight"} if tied else set()))
+    if missing:
+        raise CheckpointError(f"checkpoint lacks {len(missing)} parameters, e.g. {missing[:4]}")
+
+
+def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
+    """Random weights with the model's real shapes (for benchmarks and tests without a checkpoint)."""
+    generator = torch.Generator(device="cpu").manual_seed(seed)
+    for name, param in model.named_parameters():
+        if name.endswith("norm.weight") or param.dim() == 1 and "bias" not in name:
+            param.data.fill_(1.0)
+            continue
+        values = torch.randn(param.shape, generator=generator, dtype=torch.float32) * 0.02
+        param.data.copy_(values.to(param.dtype))

@@ -1,0 +1,32 @@
+"""What one forward pass needs to know about the batch's sequences and the paged KV cache."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class AttentionMetadata:
+    """A flat batch of sequence chunks.
+
+    Sequence ``i`` contributes query tokens ``query_start[i]:query_start[i+1]`` of the flat batch; its
+    context (cached prefix plus these tokens) is ``context_lens[i]`` tokens long, held in the KV blocks
+    listed in row ``i`` of ``block_tables``. ``slot_mapping`` gives each new token's cache slot
+    (block * block_size + offset).
+    """
+
+    slot_mapping: torch.Tensor          # [num_tokens] int64
+    block_tables: torch.Tensor          # [num_seqs, max_blocks] int64 (padded with 0)
+    query_start: list[int]              # host copy, len num_seqs + 1
+    context_lens: list[int]             # host copy, len num_seqs
+    block_size: int
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.context_lens)
+
+    @property
+    def is_decode_only(self) -> bool:
+        return self.query_start[-1] == self.num_seqs

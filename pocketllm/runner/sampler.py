@@ -1,0 +1,328 @@
+"""Batched token sampler: logit processing, greedy / stochastic selection and raw log-probabilities.
+
+The model runner hands the sampler one ``[B, V]`` float32 logits tensor per step together with one
+:class:`SamplingRow` per batch row, and gets back one :class:`SampledToken` per row.
+
+Processing order (on a float32 copy, only made when something has to be modified):
+
+1. ``logit_bias`` is added;
+2. ``repetition_penalty`` over prompt + output tokens (a positive logit is divided by the penalty, any
+   other logit multiplied by it);
+3. ``frequency_penalty`` / ``presence_penalty`` over output tokens (OpenAI's definition:
+   ``logit -= count * frequency + (count > 0) * presence``);
+4. greedy rows (``temperature == 0``) take the argmax of the processed logits;
+5. sampling rows are divided by their temperature, then ``min_p``, ``top_k`` and ``top_p`` mask tokens
+   out, and the token is drawn with an exponential race: ``q ~ Exp(1)`` of shape ``[V]`` and
+   ``token = argmax(probs / q)`` (computed as ``argmax(logits - log q)``, which needs no softmax).
+
+A row that owns a :class:`torch.Generator` draws exactly one ``[V]`` vector from it per sampled step
+and nothing else, and every operation applied to a row depends only on that row, so a seeded request
+produces the same tokens whatever else is in the batch and wherever it sits. Rows without a generator
+share the sampler's generator and are drawn together.
+
+Log-probabilities are ``log_softmax`` of the *raw* logits over the whole vocabulary, before any of the
+processing above, so they describe the model's distribution rather than the sampler's candidate set.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from pocketllm.sampling_params import SamplingParams
+
+__all__ = ["SampledToken", "Sampler", "SamplingRow"]
+
+
+@dataclass
+class SamplingRow:
+    """One request's row in this step's batch."""
+
+    params: SamplingParams
+    # For repetition_penalty (applied over prompt + output, as HF does).
+    prompt_token_ids: Sequence[int]
+    # Generated so far (frequency/presence penalties count these, OpenAI's definition).
+    output_token_ids: Sequence[int]
+    # Per-request generator when params.seed is set (created and owned by the engine, seeded once with
+    # the seed); None -> the sampler's shared generator.
+    generator: torch.Generator | None = None
+
+
+@dataclass
+class SampledToken:
+    """The token chosen for one row, with its raw log-probability and ranked alternatives."""
+
+    token_id: int
+    # Log-prob of the sampled token under the RAW distribution (None if params.logprobs is None).
+    logprob: float | None = None
+    # params.logprobs alternatives ranked from raw logits (empty if 0/None).
+    top_ids: list[int] = field(default_factory=list)
+    top_logprobs: list[float] = field(default_factory=list)
+
+
+def _needs_processing(params: SamplingParams) -> bool:
+    return bool(params.logit_bias) or params.needs_penalties
+
+
+class Sampler:
+    """Turns a batch of logits into one token per row according to each row's :class:`SamplingParams`."""
+
+    def __init__(self, seed: int | None = None) -> None:
+        """Create a sampler whose shared generator is seeded with ``seed`` (random when ``None``).
+
+        One shared generator is kept per device the logits arrive on, each seeded the same way.
+        """
+        self._seed = seed
+        self._generators: dict[torch.device, torch.Generator] = {}
+
+    # ------------------------------------------------------------------------------------------------
+    # public entry point
+
+    def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[SampledToken]:
+        """Sample one token per row of ``logits`` (``[B, V]``, any device); ``len(rows) == B``."""
+        batch = len(rows)
+        if batch == 0:
+            return []
+        params = [row.params for row in rows]
+        plain_greedy = all(p.greedy and p.logprobs is None and not _needs_processing(p) for p in params)
+        if plain_greedy:
+            # Fast path: one argmax over the raw logits, no copies.
+            return [SampledToken(int(t)) for t in logits.argmax(dim=-1).tolist()]
+
+        device = logits.device
+        vocab = logits.shape[-1]
+
+        # 1. Raw log-probabilities for the rows that ask (computed before anything touches the logits).
+        lp_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+        raw_logprobs: torch.Tensor | None = None
+        top_vals: list[list[float]] = []
+        top_ids: list[list[int]] = []
+        if lp_rows:
+            raw = logits if len(lp_rows) == batch else logits.index_select(0, self._index(lp_rows, device))
+            raw_logprobs = torch.log_softmax(raw.float(), dim=-1)
+            k = min(max(params[i].logprobs or 0 for i in lp_rows), vocab)
+            if k > 0:
+                vals, ids = raw_logprobs.topk(k, dim=-1)
+                top_vals, top_ids = vals.tolist(), ids.tolist()
+
+        # 2. Processed logits: bias and penalties on a float32 copy.
+        x = logits.float()
+        if any(_needs_processing(p) for p in params):
+            if x.data_ptr() == logits.data_ptr():
+                x = x.clone()
+            self._apply_logit_bias(x, params)
+            self._apply_penalties(x, rows)
+
+        # 3. Greedy rows take the argmax; sampling rows overwrite their entries below.
+        sample_rows = [i for i, p in enumerate(params) if not p.greedy]
+        if not sample_rows:
+            tokens = x.argmax(dim=-1)
+        elif len(sample_rows) == batch:
+            tokens = self._sample(x, rows, sample_rows)
+        else:
+            tokens = x.argmax(dim=-1)
+            tokens[self._index(sample_rows, device)] = self._sample(x, rows, sample_rows)
+
+        # 4. Assemble results (one device->host transfer per tensor).
+        token_list = tokens.tolist()
+        picked: list[float] = []
+        if raw_logprobs is not None:
+            chosen = tokens.index_select(0, self._index(lp_rows, device)) if len(lp_rows) < batch else tokens
+            picked = raw_logprobs.gather(1, chosen.unsqueeze(1)).squeeze(1).tolist()
+        lp_pos = {row: j for j, row in enumerate(lp_rows)}
+        out: list[SampledToken] = []
+        for i, p in enumerate(params):
+            token = SampledToken(int(token_list[i]))
+            if p.logprobs is not None:
+                j = lp_pos[i]
+                token.logprob = float(picked[j])
+                n = p.logprobs
+                if n > 0:
+                    token.top_ids = [int(t) for t in top_ids[j][:n]]
+                    token.top_logprobs = [float(v) for v in top_vals[j][:n]]
+            out.append(token)
+        return out
+
+    # ------------------------------------------------------------------------------------------------
+    # helpers
+
+    def shared_generator(self, device: torch.device | str) -> torch.Generator:
+        """The shared generator used on ``device`` by rows that bring none of their own."""
+        device = torch.device(device)
+        gen = self._generators.get(device)
+        if gen is None:
+            gen = torch.Generator(device=device)
+            if self._seed is None:
+                gen.seed()
+            else:
+                gen.manual_seed(self._seed)
+            self._generators[device] = gen
+        return gen
+
+    @staticmethod
+    def _index(indices: Sequence[int], device: torch.device) -> torch.Tensor:
+        return torch.tensor(indices, dtype=torch.long, device=device)
+
+    @staticmethod
+    def _apply_logit_bias(x: torch.Tensor, params: Sequence[SamplingParams]) -> None:
+        """Add every row's ``logit_bias`` in one scatter; ids outside the vocabulary are ignored."""
+        vocab = x.shape[-1]
+        r_idx: list[int] = []
+        c_idx: list[int] = []
+        vals: list[float] = []
+        for i, p in enumerate(params):
+            for token, bias in p.logit_bias.items():
+                if token < vocab:
+                    r_idx.append(i)
+                    c_idx.append(token)
+                    vals.append(bias)
+        if not vals:
+            return
+        device = x.device
+        x.index_put_(
+            (torch.tensor(r_idx, dtype=torch.long, device=device),
+             torch.tensor(c_idx, dtype=torch.long, device=device)),
+            torch.tensor(vals, dtype=x.dtype, device=device),
+            accumulate=True,
+        )
+
+    @staticmethod
+    def _flat_ids(seqs: Sequence[Sequence[int]], vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(row, token) index pairs on CPU for a list of token sequences, dropping out-of-vocab ids."""
+        rows = []
+        cols = []
+        for j, seq in enumerate(seqs):
+            ids = torch.as_tensor(seq, dtype=torch.long).reshape(-1)
+            if ids.numel() == 0:
+                continue
+            rows.append(torch.full_like(ids, j))
+            cols.append(ids)
+        if not cols:
+            empty = torch.empty(0, dtype=torch.long)
+            return empty, empty
+        r = torch.cat(rows)
+        c = torch.cat(cols)
+        keep = (c >= 0) & (c < vocab)
+        return r[keep], c[keep]
+
+    def _apply_penalties(self, x: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
+        """Repetition penalty (HF rule, prompt + output), then frequency / presence (OpenAI, output)."""
+        vocab = x.shape[-1]
+        device = x.device
+
+        rep = [i for i, r in enumerate(rows) if r.params.repetition_penalty != 1.0]
+        if rep:
+            seqs = [list(rows[i].prompt_token_ids) + list(rows[i].output_token_ids) for i in rep]
+            r, c = self._flat_ids(seqs, vocab)
+            if c.numel():
+                idx = self._index(rep, device)
+                sub = x.index_select(0, idx)
+                mask = torch.zeros_like(sub, dtype=torch.bool)
+                mask[r.to(device), c.to(device)] = True
+                penalty = torch.tensor([rows[i].params.repetition_penalty for i in rep],
+                                       dtype=x.dtype, device=device).unsqueeze(1)
+                penalised = torch.where(sub > 0, sub / penalty, sub * penalty)
+                x.index_copy_(0, idx, torch.where(mask, penalised, sub))
+
+        freq = [i for i, r in enumerate(rows)
+                if r.params.frequency_penalty != 0.0 or r.params.presence_penalty != 0.0]
+        if freq:
+            r, c = self._flat_ids([rows[i].output_token_ids for i in freq], vocab)
+            if c.numel():
+                idx = self._index(freq, device)
+                counts = torch.zeros(len(freq), vocab, dtype=x.dtype, device=device)
+                counts.index_put_((r.to(device), c.to(device)),
+                                  torch.ones(c.numel(), dtype=x.dtype, device=device), accumulate=True)
+                f = torch.tensor([rows[i].params.frequency_penalty for i in freq],
+                                 dtype=x.dtype, device=device).unsqueeze(1)
+                p = torch.tensor([rows[i].params.presence_penalty for i in freq],
+                                 dtype=x.dtype, device=device).unsqueeze(1)
+                delta = counts * f + (counts > 0).to(x.dtype) * p
+                x.index_copy_(0, idx, x.index_select(0, idx) - delta)
+
+    def _sample(self, x: torch.Tensor, rows: Sequence[SamplingRow], sample_rows: list[int]) -> torch.Tensor:
+        """Temperature, min-p, top-k, top-p and the exponential race for the sampling rows."""
+        device = x.device
+        vocab = x.shape[-1]
+        n = len(sample_rows)
+        params = [rows[i].params for i in sample_rows]
+
+        base = x if n == x.shape[0] else x.index_select(0, self._index(sample_rows, device))
+        temps = torch.tensor([p.temperature for p in params], dtype=x.dtype, device=device).unsqueeze(1)
+        s = base / temps  # a fresh tensor: safe to modify in place below
+
+        # min_p: drop tokens whose probability is below min_p * max probability, i.e. in log space
+        # logit < max_logit + log(min_p).
+        mp_rows = [j for j, p in enumerate(params) if p.min_p > 0.0]
+        if mp_rows:
+            idx = self._index(mp_rows, device)
+            sub = s.index_select(0, idx)
+            log_min_p = torch.tensor([math.log(params[j].min_p) for j in mp_rows],
+                                     dtype=s.dtype, device=device).unsqueeze(1)
+            floor = sub.amax(dim=-1, keepdim=True) + log_min_p
+            s.index_copy_(0, idx, sub.masked_fill(sub < floor, -math.inf))
+
+        # top_k / top_p on the rows that use them.
+        trunc_rows = [j for j, p in enumerate(params)
+                      if (0 < p.top_k < vocab) or p.top_p < 1.0]
+        if trunc_rows:
+            idx = self._index(trunc_rows, device)
+            sub = s.index_select(0, idx)
+            top_k = [params[j].top_k if 0 < params[j].top_k < vocab else vocab for j in trunc_rows]
+            top_p = [params[j].top_p for j in trunc_rows]
+            s.index_copy_(0, idx, self._truncate(sub, top_k, top_p))
+
+        # Exponential race: token = argmax(p / q) = argmax(logit - log q), q ~ Exp(1) per token.
+        q = torch.empty(n, vocab, dtype=torch.float32, device=device)
+        shared = [j for j, i in enumerate(sample_rows) if rows[i].generator is None]
+        if shared:
+            gen = self.shared_generator(device)
+            draw = torch.empty(len(shared), vocab, dtype=torch.float32, device=device).exponential_(
+                generator=gen)
+            if len(shared) == n:
+                q = draw
+            else:
+                q.index_copy_(0, self._index(shared, device), draw)
+        for j, i in enumerate(sample_rows):
+            gen = rows[i].generator
+            if gen is None:
+                continue
+            own = torch.empty(vocab, dtype=torch.float32, device=gen.device).exponential_(generator=gen)
+            q[j].copy_(own)
+        q.clamp_(min=torch.finfo(torch.float32).tiny).log_()
+        return (s - q).argmax(dim=-1)
+
+    @staticmethod
+    def _truncate(s: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
+        """Mask everything outside each row's top-k tokens and top-p nucleus with ``-inf``.
+
+        ``top_k`` entries equal to the vocabulary size and ``top_p`` entries of 1 are no-ops. Kept
+        logits are returned unchanged (bit for bit), so a row's result does not depend on which path
+        handled it.
+        """
+        device = s.device
+        vocab = s.shape[-1]
+        k = torch.tensor(top_k, dtype=torch.long, device=device).unsqueeze(1)
+        if all(p >= 1.0 for p in top_p):
+            # top-k only: a partial sort of the largest max(k) logits is enough.
+            kmax = max(top_k)
+            vals, ids = s.topk(kmax, dim=-1)
+            pos = torch.arange(kmax, device=device).unsqueeze(0)
+            vals = vals.masked_fill(pos >= k, -math.inf)
+            return torch.full_like(s, -math.inf).scatter_(1, ids, vals)
+
+        vals, ids = s.sort(dim=-1, descending=True, stable=True)
+        pos = torch.arange(vocab, device=device).unsqueeze(0)
+        vals = vals.masked_fill(pos >= k, -math.inf)
+        probs = torch.softmax(vals, dim=-1)
+        before = probs.cumsum(dim=-1) - probs  # probability mass strictly ahead of each token
+        p = torch.tensor(top_p, dtype=s.dtype, device=device).unsqueeze(1)
+        # Keep the smallest prefix whose mass reaches top_p: drop a token once the mass ahead of it
+        # already does. The first token has nothing ahead of it and is always kept; rows with
+        # top_p == 1 drop nothing.
+        drop = (before >= p) & (p < 1.0)
+        vals = vals.masked_fill(drop, -math.inf)
+        return torch.empty_like(s).scatter_(1, ids, vals)
