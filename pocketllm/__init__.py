@@ -1,19 +1,38 @@
-"""PocketLLM: a small, fast LLM inference and serving engine."""
+"""PocketLLM: a small, fast LLM inference and serving engine.
 
-from pocketllm.api import LLM, AsyncLLM
-from pocketllm.backends.base import EngineCaps
-from pocketllm.config import EngineArgs
-from pocketllm.errors import (
-    CheckpointError,
-    EngineDeadError,
-    InvalidRequestError,
-    PocketLLMError,
-    UnsupportedFeatureError,
-)
-from pocketllm.outputs import RequestOutput, TokenEvent, Usage
-from pocketllm.sampling_params import SamplingParams
+Names are imported on first use, so that torch-free parts (``pocketllm.protocol``) load without torch.
+"""
 
-__all__ = [
-    "LLM", "AsyncLLM", "EngineArgs", "EngineCaps", "SamplingParams", "RequestOutput", "TokenEvent", "Usage",
-    "PocketLLMError", "InvalidRequestError", "UnsupportedFeatureError", "CheckpointError", "EngineDeadError",
-]
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "LLM": "pocketllm.api",
+    "AsyncLLM": "pocketllm.api",
+    "EngineArgs": "pocketllm.config",
+    "EngineCaps": "pocketllm.backends.base",
+    "SamplingParams": "pocketllm.sampling_params",
+    "RequestOutput": "pocketllm.outputs",
+    "TokenEvent": "pocketllm.outputs",
+    "Usage": "pocketllm.outputs",
+    "PocketLLMError": "pocketllm.errors",
+    "InvalidRequestError": "pocketllm.errors",
+    "UnsupportedFeatureError": "pocketllm.errors",
+    "CheckpointError": "pocketllm.errors",
+    "EngineDeadError": "pocketllm.errors",
+}
+
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'pocketllm' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

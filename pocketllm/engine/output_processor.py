@@ -83,7 +83,7 @@ class RequestStream:
                 flushed = self.stops.flush()
                 self.text += flushed
                 delta += flushed
-            stopped = stopped_late
+            stopped = stopped_late or self.stops.stopped
         if stopped:
             self._cut_to_text()
         if self.stream and (delta or new_ids or finished):

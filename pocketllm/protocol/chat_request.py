@@ -61,5 +61,8 @@ def build_chat_prompt(template: str | None, messages: Sequence[Mapping[str, Any]
             raise InvalidRequestError(
                 "this model's chat template has no thinking switch; omit thinking_mode", param="thinking_mode")
         kwargs["enable_thinking"] = thinking_mode
+    # OpenAI's "developer" role is the system role of newer models; templates know only "system".
+    messages = [{**m, "role": "system"} if isinstance(m, Mapping) and m.get("role") == "developer" else m
+                for m in messages]
     return render_chat_template(template, messages, add_generation_prompt=add_generation_prompt,
                                 tools=list(tools) if tools else None, special_tokens=special_tokens, **kwargs)

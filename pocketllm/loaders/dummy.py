@@ -1,0 +1,65 @@
+"""Dummy-weight presets: the published hyper-parameters of real models, typed out (no hub access)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pocketllm.errors import CheckpointError
+
+_QWEN3_COMMON: dict[str, Any] = {
+    "model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "vocab_size": 151936, "head_dim": 128,
+    "hidden_act": "silu", "max_position_embeddings": 40960, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+    "attention_bias": False, "bos_token_id": 151643, "eos_token_id": 151645, "dtype": "bfloat16",
+}
+
+_LLAMA3_COMMON: dict[str, Any] = {
+    "model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 128256, "hidden_size": 4096,
+    "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+    "hidden_act": "silu", "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "tie_word_embeddings": False,
+    "attention_bias": False, "mlp_bias": False, "bos_token_id": 128000, "dtype": "bfloat16",
+}
+
+PRESETS: dict[str, dict[str, Any]] = {
+    "qwen3-0.6b": {
+        **_QWEN3_COMMON, "hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 28,
+        "num_attention_heads": 16, "num_key_value_heads": 8, "max_window_layers": 28, "tie_word_embeddings": True,
+    },
+    "qwen3-8b": {
+        **_QWEN3_COMMON, "hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 36,
+        "num_attention_heads": 32, "num_key_value_heads": 8, "max_window_layers": 36, "tie_word_embeddings": False,
+    },
+    "qwen3-30b-a3b": {
+        **_QWEN3_COMMON, "model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"], "hidden_size": 2048,
+        "intermediate_size": 6144, "moe_intermediate_size": 768, "num_hidden_layers": 48,
+        "num_attention_heads": 32, "num_key_value_heads": 4, "num_experts": 128, "num_experts_per_tok": 8,
+        "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [], "max_window_layers": 48,
+        "tie_word_embeddings": False,
+    },
+    "llama3-8b": {**_LLAMA3_COMMON, "max_position_embeddings": 8192, "eos_token_id": 128001},
+    "llama3.1-8b": {
+        **_LLAMA3_COMMON, "max_position_embeddings": 131072, "eos_token_id": [128001, 128008, 128009],
+        "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                         "original_max_position_embeddings": 8192},
+    },
+    "smollm2-135m": {
+        "model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 49152, "hidden_size": 576,
+        "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
+        "hidden_act": "silu", "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "rope_theta": 100000.0,
+        "tie_word_embeddings": True, "bos_token_id": 1, "eos_token_id": 2, "dtype": "bfloat16",
+    },
+}
+
+
+def preset_names() -> list[str]:
+    """Names accepted with ``load_format="dummy"``."""
+    return sorted(PRESETS)
+
+
+def preset_config(name: str) -> Any:
+    """The transformers config of a dummy preset."""
+    from transformers import AutoConfig
+
+    if name not in PRESETS:
+        raise CheckpointError(f"unknown dummy preset {name!r}; known presets: {', '.join(preset_names())}")
+    params = dict(PRESETS[name])
+    return AutoConfig.for_model(params.pop("model_type"), **params)

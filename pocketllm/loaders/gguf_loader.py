@@ -1,0 +1,321 @@
+"""GGUF files: a transformers config from the metadata, HF-named float32 tensors from the (quantised) data.
+
+Facts this module relies on (llama.cpp's converter conventions):
+- shapes are stored in ggml order (fastest dimension first); ``GGUFReader`` hands out numpy arrays in the
+  reversed order, which for a linear layer is HF's ``[out_features, in_features]``;
+- for the ``llama`` architecture the converter permutes the rows of ``attn_q``/``attn_k`` (weight and bias)
+  per head from HF's rotate-half layout to interleaved pairs; qwen2/qwen3/qwen3moe are stored unpermuted;
+- Llama-3-style rope scaling is stored as a ``rope_freqs.weight`` tensor of per-frequency divisors, not as
+  metadata; we recover the llama3 rope parameters from it (and check the recovery reproduces it);
+- Qwen3-MoE experts are stacked ``[experts, out, in]`` tensors and llama.cpp normalises the top-k weights.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import torch
+
+from pocketllm.errors import CheckpointError
+
+# GGUF general.architecture -> (transformers model_type, architectures[0])
+ARCHITECTURES: dict[str, tuple[str, str]] = {
+    "llama": ("llama", "LlamaForCausalLM"),
+    "qwen2": ("qwen2", "Qwen2ForCausalLM"),
+    "qwen3": ("qwen3", "Qwen3ForCausalLM"),
+    "qwen3moe": ("qwen3_moe", "Qwen3MoeForCausalLM"),
+}
+
+SUPPORTED_TYPES = frozenset({"F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"})
+
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "ffn_gate_inp": "mlp.gate",
+}
+_EXPERT_NAMES = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
+_LAYER_TENSOR = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
+_ROPE_FREQS = "rope_freqs.weight"
+_LLAMA3_LOW_FREQ_FACTOR = 1.0  # Meta's published values for every Llama 3.x model
+_LLAMA3_HIGH_FREQ_FACTOR = 4.0
+_MISSING = object()
+
+
+def open_gguf(path: str) -> Any:
+    """A memory-mapped ``gguf.GGUFReader`` over ``path``."""
+    from gguf import GGUFReader
+
+    try:
+        return GGUFReader(path)
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"cannot read GGUF file {path!r}: {exc}") from exc
+
+
+def metadata(reader: Any, key: str, default: Any = _MISSING) -> Any:
+    """One metadata value as a Python object; ``default`` (or CheckpointError) when absent."""
+    field = reader.fields.get(key)
+    if field is None:
+        if default is _MISSING:
+            raise CheckpointError(f"GGUF metadata lacks {key!r}")
+        return default
+    return field.contents()
+
+
+def architecture(reader: Any) -> str:
+    """``general.architecture``, checked against the architectures PocketLLM runs."""
+    arch = metadata(reader, "general.architecture")
+    if arch not in ARCHITECTURES:
+        raise CheckpointError(
+            f"GGUF architecture {arch!r} is not supported (supported: {', '.join(sorted(ARCHITECTURES))})")
+    return arch
+
+
+def _uniform(value: Any, key: str) -> int:
+    """A per-model integer that GGUF may also store per layer (then all layers must agree)."""
+    if isinstance(value, list):
+        if len(set(value)) != 1:
+            raise CheckpointError(f"GGUF {key} varies per layer ({value}); not supported")
+        value = value[0]
+    return int(value)
+
+
+def _tensor_shape(tensor: Any) -> tuple[int, ...]:
+    """A reader tensor's shape in numpy/HF order (ggml's ``ne`` reversed)."""
+    return tuple(int(dim) for dim in reversed(tensor.shape))
+
+
+def check_type(tensor: Any) -> None:
+    """Raise CheckpointError for a tensor type we do not dequantise."""
+    kind = tensor.tensor_type.name
+    if kind not in SUPPORTED_TYPES:
+        raise CheckpointError(f"GGUF tensor {tensor.name!r} has type {kind}, which PocketLLM cannot dequantise "
+                              f"(supported: {', '.join(sorted(SUPPORTED_TYPES))})")
+
+
+def dequantize(tensor: Any) -> np.ndarray:
+    """A reader tensor as a writable, contiguous float32 array in HF layout."""
+    from gguf.quants import dequantize as gguf_dequantize
+
+    check_type(tensor)
+    array = gguf_dequantize(tensor.data, tensor.tensor_type).reshape(_tensor_shape(tensor))
+    if array.dtype != np.float32 or not array.flags.writeable or not array.flags.c_contiguous:
+        array = np.array(array, dtype=np.float32)
+    return array
+
+
+def unpermute_rope_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """Undo llama.cpp's per-head row permutation of q/k (interleaved pairs back to rotate-half halves)."""
+    rows = weight.shape[0]
+    half = rows // num_heads // 2
+    if num_heads * 2 * half != rows:
+        raise CheckpointError(f"q/k rows ({rows}) are not a multiple of 2 x heads ({num_heads})")
+    grouped = weight.reshape(num_heads, half, 2, *weight.shape[1:])
+    return np.ascontiguousarray(grouped.swapaxes(1, 2)).reshape(weight.shape)
+
+
+def hf_name(gguf_name: str) -> tuple[str, str | None]:
+    """``(hf_name, part)`` for a GGUF tensor name; ``part`` is the GGUF layer part (``attn_q``...)."""
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name], None
+    match = _LAYER_TENSOR.match(gguf_name)
+    if match:
+        layer, part, suffix = match.groups()
+        if part in _LAYER_NAMES:
+            return f"model.layers.{layer}.{_LAYER_NAMES[part]}.{suffix}", part
+        if part in _EXPERT_NAMES and suffix == "weight":
+            return f"model.layers.{layer}.mlp.experts.{{}}.{_EXPERT_NAMES[part]}.weight", part
+    raise CheckpointError(f"GGUF tensor {gguf_name!r} has no known Hugging Face name")
+
+
+def llama3_rope_factors(theta: float, head_dim: int, factor: float, low: float, high: float,
+                        original: int) -> np.ndarray:
+    """The per-frequency divisors llama.cpp stores in ``rope_freqs.weight`` for llama3 rope scaling."""
+    inv_freq = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    wavelen = 2 * math.pi / inv_freq
+    smooth = (original / wavelen - low) / (high - low)
+    medium = 1.0 / ((1 - smooth) / factor + smooth)
+    return np.where(wavelen < original / high, 1.0, np.where(wavelen > original / low, factor, medium))
+
+
+def _original_context(factors: np.ndarray, wavelen: np.ndarray, factor: float) -> int:
+    """The llama3 ``original_max_position_embeddings`` implied by stored divisors (low=1, high=4 assumed)."""
+    low, high = _LLAMA3_LOW_FREQ_FACTOR, _LLAMA3_HIGH_FREQ_FACTOR
+    medium = (factors > 1 + 1e-4) & (factors < factor * (1 - 1e-4))
+    if medium.any():
+        smooth = (1 / factors[medium] - 1 / factor) / (1 - 1 / factor)
+        return round(float(np.median((smooth * (high - low) + low) * wavelen[medium])))
+    unscaled = wavelen[factors <= 1 + 1e-4]
+    # No divisor in the smooth band: any context between the last unscaled and the first scaled wavelength
+    # reproduces the tensor; take the smallest integer above the unscaled bound (checked by the caller).
+    return math.floor(high * unscaled.max()) + 1 if unscaled.size else 1
+
+
+def llama3_rope_from_factors(factors: np.ndarray, theta: float, head_dim: int) -> dict[str, Any] | None:
+    """Recover llama3 rope-scaling parameters from ``rope_freqs.weight`` (None when it scales nothing)."""
+    factors = factors.astype(np.float64).reshape(-1)
+    if factors.shape[0] != head_dim // 2:
+        raise CheckpointError(f"rope_freqs has {factors.shape[0]} entries; expected head_dim/2 = {head_dim // 2}")
+    factor = float(factors.max())
+    if np.allclose(factors, 1.0):
+        return None
+    wavelen = 2 * math.pi * theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    original = _original_context(factors, wavelen, factor)
+    params = {"rope_type": "llama3", "factor": factor, "low_freq_factor": _LLAMA3_LOW_FREQ_FACTOR,
+              "high_freq_factor": _LLAMA3_HIGH_FREQ_FACTOR, "original_max_position_embeddings": original}
+    expected = llama3_rope_factors(theta, head_dim, factor, _LLAMA3_LOW_FREQ_FACTOR, _LLAMA3_HIGH_FREQ_FACTOR,
+                                   original)
+    if not np.allclose(expected, factors, rtol=1e-4, atol=1e-5):
+        raise CheckpointError("rope_freqs.weight does not follow llama3 rope scaling; cannot express it")
+    return params
+
+
+def _rope_scaling(reader: Any, arch: str, theta: float, head_dim: int) -> dict[str, Any] | None:
+    """Rope scaling from metadata (linear/yarn) or from a ``rope_freqs`` tensor (llama3)."""
+    tensors = {tensor.name: tensor for tensor in reader.tensors}
+    if _ROPE_FREQS in tensors:
+        return llama3_rope_from_factors(dequantize(tensors[_ROPE_FREQS]), theta, head_dim)
+    kind = metadata(reader, f"{arch}.rope.scaling.type", None)
+    factor = metadata(reader, f"{arch}.rope.scaling.factor", None)
+    if kind is None and metadata(reader, f"{arch}.rope.scale_linear", None) is not None:
+        kind, factor = "linear", metadata(reader, f"{arch}.rope.scale_linear")
+    if kind in (None, "none"):
+        return None
+    if kind == "linear":
+        return {"rope_type": "linear", "factor": float(factor)}
+    if kind == "yarn":
+        original = metadata(reader, f"{arch}.rope.scaling.original_context_length")
+        return {"rope_type": "yarn", "factor": float(factor), "original_max_position_embeddings": int(original)}
+    raise CheckpointError(f"GGUF rope scaling type {kind!r} is not supported")
+
+
+def _special_ids(reader: Any) -> dict[str, Any]:
+    """bos/eos/pad ids; eos lists every end-of-generation id llama.cpp would stop on (eos, eot, eom)."""
+    ids: dict[str, Any] = {}
+    bos = metadata(reader, "tokenizer.ggml.bos_token_id", None)
+    pad = metadata(reader, "tokenizer.ggml.padding_token_id", None)
+    stops = [metadata(reader, f"tokenizer.ggml.{kind}_token_id", None) for kind in ("eos", "eot", "eom")]
+    stops = list(dict.fromkeys(int(s) for s in stops if s is not None))
+    if bos is not None:
+        ids["bos_token_id"] = int(bos)
+    if pad is not None:
+        ids["pad_token_id"] = int(pad)
+    if stops:
+        ids["eos_token_id"] = stops[0] if len(stops) == 1 else stops
+    return ids
+
+
+def _moe_params(reader: Any, arch: str) -> dict[str, Any]:
+    """Qwen3-MoE expert settings (every layer sparse, as llama.cpp runs it)."""
+    return {
+        "num_experts": int(metadata(reader, f"{arch}.expert_count")),
+        "num_experts_per_tok": int(metadata(reader, f"{arch}.expert_used_count")),
+        "moe_intermediate_size": int(metadata(reader, f"{arch}.expert_feed_forward_length")),
+        "norm_topk_prob": bool(metadata(reader, f"{arch}.expert_weights_norm", True)),
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+    }
+
+
+def build_config(reader: Any) -> Any:
+    """A transformers config equivalent to the GGUF metadata."""
+    from transformers import AutoConfig
+
+    arch = architecture(reader)
+    model_type, class_name = ARCHITECTURES[arch]
+    tensors = {tensor.name: tensor for tensor in reader.tensors}
+    if "token_embd.weight" not in tensors:
+        raise CheckpointError("GGUF file has no token_embd.weight tensor")
+    hidden = int(metadata(reader, f"{arch}.embedding_length"))
+    heads = _uniform(metadata(reader, f"{arch}.attention.head_count"), "head_count")
+    kv_heads = _uniform(metadata(reader, f"{arch}.attention.head_count_kv", heads), "head_count_kv")
+    head_dim = int(metadata(reader, f"{arch}.attention.key_length",
+                            metadata(reader, f"{arch}.rope.dimension_count", hidden // heads)))
+    theta = float(metadata(reader, f"{arch}.rope.freq_base", 10000.0))
+    params: dict[str, Any] = {
+        "architectures": [class_name],
+        "vocab_size": _tensor_shape(tensors["token_embd.weight"])[0],
+        "hidden_size": hidden,
+        "num_hidden_layers": int(metadata(reader, f"{arch}.block_count")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "head_dim": head_dim,
+        "max_position_embeddings": int(metadata(reader, f"{arch}.context_length", 4096)),
+        "rms_norm_eps": float(metadata(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
+        "rope_theta": theta,
+        "tie_word_embeddings": "output.weight" not in tensors,
+        **_special_ids(reader),
+    }
+    ffn = metadata(reader, f"{arch}.feed_forward_length", None)
+    if ffn is not None:
+        params["intermediate_size"] = _uniform(ffn, "feed_forward_length")
+    if arch in ("llama", "qwen3"):
+        params["attention_bias"] = "blk.0.attn_q.bias" in tensors
+    if arch == "qwen3moe":
+        params.update(_moe_params(reader, arch))
+    scaling = _rope_scaling(reader, arch, theta, head_dim)
+    if scaling is not None:
+        params["rope_scaling"] = scaling
+    return AutoConfig.for_model(model_type, **params)
+
+
+class GGUFWeights:
+    """HF-named float32 tensors of a GGUF file, dequantised one at a time."""
+
+    def __init__(self, reader: Any, hf_config: Any) -> None:
+        self.reader = reader
+        self.arch = architecture(reader)
+        self.num_heads = int(hf_config.num_attention_heads)
+        self.num_kv_heads = int(hf_config.num_key_value_heads)
+        self.check()
+
+    def _tensors(self) -> list[Any]:
+        return [tensor for tensor in self.reader.tensors if tensor.name != _ROPE_FREQS]
+
+    def check(self) -> None:
+        """Fail early on tensors we cannot name or dequantise."""
+        for tensor in self._tensors():
+            hf_name(tensor.name)
+            check_type(tensor)
+
+    def count(self) -> int:
+        """Number of HF tensors this file yields (stacked experts count once per expert)."""
+        total = 0
+        for tensor in self._tensors():
+            _, part = hf_name(tensor.name)
+            total += _tensor_shape(tensor)[0] if part in _EXPERT_NAMES else 1
+        return total
+
+    def _fix_layout(self, array: np.ndarray, part: str | None) -> np.ndarray:
+        if self.arch == "llama" and part == "attn_q":
+            return unpermute_rope_rows(array, self.num_heads)
+        if self.arch == "llama" and part == "attn_k":
+            return unpermute_rope_rows(array, self.num_kv_heads)
+        return array
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for tensor in self._tensors():
+            name, part = hf_name(tensor.name)
+            array = self._fix_layout(dequantize(tensor), part)
+            if part in _EXPERT_NAMES:
+                for expert in range(array.shape[0]):
+                    yield name.format(expert), torch.from_numpy(array[expert])
+            else:
+                yield name, torch.from_numpy(array)

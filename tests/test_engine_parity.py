@@ -1,0 +1,72 @@
+"""Greedy outputs equal HF transformers (fp32, CPU) token for token, under every scheduling regime."""
+
+from __future__ import annotations
+
+import pytest
+
+from pocketllm import LLM, EngineArgs, SamplingParams
+
+ARCHS = ["llama", "qwen2", "qwen3", "qwen3_moe"]
+PROMPT_LENGTHS = (5, 17, 33, 9)
+NEW_TOKENS = 32
+
+
+def _prompts(vocab: int = 49152) -> list[list[int]]:
+    """Deterministic prompts of different lengths (the 9-token one shares the 33-token one's start)."""
+    prompts = []
+    for n, length in enumerate(PROMPT_LENGTHS):
+        prompts.append([(1000 + 7919 * (i + 1) * (n + 3)) % vocab for i in range(length)])
+    prompts[3] = prompts[2][:9]
+    return prompts
+
+
+REGIMES = {
+    "default": {},
+    "prefill-budget-16": {"max_num_batched_tokens": 16},
+    "no-prefix-cache": {"enable_prefix_caching": False},
+    "no-chunking": {"enable_chunked_prefill": False},
+    "preemption": {"num_kv_blocks": 20, "block_size": 4, "max_num_batched_tokens": 24},
+}
+
+
+@pytest.fixture(scope="module")
+def references(tiny_checkpoint, hf_reference):
+    """HF greedy continuations per architecture, computed once."""
+    cache: dict[str, list[list[int]]] = {}
+
+    def get(arch: str) -> list[list[int]]:
+        if arch not in cache:
+            cache[arch] = hf_reference.greedy(tiny_checkpoint(arch), _prompts(), NEW_TOKENS)
+        return cache[arch]
+
+    return get
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("regime", list(REGIMES))
+def test_greedy_matches_transformers(arch, regime, tiny_checkpoint, references):
+    expected = references(arch)
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    with LLM(EngineArgs(model=tiny_checkpoint(arch), **REGIMES[regime])) as llm:
+        outputs = llm.generate(_prompts(), params)
+        preemptions = llm._client.backend.core.scheduler.num_preemptions
+    assert [o.token_ids for o in outputs] == expected
+    assert all(o.finish_reason == "length" for o in outputs)
+    if regime == "preemption":
+        assert preemptions > 0, "the KV pool was meant to be small enough to force preemption"
+
+
+def test_prefix_cache_hits_and_agrees(tiny_checkpoint):
+    """A shared 48-token prefix is served from the cache the second time, with identical output."""
+    base = _prompts()[2] + _prompts()[1]
+    prompts = [base + [11, 12, 13], base + [21, 22]]
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    results = {}
+    for caching in (True, False):
+        with LLM(EngineArgs(model=tiny_checkpoint("qwen3"), enable_prefix_caching=caching)) as llm:
+            first = llm.generate([prompts[0]], params)
+            second = llm.generate([prompts[1]], params)
+            results[caching] = ([o.token_ids for o in first + second], second[0].usage.cached_tokens)
+    assert results[True][0] == results[False][0]
+    assert results[True][1] >= 32
+    assert results[False][1] == 0
