@@ -1,4 +1,4 @@
-# Two commands do everything on a fresh machine: `make run` and `make test`.
+# Two commands do everything on a fresh machine: `make serve` (or `make run`) and `make test`.
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
@@ -6,8 +6,9 @@ BIN := $(VENV)/bin
 TORCH ?= torch==2.13.0
 PROMPT ?= What is the capital of France?
 PYTEST_ARGS ?=
+SERVE_ARGS ?=
 
-.PHONY: install run chat test lint clean
+.PHONY: install serve run chat test lint clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -18,6 +19,9 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 install: $(VENV)/.installed
+
+serve: install
+	$(BIN)/pocketllm serve $(SERVE_ARGS)
 
 run: install
 	$(BIN)/pocketllm run --prompt "$(PROMPT)" --temperature 0

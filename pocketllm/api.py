@@ -96,6 +96,16 @@ class _EngineClient:
     def cancel(self, request_id: str) -> bool:
         return self.backend.loop.abort(request_id)
 
+    def is_active(self, request_id: str) -> bool:
+        return request_id in self.backend.loop.active
+
+    def stats(self) -> dict[str, float | int]:
+        return self.backend.core.stats()
+
+    @property
+    def max_model_len(self) -> int:
+        return self.backend.core.max_model_len
+
     def set_prefill_token_budget(self, tokens: int) -> None:
         core = self.backend.core
         self.backend.loop.call(lambda: core.scheduler.set_prefill_chunk(tokens)).result()
@@ -306,6 +316,18 @@ class AsyncLLM:
 
     def cancel(self, request_id: str) -> bool:
         return self._client.cancel(request_id)
+
+    def is_active(self, request_id: str) -> bool:
+        """Whether a request with this id is queued or running."""
+        return self._client.is_active(request_id)
+
+    def stats(self) -> dict[str, float | int]:
+        """Engine load and cache counters (for metrics)."""
+        return self._client.stats()
+
+    @property
+    def max_model_len(self) -> int:
+        return self._client.max_model_len
 
     async def shutdown(self) -> None:
         await asyncio.to_thread(self._client.shutdown)

@@ -29,6 +29,7 @@ class Usage:
     prefill_time_s: float = 0.0
     decode_time_s: float = 0.0
     cached_tokens: int = 0
+    queue_time_s: float = 0.0
 
     @property
     def total_tokens(self) -> int:
@@ -42,6 +43,7 @@ class Usage:
             "cached_tokens": self.cached_tokens,
             "prefill_time_s": round(self.prefill_time_s, 6),
             "decode_time_s": round(self.decode_time_s, 6),
+            "queue_time_s": round(self.queue_time_s, 6),
         }
 
 
@@ -71,3 +73,5 @@ class TokenEvent:
     finish_reason: str | None = None
     usage: Usage | None = None
     logprobs: list[TokenLogprob] | None = None
+    output: RequestOutput | None = None
+    """On the last event: the request's complete output."""

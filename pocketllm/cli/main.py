@@ -7,6 +7,7 @@ import logging
 import sys
 
 from pocketllm.cli.generate_commands import add_chat_parser, add_run_parser
+from pocketllm.cli.serve_command import add_serve_parser
 from pocketllm.errors import PocketLLMError
 
 
@@ -15,6 +16,7 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="command", required=True)
     add_run_parser(subparsers)
     add_chat_parser(subparsers)
+    add_serve_parser(subparsers)
     return parser
 
 

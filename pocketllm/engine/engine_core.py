@@ -109,6 +109,21 @@ class EngineCore:
         if self.requests.pop(request.request_id, None) is not None:
             self.scheduler.finish(request, reason)
 
+    def stats(self) -> dict[str, float | int]:
+        """A snapshot of the engine's load and cache counters (read from any thread; values are plain ints)."""
+        blocks = self.blocks
+        return {
+            "num_requests_running": len(self.scheduler.running),
+            "num_requests_waiting": len(self.scheduler.waiting),
+            "kv_cache_usage": blocks.usage(),
+            "kv_cache_free_blocks": blocks.num_free_blocks,
+            "kv_cache_total_blocks": blocks.num_blocks,
+            "prefix_cache_queries": blocks.prefix_queries,
+            "prefix_cache_hits": blocks.prefix_hits,
+            "num_preemptions": self.scheduler.num_preemptions,
+            "num_steps": self.num_steps,
+        }
+
     def has_work(self) -> bool:
         return self.scheduler.has_work()
 

@@ -19,8 +19,10 @@ def usage_of(request: Request) -> Usage:
     end = request.finished_time or time.monotonic()
     prefill = (first - scheduled) if first is not None and scheduled is not None else 0.0
     decode = (end - first) if first is not None and end is not None else 0.0
+    queue = (scheduled - request.arrival_time) if scheduled is not None else 0.0
     return Usage(prompt_tokens=request.num_prompt_tokens, completion_tokens=len(request.output_token_ids),
-                 prefill_time_s=prefill, decode_time_s=decode, cached_tokens=request.num_cached_tokens)
+                 prefill_time_s=prefill, decode_time_s=decode, cached_tokens=request.num_cached_tokens,
+                 queue_time_s=queue)
 
 
 class RequestStream:
@@ -44,6 +46,8 @@ class RequestStream:
         self.token_starts: list[int] = []
         self.logprobs: list[TokenLogprob] = []
         self.text = ""
+        self.token_gaps: list[float] = []
+        self._last_token_time: float | None = None
 
     def _logprob(self, token: SampledToken) -> TokenLogprob | None:
         if token.logprob is None:
@@ -68,6 +72,11 @@ class RequestStream:
         new_ids: list[int] = []
         new_logprobs: list[TokenLogprob] = []
         delta, stopped = "", False
+        if token is not None:
+            now = time.monotonic()
+            if self._last_token_time is not None:
+                self.token_gaps.append(now - self._last_token_time)
+            self._last_token_time = now
         if token is not None and not excluded:
             count = len(self.logprobs)
             delta, stopped = self._push_token(token)
@@ -86,13 +95,14 @@ class RequestStream:
             stopped = stopped_late or self.stops.stopped
         if stopped:
             self._cut_to_text()
+        final = self._final(request, stopped) if finished else None
         if self.stream and (delta or new_ids or finished):
-            reason = self._finish_reason(request, stopped) if finished else None
-            self.emit(TokenEvent(self.request_id, delta, new_ids, finished, reason,
-                                 usage_of(request) if finished else None,
-                                 new_logprobs if token is not None and token.logprob is not None else None))
-        if finished:
-            self.emit(self._final(request, stopped))
+            self.emit(TokenEvent(self.request_id, delta, new_ids, finished,
+                                 final.finish_reason if final else None, final.usage if final else None,
+                                 new_logprobs if token is not None and token.logprob is not None else None,
+                                 output=final))
+        if final is not None:
+            self.emit(final)
         return stopped
 
     def _cut_to_text(self) -> None:
@@ -115,7 +125,8 @@ class RequestStream:
         return RequestOutput(
             request_id=self.request_id, prompt_token_ids=self.prompt_token_ids, text=self.text,
             token_ids=list(self.token_ids), finish_reason=self._finish_reason(request, stopped),
-            usage=usage_of(request), logprobs=list(self.logprobs) if asked else None, stop_reason=stop_reason)
+            usage=usage_of(request), logprobs=list(self.logprobs) if asked else None, stop_reason=stop_reason,
+            metadata={"inter_token_latencies": self.token_gaps})
 
     def on_error(self, error: BaseException) -> None:
         self.emit(error)

@@ -1,0 +1,17 @@
+"""Error responses in the OpenAI shape: {"error": {"message", "type", "param", "code"}}."""
+
+from __future__ import annotations
+
+from fastapi.responses import JSONResponse
+
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+               409: "invalid_request_error", 500: "server_error", 503: "service_unavailable", 504: "timeout"}
+
+
+def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": ERROR_TYPES.get(status, "server_error"), "param": param,
+                      "code": code}}
+
+
+def error_response(status: int, message: str, param: str | None = None, code: str | None = None) -> JSONResponse:
+    return JSONResponse(error_body(status, message, param, code), status_code=status)

@@ -1,0 +1,307 @@
+"""The serving layer behind both OpenAI endpoints: choices, deadlines, cancellation, response shaping."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from pocketllm.api import AsyncLLM
+from pocketllm.errors import InvalidRequestError
+from pocketllm.outputs import RequestOutput, TokenEvent, TokenLogprob
+from pocketllm.protocol.openai_fields import ParsedRequest
+from pocketllm.sampling_params import SamplingParams
+from pocketllm.server.metrics import ServerMetrics
+
+SEED_STRIDE = 1_000_003
+
+
+class RequestFailed(Exception):
+    """A request that produced no choice at all: ``status`` is 504 on a deadline, else 500."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+@dataclass
+class _Choice:
+    """One choice of a request: its own engine request, prompt and sampling parameters."""
+
+    index: int
+    engine_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+
+
+@dataclass
+class _Job:
+    """A request being served: its id, choices and when it started."""
+
+    request_id: str
+    endpoint: str
+    choices: list[_Choice]
+    want_logprobs: bool
+    created: int = field(default_factory=lambda: int(time.time()))
+    started: float = field(default_factory=time.monotonic)
+    prompt_tokens: int = 0
+
+
+def sse(payload: dict | str) -> str:
+    data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)
+    return f"data: {data}\n\n"
+
+
+class OpenAIServing:
+    """Turns parsed requests into engine requests and engine outputs into OpenAI responses."""
+
+    def __init__(self, llm: AsyncLLM, model_name: str, metrics: ServerMetrics,
+                 request_timeout: float | None) -> None:
+        self.llm = llm
+        self.model_name = model_name
+        self.metrics = metrics
+        self.request_timeout = request_timeout
+        self.jobs: dict[str, _Job] = {}
+
+    # --- building --------------------------------------------------------------------------------
+    def _prompt_ids(self, parsed: ParsedRequest) -> list[list[int]]:
+        tok = self.llm.tokenizer
+        if parsed.endpoint == "chat":
+            text = self.llm.render_chat(parsed.messages, **parsed.chat_options)
+            return [tok.encode(text, add_special_tokens=False)]
+        prompts = []
+        for prompt in parsed.prompts:
+            if isinstance(prompt, str):
+                if tok is None:
+                    raise InvalidRequestError("this model has no tokenizer; send token ids", param="prompt")
+                prompts.append(tok.encode(prompt, add_special_tokens=True))
+            else:
+                prompts.append(list(prompt))
+        return prompts
+
+    def _params(self, parsed: ParsedRequest, prompt_len: int, choice: int) -> SamplingParams:
+        sampling = dict(parsed.sampling)
+        room = self.llm.max_model_len - prompt_len
+        if room < 1:
+            raise InvalidRequestError(
+                f"the prompt is {prompt_len} tokens; this model's context is {self.llm.max_model_len} tokens",
+                param="messages" if parsed.endpoint == "chat" else "prompt")
+        max_tokens = sampling.get("max_tokens")
+        if max_tokens is None:
+            sampling["max_tokens"] = room
+        elif max_tokens > room:
+            raise InvalidRequestError(
+                f"max_tokens={max_tokens} plus the {prompt_len}-token prompt exceeds this model's context of "
+                f"{self.llm.max_model_len} tokens; ask for at most {room}",
+                param="max_tokens")
+        seed = sampling.get("seed")
+        if seed is not None and choice:
+            sampling["seed"] = (seed + choice * SEED_STRIDE) % (1 << 63)
+        return SamplingParams(**sampling)
+
+    def _job(self, parsed: ParsedRequest, prefix: str) -> _Job:
+        request_id = parsed.request_id or f"{prefix}-{uuid.uuid4().hex}"
+        if request_id in self.jobs:
+            raise InvalidRequestError(f"request_id {request_id!r} is already in use", param="request_id")
+        prompts = self._prompt_ids(parsed)
+        choices = []
+        for p, prompt_ids in enumerate(prompts):
+            for i in range(parsed.n):
+                index = p * parsed.n + i
+                choices.append(_Choice(index, f"{request_id}-{index}", prompt_ids,
+                                       self._params(parsed, len(prompt_ids), i)))
+        job = _Job(request_id, parsed.endpoint, choices, parsed.want_logprobs)
+        job.prompt_tokens = sum(len(p) for p in prompts)
+        return job
+
+    def cancel(self, request_id: str) -> bool:
+        """Cancel every choice of an active request; False if unknown or finished."""
+        job = self.jobs.get(request_id)
+        if job is None:
+            return False
+        for choice in job.choices:
+            self.llm.cancel(choice.engine_id)
+        return True
+
+    def cancel_all(self) -> None:
+        for request_id in list(self.jobs):
+            self.cancel(request_id)
+
+    # --- shaping ---------------------------------------------------------------------------------
+    def _token_bytes(self, token_id: int) -> list[int]:
+        return list(self.llm.tokenizer.token_bytes(token_id)) if self.llm.tokenizer else []
+
+    def _chat_logprobs(self, entries: list[TokenLogprob]) -> dict:
+        def one(token_id: int, token: str, logprob: float) -> dict:
+            return {"token": token, "logprob": logprob, "bytes": self._token_bytes(token_id)}
+
+        return {"content": [{**one(e.token_id, e.token, e.logprob),
+                             "top_logprobs": [one(t.token_id, t.token, t.logprob) for t in e.top]}
+                            for e in entries]}
+
+    def _completion_logprobs(self, entries: list[TokenLogprob], alternatives: int) -> dict:
+        offsets, position = [], 0
+        for e in entries:
+            offsets.append(position)
+            position += len(e.token)
+        return {
+            "tokens": [e.token for e in entries],
+            "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": [{t.token: t.logprob for t in e.top} for e in entries] if alternatives else None,
+            "text_offset": offsets,
+        }
+
+    def _logprobs(self, job: _Job, choice: _Choice, entries: list[TokenLogprob] | None) -> dict | None:
+        if not job.want_logprobs or entries is None:
+            return None
+        if job.endpoint == "chat":
+            return self._chat_logprobs(entries)
+        return self._completion_logprobs(entries, choice.params.logprobs or 0)
+
+    def _usage(self, job: _Job, outputs: list[RequestOutput]) -> dict:
+        completion = sum(o.usage.completion_tokens for o in outputs)
+        return {"prompt_tokens": job.prompt_tokens, "completion_tokens": completion,
+                "total_tokens": job.prompt_tokens + completion}
+
+    def _envelope(self, job: _Job, chunk: bool) -> dict:
+        kind = ("chat.completion.chunk" if chunk else "chat.completion") if job.endpoint == "chat" \
+            else "text_completion"
+        return {"id": job.request_id, "object": kind, "created": job.created, "model": self.model_name}
+
+    def _choice_body(self, job: _Job, choice: _Choice, output: RequestOutput) -> dict:
+        logprobs = self._logprobs(job, choice, output.logprobs)
+        if job.endpoint == "chat":
+            return {"index": choice.index, "message": {"role": "assistant", "content": output.text},
+                    "logprobs": logprobs, "finish_reason": output.finish_reason}
+        return {"index": choice.index, "text": output.text, "logprobs": logprobs,
+                "finish_reason": output.finish_reason}
+
+    # --- running ---------------------------------------------------------------------------------
+    def _record(self, job: _Job, output: RequestOutput) -> None:
+        self.metrics.observe(output, time.monotonic() - job.started)
+
+    async def complete(self, parsed: ParsedRequest, prefix: str,
+                       disconnected: Callable[[], Any]) -> dict:
+        """A whole (non-streaming) response; choices that miss the deadline are left out."""
+        job = self._job(parsed, prefix)
+        self.jobs[job.request_id] = job
+        try:
+            tasks = {asyncio.ensure_future(self.llm.generate([c.prompt_ids], c.params, request_id=c.engine_id)): c
+                     for c in job.choices}
+            watcher = asyncio.ensure_future(self._watch_disconnect(job, disconnected))
+            done, pending = await asyncio.wait(tasks, timeout=self.request_timeout)
+            watcher.cancel()
+            for task in pending:
+                self.llm.cancel(tasks[task].engine_id)
+            if pending:
+                await asyncio.wait(pending, timeout=30)
+            results: list[tuple[_Choice, RequestOutput]] = []
+            errors = []
+            for task in done:
+                if task.exception() is not None:
+                    errors.append(task.exception())
+                    continue
+                output = task.result()[0]
+                self._record(job, output)
+                results.append((tasks[task], output))
+            for task in pending:
+                if task.done() and task.exception() is None:
+                    self._record(job, task.result()[0])
+            if not results:
+                for error in errors:
+                    if isinstance(error, InvalidRequestError):
+                        raise error
+                if pending:
+                    raise RequestFailed(504, f"the request did not finish within {self.request_timeout} s")
+                raise RequestFailed(500, f"no choice could be generated: {errors[0]!r}" if errors else
+                                    "no choice could be generated")
+            results.sort(key=lambda item: item[0].index)
+            return {**self._envelope(job, chunk=False),
+                    "choices": [self._choice_body(job, c, o) for c, o in results],
+                    "usage": self._usage(job, [o for _, o in results])}
+        finally:
+            self.jobs.pop(job.request_id, None)
+
+    async def _watch_disconnect(self, job: _Job, disconnected: Callable[[], Any]) -> None:
+        while True:
+            await asyncio.sleep(0.05)
+            if await disconnected():
+                self.cancel(job.request_id)
+                return
+
+    def prepare_stream(self, parsed: ParsedRequest, prefix: str) -> _Job:
+        """Validate and register a streaming request before the response starts (so errors are a 400)."""
+        job = self._job(parsed, prefix)
+        self.jobs[job.request_id] = job
+        return job
+
+    async def stream(self, job: _Job) -> AsyncIterator[str]:
+        """SSE chunks of every choice, interleaved as tokens arrive, then ``[DONE]``."""
+        events: asyncio.Queue = asyncio.Queue()
+
+        async def pump(choice: _Choice) -> None:
+            try:
+                async for event in self.llm.generate_stream(choice.prompt_ids, choice.params,
+                                                            request_id=choice.engine_id):
+                    await events.put((choice, event))
+            except Exception as exc:  # reported to the client as an error event
+                await events.put((choice, exc))
+            finally:
+                await events.put((choice, None))
+
+        tasks = [asyncio.ensure_future(pump(c)) for c in job.choices]
+        deadline = None if self.request_timeout is None else job.started + self.request_timeout
+        open_choices = len(job.choices)
+        timed_out = False
+        try:
+            if job.endpoint == "chat":
+                for choice in job.choices:
+                    yield sse({**self._envelope(job, chunk=True), "choices": [
+                        {"index": choice.index, "delta": {"role": "assistant", "content": ""},
+                         "logprobs": None, "finish_reason": None}]})
+            while open_choices:
+                timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+                try:
+                    choice, event = await asyncio.wait_for(events.get(), timeout)
+                except asyncio.TimeoutError:
+                    timed_out = True
+                    self.cancel(job.request_id)
+                    deadline = None
+                    continue
+                if event is None:
+                    open_choices -= 1
+                    continue
+                if isinstance(event, Exception):
+                    yield sse({"error": {"message": str(event), "type": "server_error", "param": None,
+                                         "code": None}})
+                    continue
+                chunk = self._stream_chunk(job, choice, event)
+                if chunk is not None:
+                    yield sse(chunk)
+            if timed_out:
+                yield sse({"error": {"message": f"the request did not finish within {self.request_timeout} s",
+                                     "type": "timeout", "param": None, "code": 504}})
+            yield sse("[DONE]")
+        finally:
+            for task in tasks:
+                task.cancel()
+            self.cancel(job.request_id)
+            self.jobs.pop(job.request_id, None)
+
+    def _stream_chunk(self, job: _Job, choice: _Choice, event: TokenEvent) -> dict | None:
+        if event.output is not None:
+            self._record(job, event.output)
+        if not event.text and not event.finished:
+            return None
+        reason = event.finish_reason if event.finished else None
+        if job.endpoint == "chat":
+            delta = {"content": event.text} if event.text else {}
+            body = {"index": choice.index, "delta": delta, "logprobs": None, "finish_reason": reason}
+        else:
+            body = {"index": choice.index, "text": event.text, "logprobs": None, "finish_reason": reason}
+        return {**self._envelope(job, chunk=True), "choices": [body]}

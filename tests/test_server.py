@@ -1,0 +1,320 @@
+"""The OpenAI-compatible server, exercised as a subprocess with real clients and raw HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import signal
+import threading
+import time
+
+import httpx
+import pytest
+from server_utils import ServerProcess
+
+pytestmark = pytest.mark.usefixtures("smollm2_gguf")
+
+FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def server():
+    proc = ServerProcess("--served-model-name", "smollm2")
+    try:
+        proc.wait_alive()
+        seen_loading = httpx.get(proc.url + "/ready").status_code == 503
+        proc.wait_ready()
+        proc.seen_loading = seen_loading
+        yield proc
+    finally:
+        proc.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    from openai import OpenAI
+
+    return OpenAI(base_url=server.url + "/v1", api_key="unused")
+
+
+def test_ready_is_503_while_loading_then_200(server):
+    assert server.seen_loading, "/ready should answer 503 while the model loads"
+    assert httpx.get(server.url + "/ready").status_code == 200
+    assert httpx.get(server.url + "/alive").status_code == 200
+    assert httpx.get(server.url + "/health").json()["status"] == "ok"
+    models = httpx.get(server.url + "/v1/models").json()
+    assert models["data"][0]["id"] == "smollm2"
+
+
+def test_openai_chat_sync(client):
+    response = client.chat.completions.create(model="smollm2", messages=FRANCE, temperature=0, max_tokens=32)
+    assert "Paris" in response.choices[0].message.content
+    assert response.choices[0].finish_reason == "stop"
+    assert response.usage.prompt_tokens > 0 and response.usage.completion_tokens > 0
+    assert response.model == "smollm2"
+
+
+def test_openai_chat_async(server):
+    from openai import AsyncOpenAI
+
+    async def main() -> list[str]:
+        client = AsyncOpenAI(base_url=server.url + "/v1", api_key="unused")
+        responses = await asyncio.gather(*(client.chat.completions.create(
+            model="x", messages=FRANCE, temperature=0, max_tokens=32) for _ in range(4)))
+        await client.close()
+        return [r.choices[0].message.content for r in responses]
+
+    texts = asyncio.run(main())
+    assert len(set(texts)) == 1 and "Paris" in texts[0]
+
+
+def test_streaming_equals_non_streaming(client):
+    whole = client.chat.completions.create(model="x", messages=FRANCE, temperature=0, max_tokens=40)
+    stream = client.chat.completions.create(model="x", messages=FRANCE, temperature=0, max_tokens=40, stream=True)
+    parts, reasons = [], []
+    for chunk in stream:
+        for choice in chunk.choices:
+            parts.append(choice.delta.content or "")
+            reasons.append(choice.finish_reason)
+    assert "".join(parts) == whole.choices[0].message.content
+    assert reasons[-1] == whole.choices[0].finish_reason
+
+
+def test_n_choices_greedy_and_usage(client):
+    one = client.chat.completions.create(model="x", messages=FRANCE, temperature=0, max_tokens=16)
+    three = client.chat.completions.create(model="x", messages=FRANCE, temperature=0, max_tokens=16, n=3)
+    assert [c.index for c in three.choices] == [0, 1, 2]
+    assert {c.message.content for c in three.choices} == {one.choices[0].message.content}
+    assert three.usage.prompt_tokens == one.usage.prompt_tokens
+    assert three.usage.completion_tokens == 3 * one.usage.completion_tokens
+
+
+def test_n_choices_sampled_with_seed_differ_and_reproduce(client):
+    kwargs = dict(model="x", messages=FRANCE, temperature=1.0, max_tokens=24, n=3, seed=7)
+    first = client.chat.completions.create(**kwargs)
+    second = client.chat.completions.create(**kwargs)
+    texts = [c.message.content for c in first.choices]
+    assert texts == [c.message.content for c in second.choices]
+    assert len(set(texts)) > 1
+
+
+def test_n_choices_stream_interleaved(client):
+    stream = client.chat.completions.create(model="x", messages=FRANCE, temperature=0, max_tokens=16, n=2,
+                                            stream=True)
+    order = [c.index for chunk in stream for c in chunk.choices]
+    assert set(order) == {0, 1}
+    first_end = max(i for i, idx in enumerate(order) if idx == order[0])
+    assert any(idx != order[0] for idx in order[:first_end]), "choices should advance together"
+
+
+def test_chat_logprobs(client):
+    response = client.chat.completions.create(model="x", messages=FRANCE, temperature=0, max_tokens=8,
+                                              logprobs=True, top_logprobs=3)
+    content = response.choices[0].logprobs.content
+    assert len(content) >= 1
+    for entry in content:
+        assert entry.logprob <= 0
+        assert len(entry.top_logprobs) == 3
+        assert entry.top_logprobs[0].token == entry.token
+        assert entry.top_logprobs[0].logprob == pytest.approx(entry.logprob)
+    joined = b"".join(bytes(e.bytes) for e in content).decode("utf-8")
+    assert joined == response.choices[0].message.content
+
+
+def test_completions_with_logprobs(client):
+    response = client.completions.create(model="x", prompt="The capital of France is", temperature=0,
+                                         max_tokens=6, logprobs=2)
+    choice = response.choices[0]
+    assert choice.text
+    assert len(choice.logprobs.tokens) == len(choice.logprobs.token_logprobs) >= 1
+    assert all(len(t) == 2 for t in choice.logprobs.top_logprobs)
+
+
+def test_stop_strings_straddling_tokens(client):
+    whole = client.chat.completions.create(model="x", messages=FRANCE, temperature=0, max_tokens=32)
+    text = whole.choices[0].message.content
+    assert "Paris" in text
+    stop = "of Fr"   # begins inside one token and ends inside the next
+    cut = text[: text.index(stop)]
+    plain = client.chat.completions.create(model="x", messages=FRANCE, temperature=0, max_tokens=32, stop=[stop])
+    assert plain.choices[0].message.content == cut
+    assert plain.choices[0].finish_reason == "stop"
+    streamed = client.chat.completions.create(model="x", messages=FRANCE, temperature=0, max_tokens=32,
+                                              stop=stop, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == cut
+
+
+def test_langchain_invoke_and_stream(server):
+    from langchain_openai import ChatOpenAI
+
+    llm = ChatOpenAI(base_url=server.url + "/v1", api_key="unused", model="smollm2", temperature=0,
+                     max_tokens=32)
+    answer = llm.invoke("What is the capital of France?")
+    assert "Paris" in answer.content
+    streamed = "".join(chunk.content for chunk in llm.stream("What is the capital of France?"))
+    assert streamed == answer.content
+
+
+CHAT = {"model": "x", "messages": FRANCE, "max_tokens": 4, "temperature": 0}
+COMPLETION = {"model": "x", "prompt": "Hello", "max_tokens": 4, "temperature": 0}
+
+REFUSALS = [
+    ("chat", {"stop": 5}, "stop"),
+    ("completions", {"stop": {"a": 1}}, "stop"),
+    ("chat", {"logprobs": 3}, "logprobs"),
+    ("completions", {"logprobs": True}, "logprobs"),
+    ("completions", {"logprobs": 21}, "logprobs"),
+    ("completions", {"top_logprobs": 2}, "top_logprobs"),
+    ("chat", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ("chat", {"top_logprobs": 2}, "top_logprobs"),
+    ("chat", {"logprobs": True, "stream": True}, "logprobs"),
+    ("completions", {"logprobs": 1, "stream": True}, "logprobs"),
+    ("completions", {"best_of": 2}, "best_of"),
+    ("completions", {"suffix": "x"}, "suffix"),
+    ("completions", {"echo": True}, "echo"),
+    ("chat", {"tool_choice": "required"}, "tool_choice"),
+    ("chat", {"parallel_tool_calls": False}, "parallel_tool_calls"),
+    ("chat", {"stream": True, "stream_options": {"include_usage": True}}, "stream_options"),
+    ("completions", {"stream": True, "stream_options": {"include_usage": True}}, "stream_options"),
+    ("chat", {"n": 129}, "n"),
+    ("chat", {"n": 0}, "n"),
+    ("chat", {"n": 1.5}, "n"),
+    ("chat", {"no_such_field": 1}, "no_such_field"),
+    ("completions", {"no_such_field": 1}, "no_such_field"),
+]
+
+
+def _post(server, endpoint: str, extra: dict) -> httpx.Response:
+    path = "/v1/chat/completions" if endpoint == "chat" else "/v1/completions"
+    body = {**(CHAT if endpoint == "chat" else COMPLETION), **extra}
+    return httpx.post(server.url + path, json=body, timeout=120)
+
+
+@pytest.mark.parametrize(("endpoint", "extra", "param"), REFUSALS)
+def test_refusals_are_400_naming_the_field(server, endpoint, extra, param):
+    response = _post(server, endpoint, extra)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["type"] == "invalid_request_error"
+    assert error["param"] == param
+    assert error["message"]
+
+
+ACCEPTED = [
+    ("chat", {"user": "u", "store": False, "metadata": {"k": "v"}, "service_tier": "auto", "model": "other",
+              "parallel_tool_calls": True}),
+    ("chat", {"logprobs": False, "frequency_penalty": 0, "presence_penalty": 0, "stop": [], "logit_bias": {},
+              "n": 1, "tool_choice": "auto", "stream_options": {"include_usage": True}, "top_logprobs": 0}),
+    ("chat", {"stop": ["", "\n\n\n\n"], "max_completion_tokens": 3, "max_tokens": 9}),
+    ("completions", {"echo": False, "best_of": 1, "suffix": None, "logprobs": None, "frequency_penalty": 0,
+                     "presence_penalty": 0, "logit_bias": {}, "stop": [], "user": "u", "n": 1, "top_logprobs": None}),
+    ("completions", {"suffix": ""}),
+    ("chat", {"frequency_penalty": 0.5, "presence_penalty": 0.5, "logit_bias": {"42": -100}}),
+]
+
+
+@pytest.mark.parametrize(("endpoint", "extra"), ACCEPTED)
+def test_inert_fields_and_explicit_defaults_are_accepted(server, endpoint, extra):
+    response = _post(server, endpoint, extra)
+    assert response.status_code == 200, response.text
+
+
+def test_max_completion_tokens_wins(server):
+    body = _post(server, "chat", {"max_completion_tokens": 2, "max_tokens": 9, "temperature": 0}).json()
+    assert body["usage"]["completion_tokens"] <= 2
+
+
+@pytest.mark.parametrize(("method", "path"), [("GET", "/v1/embeddings"), ("POST", "/v1/embeddings"),
+                                              ("GET", "/nope"), ("PUT", "/v1/models"), ("GET", "/v1/chat/completions")])
+def test_unregistered_paths_are_404(server, method, path):
+    response = httpx.request(method, server.url + path, json={})
+    assert response.status_code == 404
+    assert "error" in response.json()
+
+
+def _metric(server, name: str) -> float:
+    text = httpx.get(server.url + "/metrics").text
+    match = re.search(rf"^pocketllm:{name}(?:{{[^}}]*}})? ([0-9.e+-]+)$", text, re.M)
+    assert match, f"metric {name} missing"
+    return float(match.group(1))
+
+
+def test_metrics_exposed(server, client):
+    client.chat.completions.create(model="x", messages=FRANCE, temperature=0, max_tokens=4)
+    text = httpx.get(server.url + "/metrics").text
+    for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "prefix_cache_queries",
+                 "prefix_cache_hits", "prompt_tokens_total", "generation_tokens_total", "num_preemptions",
+                 "time_to_first_token_seconds_bucket", "inter_token_latency_seconds_bucket",
+                 "e2e_request_latency_seconds_bucket", "request_queue_time_seconds_bucket",
+                 "request_success_total"):
+        assert f"pocketllm:{name}" in text, name
+    assert _metric(server, "generation_tokens_total") > 0
+
+
+def _wait_idle(server, timeout: float = 10) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if _metric(server, "num_requests_running") == 0 and _metric(server, "kv_cache_usage_perc") == 0:
+            return
+        time.sleep(0.05)
+    raise AssertionError("blocks were not freed")
+
+
+def test_disconnect_frees_blocks(server):
+    _wait_idle(server)
+    body = {**CHAT, "max_tokens": 3000, "stream": True, "temperature": 0.8}
+    with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=60) as response:
+        lines = response.iter_lines()
+        for _ in range(4):
+            next(lines)
+        assert _metric(server, "num_requests_running") == 1
+        assert _metric(server, "kv_cache_usage_perc") > 0
+    _wait_idle(server)
+
+
+def test_non_streaming_disconnect_frees_blocks(server):
+    _wait_idle(server)
+    body = {**CHAT, "max_tokens": 3000, "temperature": 0.8}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url + "/v1/chat/completions", json=body, timeout=1.5)
+    _wait_idle(server)
+
+
+def test_delete_cancels_active_request_and_404s_otherwise(server):
+    assert httpx.delete(server.url + "/v1/requests/never-seen").status_code == 404
+    body = {**CHAT, "max_tokens": 3000, "stream": True, "temperature": 0.8, "request_id": "cancel-me"}
+    with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=60) as response:
+        lines = response.iter_lines()
+        next(lines)
+        deleted = httpx.delete(server.url + "/v1/requests/cancel-me")
+        assert deleted.status_code == 200
+        rest = list(lines)
+    assert rest[-2:] == ["data: [DONE]", ""] or rest[-1] == "data: [DONE]"
+    assert httpx.delete(server.url + "/v1/requests/cancel-me").status_code == 404
+
+
+def test_api_key_and_sigterm_drain():
+    proc = ServerProcess("--api-key", "sekret", "--shutdown-timeout", "3")
+    try:
+        proc.wait_ready()
+        assert httpx.get(proc.url + "/v1/models").status_code == 401
+        headers = {"Authorization": "Bearer sekret"}
+        assert httpx.get(proc.url + "/v1/models", headers=headers).status_code == 200
+        results: dict = {}
+
+        def long_request() -> None:
+            body = {**CHAT, "max_tokens": 3000, "temperature": 0.8}
+            results["response"] = httpx.post(proc.url + "/v1/chat/completions", json=body, headers=headers,
+                                             timeout=60)
+
+        worker = threading.Thread(target=long_request)
+        worker.start()
+        time.sleep(1.0)
+        proc.proc.send_signal(signal.SIGTERM)
+        worker.join(60)
+        assert proc.proc.wait(30) == 0
+        response = results["response"]
+        assert response.status_code == 200
+        assert response.json()["choices"][0]["finish_reason"] in ("cancelled", "length", "stop")
+    finally:
+        proc.stop()
