@@ -293,19 +293,31 @@ def test_delete_cancels_active_request_and_404s_otherwise(server):
     assert httpx.delete(server.url + "/v1/requests/cancel-me").status_code == 404
 
 
-def test_api_key_and_sigterm_drain():
-    proc = ServerProcess("--api-key", "sekret", "--shutdown-timeout", "3")
+def test_api_key_deadlines_and_sigterm_drain():
+    proc = ServerProcess("--api-key", "sekret", "--shutdown-timeout", "3", "--request-timeout", "5",
+                         "--max-num-seqs", "1")
     try:
         proc.wait_ready()
         assert httpx.get(proc.url + "/v1/models").status_code == 401
+        assert httpx.get(proc.url + "/v1/models", headers={"Authorization": "Bearer wrong"}).status_code == 401
         headers = {"Authorization": "Bearer sekret"}
         assert httpx.get(proc.url + "/v1/models", headers=headers).status_code == 200
+        url = proc.url + "/v1/chat/completions"
+        # One slot, 64 choices of 40 tokens: some finish inside the deadline, the rest are dropped.
+        wide = httpx.post(url, headers=headers, timeout=60,
+                          json={**CHAT, "max_tokens": 40, "n": 64, "temperature": 0.8, "ignore_eos": True})
+        assert wide.status_code == 200, wide.text
+        indexes = [c["index"] for c in wide.json()["choices"]]
+        assert 0 < len(indexes) < 64 and indexes == sorted(indexes)
+        assert wide.json()["usage"]["completion_tokens"] >= 40 * len(indexes)
+        late = httpx.post(url, headers=headers, timeout=60,
+                          json={**CHAT, "max_tokens": 3000, "temperature": 0.8, "ignore_eos": True})
+        assert late.status_code == 504 and late.json()["error"]["type"] == "timeout"
         results: dict = {}
 
         def long_request() -> None:
-            body = {**CHAT, "max_tokens": 3000, "temperature": 0.8}
-            results["response"] = httpx.post(proc.url + "/v1/chat/completions", json=body, headers=headers,
-                                             timeout=60)
+            body = {**CHAT, "max_tokens": 3000, "temperature": 0.8, "ignore_eos": True}
+            results["response"] = httpx.post(url, json=body, headers=headers, timeout=60)
 
         worker = threading.Thread(target=long_request)
         worker.start()
@@ -314,7 +326,7 @@ def test_api_key_and_sigterm_drain():
         worker.join(60)
         assert proc.proc.wait(30) == 0
         response = results["response"]
-        assert response.status_code == 200
-        assert response.json()["choices"][0]["finish_reason"] in ("cancelled", "length", "stop")
+        assert response.status_code == 200, response.text
+        assert response.json()["choices"][0]["finish_reason"] == "cancelled"
     finally:
         proc.stop()
