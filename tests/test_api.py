@@ -266,3 +266,13 @@ def test_scheduler_api_limits_concurrency(llm):
         assert scheduler.poll_result(request_id, timeout_ms=60_000) is not None
     assert max(seen) <= 2
     scheduler.stop()
+
+
+def test_duplicate_active_request_id_is_refused(llm):
+    events = llm.generate_stream(PROMPT, SamplingParams(max_tokens=10_000, temperature=0.0, ignore_eos=True),
+                                 request_id="dup")
+    next(events)
+    with pytest.raises(InvalidRequestError):
+        llm.generate([PROMPT], _greedy(2), request_id="dup")
+    assert llm.cancel("dup") is True
+    assert list(events)[-1].finish_reason == "cancelled"

@@ -11,7 +11,7 @@ from typing import Any, Protocol
 
 from pocketllm.engine.engine_core import EngineCore, StepOutput
 from pocketllm.engine.request import FinishReason, Request
-from pocketllm.errors import EngineDeadError
+from pocketllm.errors import EngineDeadError, InvalidRequestError
 from pocketllm.runner.sampler import SampledToken
 
 logger = logging.getLogger("pocketllm.engine")
@@ -47,6 +47,8 @@ class EngineLoop:
     def submit(self, request_id: str, prompt_token_ids: list[int], params, sink: OutputSink) -> Future:
         """Queue a request; the future resolves once the engine accepted it (or raises its error)."""
         self._check_alive()
+        if request_id in self.active:
+            raise InvalidRequestError(f"request id {request_id!r} is already active", param="request_id")
         self.active.add(request_id)
         return self.call(lambda: self._add(request_id, prompt_token_ids, params, sink),
                          on_error=lambda: self.active.discard(request_id))
