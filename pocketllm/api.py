@@ -60,6 +60,12 @@ class _EngineClient:
     def new_request_id(self) -> str:
         return f"req-{self._prefix}-{next(self._counter)}"
 
+    def request_ids(self, request_id: str | None, count: int) -> list[str]:
+        """Ids for a batch: fresh ones, the caller's id, or the caller's id suffixed per prompt."""
+        if request_id is None:
+            return [self.new_request_id() for _ in range(count)]
+        return [request_id] if count == 1 else [f"{request_id}-{i}" for i in range(count)]
+
     def encode_prompt(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
@@ -114,6 +120,13 @@ class _EngineClient:
         self.backend.shutdown()
 
 
+def _stream_event(item: object) -> TokenEvent | None:
+    """A streamed queue item as an event (None for the final output that follows it); errors are raised."""
+    if isinstance(item, BaseException):
+        raise item
+    return item if isinstance(item, TokenEvent) else None
+
+
 def _chat_options(options: dict[str, Any]) -> tuple[str | None, dict[str, Any]]:
     request_id = options.pop("request_id", None)
     return request_id, options
@@ -157,7 +170,7 @@ class LLM:
         params = params or SamplingParams()
         batch = _prompt_list(prompts)
         ids = [self._client.encode_prompt(p) for p in batch]
-        names = self._request_ids(request_id, len(ids))
+        names = self._client.request_ids(request_id, len(ids))
         pending = []
         try:
             for prompt_ids, name in zip(ids, names):
@@ -168,10 +181,6 @@ class LLM:
                 self._client.cancel(name)
             raise
 
-    def _request_ids(self, request_id: str | None, count: int) -> list[str]:
-        if request_id is None:
-            return [self._client.new_request_id() for _ in range(count)]
-        return [request_id] if count == 1 else [f"{request_id}-{i}" for i in range(count)]
 
     def generate_stream(self, prompt: Prompt, params: SamplingParams | None = None, *,
                         request_id: str | None = None) -> Iterator[TokenEvent]:
@@ -185,15 +194,11 @@ class LLM:
         results = self._run(prompt_ids, params, name, stream=True)
         finished = False
         try:
-            while True:
-                item = results.get()
-                if isinstance(item, BaseException):
-                    raise item
-                if isinstance(item, TokenEvent):
-                    yield item
-                    if item.finished:
-                        finished = True
-                        return
+            while not finished:
+                event = _stream_event(results.get())
+                if event is not None:
+                    finished = event.finished
+                    yield event
         finally:
             if not finished:
                 self._client.cancel(name)
@@ -267,10 +272,7 @@ class AsyncLLM:
                        request_id: str | None = None) -> list[RequestOutput]:
         params = params or SamplingParams()
         batch = [self._client.encode_prompt(p) for p in _prompt_list(prompts)]
-        if request_id is None:
-            names = [self._client.new_request_id() for _ in batch]
-        else:
-            names = [request_id] if len(batch) == 1 else [f"{request_id}-{i}" for i in range(len(batch))]
+        names = self._client.request_ids(request_id, len(batch))
         return list(await asyncio.gather(*(self._final(p, params, n) for p, n in zip(batch, names))))
 
     async def generate_stream(self, prompt: Prompt, params: SamplingParams | None = None, *,
@@ -285,15 +287,11 @@ class AsyncLLM:
         results = await self._run(prompt_ids, params, name, stream=True)
         finished = False
         try:
-            while True:
-                item = await results.get()
-                if isinstance(item, BaseException):
-                    raise item
-                if isinstance(item, TokenEvent):
-                    yield item
-                    if item.finished:
-                        finished = True
-                        return
+            while not finished:
+                event = _stream_event(await results.get())
+                if event is not None:
+                    finished = event.finished
+                    yield event
         finally:
             if not finished:
                 self._client.cancel(name)
