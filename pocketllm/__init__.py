@@ -14,6 +14,7 @@ _EXPORTS = {
     "EngineArgs": "pocketllm.config",
     "EngineCaps": "pocketllm.backends.base",
     "SamplingParams": "pocketllm.sampling_params",
+    "StructuredOutput": "pocketllm.sampling_params",
     "RequestOutput": "pocketllm.outputs",
     "TokenEvent": "pocketllm.outputs",
     "Usage": "pocketllm.outputs",

@@ -3,19 +3,25 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import queue
 import uuid
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from functools import cached_property
 from typing import Any
 
 from pocketllm.backends import create_backend
 from pocketllm.backends.base import EngineCaps
 from pocketllm.config import EngineArgs
+from pocketllm.engine import kv_snapshot
+from pocketllm.engine.kv_snapshot import KVSnapshot
 from pocketllm.engine.output_processor import RequestStream
 from pocketllm.errors import InvalidRequestError
 from pocketllm.outputs import RequestOutput, TokenEvent
+from pocketllm.protocol.chat_output import ChatOutputSpec, ChatSyntax, chat_output_spec, detect_chat_syntax
 from pocketllm.protocol.chat_request import build_chat_prompt
+from pocketllm.protocol.structured_output import after_reasoning, structured_output_for
 from pocketllm.sampling_params import SamplingParams
 
 Prompt = str | Sequence[int]
@@ -79,24 +85,79 @@ class _EngineClient:
         if tok is None:
             raise InvalidRequestError("this checkpoint has no tokenizer or chat template", param="messages")
         special = {"bos_token": tok.bos_token, "eos_token": tok.eos_token}
-        return build_chat_prompt(tok.chat_template, messages, special_tokens=special, **options)
+        return build_chat_prompt(tok.chat_template, messages, special_tokens=special,
+                                 structured_outputs=self.backend.caps.structured_outputs,
+                                 architecture=self.architecture, **options)
 
     def encode_chat(self, messages: Sequence[Mapping[str, Any]], **options: Any) -> list[int]:
         return self.tokenizer.encode(self.render_chat(messages, **options), add_special_tokens=False)
 
-    def submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str, emit, stream: bool):
-        """Queue a request on the engine thread; returns the future of its acceptance."""
+    @property
+    def architecture(self) -> str | None:
+        """The checkpoint's architecture name (``Qwen3ForCausalLM``), when known."""
+        return self.backend.caps.details.get("architecture")
+
+    @cached_property
+    def chat_syntax(self) -> ChatSyntax:
+        """Whether the checkpoint writes reasoning blocks and which call syntax it uses (read once)."""
+        tok = self.tokenizer
+        vocab = tok.hf.get_vocab() if tok is not None else {}
+        return detect_chat_syntax(tok.chat_template if tok is not None else None, self.architecture,
+                                  vocab.__contains__)
+
+    def prepare_chat(self, messages: Sequence[Mapping[str, Any]],
+                     **options: Any) -> tuple[list[int], ChatOutputSpec | None]:
+        """A conversation's prompt ids and how its answer is read back (reasoning split, tool calls)."""
+        text = self.render_chat(messages, **options)
+        syntax = self.chat_syntax
+        if options.get("tool_choice") == "none":
+            syntax = dataclasses.replace(syntax, tool_parser=None)
+        spec = chat_output_spec(syntax, text, options.get("tools"))
+        return self.tokenizer.encode(text, add_special_tokens=False), spec
+
+    @staticmethod
+    def chat_params(params: SamplingParams | None, options: Mapping[str, Any],
+                    spec: ChatOutputSpec | None = None) -> SamplingParams:
+        """``params`` with the structured output the chat options ask for (response_format, forced tool_choice),
+        starting after the reasoning block on a thinking model (``spec``)."""
+        params = params or SamplingParams()
+        structured = after_reasoning(structured_output_for(options), spec)
+        if structured is None:
+            return params
+        if params.structured_output is not None and params.structured_output != structured:
+            raise InvalidRequestError("the sampling parameters carry a structured output and the chat options ask "
+                                      "for another; send one of them", param="response_format")
+        return dataclasses.replace(params, structured_output=structured)
+
+    def _kept_special_ids(self, chat: ChatOutputSpec | None) -> frozenset[int]:
+        """Special tokens that spell a reasoning or call marker: decoding must keep them to split the text."""
+        tok = self.tokenizer
+        kept = set()
+        for marker in chat.markers if chat is not None else ():
+            ids = tok.encode(marker, add_special_tokens=False)
+            if len(ids) == 1 and ids[0] in tok.special_token_ids:
+                kept.add(ids[0])
+        return frozenset(kept)
+
+    def submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str, emit, stream: bool,
+               chat: ChatOutputSpec | None = None):
+        """Queue a request on the engine thread; returns the future of its acceptance. ``chat``: how a chat
+        answer is split into reasoning, content and tool calls."""
         tok = self.tokenizer
         decode = None
         token_text = None
         if tok is not None:
             skip = params.skip_special_tokens
+            kept = self._kept_special_ids(chat) if skip else frozenset()
+            dropped = tok.special_token_ids - kept
 
             def decode(ids: Sequence[int]) -> str:
+                if kept:
+                    return tok.decode([i for i in ids if i not in dropped], skip_special_tokens=False)
                 return tok.decode(ids, skip_special_tokens=skip)
 
             token_text = tok.token_text
-        sink = RequestStream(request_id, prompt_ids, params.stop, decode, token_text, emit, stream)
+        sink = RequestStream(request_id, prompt_ids, params.stop, decode, token_text, emit, stream, chat=chat)
         return self.backend.loop.submit(request_id, prompt_ids, params, sink)
 
     def cancel(self, request_id: str) -> bool:
@@ -115,6 +176,26 @@ class _EngineClient:
     def set_prefill_token_budget(self, tokens: int) -> None:
         core = self.backend.core
         self.backend.loop.call(lambda: core.scheduler.set_prefill_chunk(tokens)).result()
+
+    @property
+    def model_path(self) -> str:
+        return self.backend.model_path
+
+    @property
+    def generation_config(self) -> dict[str, Any]:
+        return dict(self.backend.checkpoint.generation_config or {})
+
+    def export_prefix(self, token_ids: Sequence[int]):
+        """Future of the ``KVSnapshot`` of the longest cached whole-block prefix of ``token_ids``."""
+        core, ids, path = self.backend.core, [int(t) for t in token_ids], self.model_path
+        return self.backend.loop.call(lambda: kv_snapshot.export_prefix(core, ids, path))
+
+    def import_prefix(self, snapshot: KVSnapshot):
+        """Future of the number of leading tokens of ``snapshot`` the prefix cache now serves."""
+        if not isinstance(snapshot, KVSnapshot):
+            raise InvalidRequestError("import_prefix takes a KVSnapshot (see export_prefix)", param="snapshot")
+        core, path = self.backend.core, self.model_path
+        return self.backend.loop.call(lambda: kv_snapshot.import_prefix(core, snapshot, path))
 
     def shutdown(self) -> None:
         self.backend.shutdown()
@@ -150,9 +231,9 @@ class LLM:
         return self._client.engine_caps()
 
     def _run(self, prompt_ids: list[int], params: SamplingParams, request_id: str,
-             stream: bool) -> queue.SimpleQueue:
+             stream: bool, chat: ChatOutputSpec | None = None) -> queue.SimpleQueue:
         results: queue.SimpleQueue = queue.SimpleQueue()
-        self._client.submit(prompt_ids, params, request_id, results.put, stream).result()
+        self._client.submit(prompt_ids, params, request_id, results.put, stream, chat).result()
         return results
 
     @staticmethod
@@ -165,8 +246,10 @@ class LLM:
                 return item
 
     def generate(self, prompts: Prompt | Sequence[Prompt], params: SamplingParams | None = None, *,
-                 request_id: str | None = None) -> list[RequestOutput]:
-        """Generate for one prompt or a batch (all submitted at once); outputs in prompt order."""
+                 request_id: str | None = None, chat_output: ChatOutputSpec | None = None) -> list[RequestOutput]:
+        """Generate for one prompt or a batch (all submitted at once); outputs in prompt order.
+
+        ``chat_output`` (from ``prepare_chat``): split each answer into reasoning, content and tool calls."""
         params = params or SamplingParams()
         batch = _prompt_list(prompts)
         ids = [self._client.encode_prompt(p) for p in batch]
@@ -174,7 +257,7 @@ class LLM:
         pending = []
         try:
             for prompt_ids, name in zip(ids, names):
-                pending.append((name, self._run(prompt_ids, params, name, stream=False)))
+                pending.append((name, self._run(prompt_ids, params, name, stream=False, chat=chat_output)))
             return [self._final(results) for _, results in pending]
         except BaseException:
             for name, _ in pending:
@@ -189,9 +272,9 @@ class LLM:
         return self._stream(self._client.encode_prompt(_prompt_list(prompt)[0]), params, request_id)
 
     def _stream(self, prompt_ids: list[int], params: SamplingParams,
-                request_id: str | None) -> Iterator[TokenEvent]:
+                request_id: str | None, chat: ChatOutputSpec | None = None) -> Iterator[TokenEvent]:
         name = request_id or self._client.new_request_id()
-        results = self._run(prompt_ids, params, name, stream=True)
+        results = self._run(prompt_ids, params, name, stream=True, chat=chat)
         finished = False
         try:
             while not finished:
@@ -207,21 +290,41 @@ class LLM:
              **options: Any) -> list[RequestOutput]:
         """One conversation rendered by the checkpoint's own chat template; a one-element list."""
         request_id, options = _chat_options(options)
-        prompt_ids = self._client.encode_chat(messages, **options)
-        return self.generate([prompt_ids], params, request_id=request_id)
+        prompt_ids, spec = self._client.prepare_chat(messages, **options)
+        return self.generate([prompt_ids], self._client.chat_params(params, options, spec), request_id=request_id,
+                             chat_output=spec)
 
     def chat_stream(self, messages: Sequence[Mapping[str, Any]], params: SamplingParams | None = None,
                     **options: Any) -> Iterator[TokenEvent]:
         request_id, options = _chat_options(options)
-        prompt_ids = self._client.encode_chat(messages, **options)
-        return self._stream(prompt_ids, params or SamplingParams(), request_id)
+        prompt_ids, spec = self._client.prepare_chat(messages, **options)
+        return self._stream(prompt_ids, self._client.chat_params(params, options, spec), request_id, spec)
 
     def render_chat(self, messages: Sequence[Mapping[str, Any]], **options: Any) -> str:
         return self._client.render_chat(messages, **options)
 
+    def prepare_chat(self, messages: Sequence[Mapping[str, Any]],
+                     **options: Any) -> tuple[list[int], ChatOutputSpec | None]:
+        """Prompt ids and the answer's read-back spec (pass it to ``generate(..., chat_output=...)``)."""
+        return self._client.prepare_chat(messages, **options)
+
     def cancel(self, request_id: str) -> bool:
         """Cancel an active request at the next step boundary; False if it is unknown or finished."""
         return self._client.cancel(request_id)
+
+    @property
+    def model_path(self) -> str:
+        return self._client.model_path
+
+    def export_prefix(self, token_ids: Sequence[int]) -> KVSnapshot:
+        """The KV of the longest prefix of ``token_ids`` held in whole cached blocks (``snapshot.save(path)``
+        writes it as safetensors; ``KVSnapshot.load(path)`` reads it back)."""
+        return self._client.export_prefix(token_ids).result()
+
+    def import_prefix(self, snapshot: KVSnapshot) -> int:
+        """Put a snapshot's blocks into the prefix cache (refused if made by another model, dtype or block
+        size); returns how many leading tokens of it later requests will find cached."""
+        return self._client.import_prefix(snapshot).result()
 
     def shutdown(self) -> None:
         self._client.shutdown()
@@ -247,18 +350,19 @@ class AsyncLLM:
         return self._client.engine_caps()
 
     async def _run(self, prompt_ids: list[int], params: SamplingParams, request_id: str,
-                   stream: bool) -> asyncio.Queue:
+                   stream: bool, chat: ChatOutputSpec | None = None) -> asyncio.Queue:
         loop = asyncio.get_running_loop()
         results: asyncio.Queue = asyncio.Queue()
 
         def emit(item: object) -> None:
             loop.call_soon_threadsafe(results.put_nowait, item)
 
-        await asyncio.wrap_future(self._client.submit(prompt_ids, params, request_id, emit, stream))
+        await asyncio.wrap_future(self._client.submit(prompt_ids, params, request_id, emit, stream, chat))
         return results
 
-    async def _final(self, prompt_ids: list[int], params: SamplingParams, request_id: str) -> RequestOutput:
-        results = await self._run(prompt_ids, params, request_id, stream=False)
+    async def _final(self, prompt_ids: list[int], params: SamplingParams, request_id: str,
+                     chat: ChatOutputSpec | None = None) -> RequestOutput:
+        results = await self._run(prompt_ids, params, request_id, stream=False, chat=chat)
         try:
             item = await results.get()
         except asyncio.CancelledError:
@@ -269,22 +373,24 @@ class AsyncLLM:
         return item
 
     async def generate(self, prompts: Prompt | Sequence[Prompt], params: SamplingParams | None = None, *,
-                       request_id: str | None = None) -> list[RequestOutput]:
+                       request_id: str | None = None,
+                       chat_output: ChatOutputSpec | None = None) -> list[RequestOutput]:
         params = params or SamplingParams()
         batch = [self._client.encode_prompt(p) for p in _prompt_list(prompts)]
         names = self._client.request_ids(request_id, len(batch))
-        return list(await asyncio.gather(*(self._final(p, params, n) for p, n in zip(batch, names))))
+        return list(await asyncio.gather(*(self._final(p, params, n, chat_output) for p, n in zip(batch, names))))
 
     async def generate_stream(self, prompt: Prompt, params: SamplingParams | None = None, *,
-                              request_id: str | None = None) -> AsyncIterator[TokenEvent]:
+                              request_id: str | None = None,
+                              chat_output: ChatOutputSpec | None = None) -> AsyncIterator[TokenEvent]:
         prompt_ids = self._client.encode_prompt(_prompt_list(prompt)[0])
-        async for event in self._stream(prompt_ids, params or SamplingParams(), request_id):
+        async for event in self._stream(prompt_ids, params or SamplingParams(), request_id, chat_output):
             yield event
 
     async def _stream(self, prompt_ids: list[int], params: SamplingParams,
-                      request_id: str | None) -> AsyncIterator[TokenEvent]:
+                      request_id: str | None, chat: ChatOutputSpec | None = None) -> AsyncIterator[TokenEvent]:
         name = request_id or self._client.new_request_id()
-        results = await self._run(prompt_ids, params, name, stream=True)
+        results = await self._run(prompt_ids, params, name, stream=True, chat=chat)
         finished = False
         try:
             while not finished:
@@ -299,18 +405,24 @@ class AsyncLLM:
     async def chat(self, messages: Sequence[Mapping[str, Any]], params: SamplingParams | None = None,
                    **options: Any) -> list[RequestOutput]:
         request_id, options = _chat_options(options)
-        prompt_ids = self._client.encode_chat(messages, **options)
-        return await self.generate([prompt_ids], params, request_id=request_id)
+        prompt_ids, spec = self._client.prepare_chat(messages, **options)
+        return await self.generate([prompt_ids], self._client.chat_params(params, options, spec), request_id=request_id,
+                                   chat_output=spec)
 
     async def chat_stream(self, messages: Sequence[Mapping[str, Any]], params: SamplingParams | None = None,
                           **options: Any) -> AsyncIterator[TokenEvent]:
         request_id, options = _chat_options(options)
-        prompt_ids = self._client.encode_chat(messages, **options)
-        async for event in self._stream(prompt_ids, params or SamplingParams(), request_id):
+        prompt_ids, spec = self._client.prepare_chat(messages, **options)
+        async for event in self._stream(prompt_ids, self._client.chat_params(params, options, spec), request_id, spec):
             yield event
 
     def render_chat(self, messages: Sequence[Mapping[str, Any]], **options: Any) -> str:
         return self._client.render_chat(messages, **options)
+
+    def prepare_chat(self, messages: Sequence[Mapping[str, Any]],
+                     **options: Any) -> tuple[list[int], ChatOutputSpec | None]:
+        """Prompt ids and the answer's read-back spec (pass it to ``generate(..., chat_output=...)``)."""
+        return self._client.prepare_chat(messages, **options)
 
     def cancel(self, request_id: str) -> bool:
         return self._client.cancel(request_id)
@@ -326,6 +438,23 @@ class AsyncLLM:
     @property
     def max_model_len(self) -> int:
         return self._client.max_model_len
+
+    @property
+    def model_path(self) -> str:
+        return self._client.model_path
+
+    @property
+    def generation_config(self) -> dict[str, Any]:
+        """The checkpoint's generation defaults (generation_config.json; empty when it has none)."""
+        return self._client.generation_config
+
+    async def export_prefix(self, token_ids: Sequence[int]) -> KVSnapshot:
+        """As ``LLM.export_prefix``."""
+        return await asyncio.wrap_future(self._client.export_prefix(token_ids))
+
+    async def import_prefix(self, snapshot: KVSnapshot) -> int:
+        """As ``LLM.import_prefix``."""
+        return await asyncio.wrap_future(self._client.import_prefix(snapshot))
 
     async def shutdown(self) -> None:
         await asyncio.to_thread(self._client.shutdown)

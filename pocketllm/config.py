@@ -44,6 +44,7 @@ class EngineArgs:
     num_kv_blocks: int | None = _opt(None, "Size the KV cache in blocks explicitly (default: from memory).")
     cpu_kv_cache_gb: float = _opt(2.0, "KV-cache size on CPU, in GiB.")
     gpu_memory_utilization: float = _opt(0.9, "Fraction of GPU memory the engine may use.")
+    enforce_eager: bool = _opt(False, "CUDA: run decode steps eagerly instead of replaying captured CUDA graphs.")
     load_format: str = _opt("auto", "auto | dummy (random weights with the checkpoint's or preset's shapes).")
     seed: int = _opt(0, "Seed of the shared sampling generator (requests without their own seed).")
     tensor_parallel_size: int = _opt(1, "Number of tensor-parallel ranks.")

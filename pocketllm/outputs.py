@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pocketllm.protocol.tool_parsers.base import ToolCall
 
 
 @dataclass(frozen=True)
@@ -49,7 +53,13 @@ class Usage:
 
 @dataclass(frozen=True)
 class RequestOutput:
-    """A finished request. ``finish_reason`` is ``stop``, ``length`` or ``cancelled``."""
+    """A finished request. ``finish_reason`` is ``stop``, ``length``, ``cancelled`` or ``tool_calls``.
+
+    On a chat whose checkpoint writes reasoning or tool calls, ``text`` is the answer alone (stop strings
+    applied to it only); ``reasoning_content`` is the reasoning block (None when the model wrote none) and
+    ``tool_calls`` the calls parsed from the end of the answer (None unless every call parsed; ``text`` then
+    holds only the prose before them).
+    """
 
     request_id: str
     prompt_token_ids: list[int]
@@ -60,6 +70,8 @@ class RequestOutput:
     logprobs: list[TokenLogprob] | None = None
     stop_reason: str | int | None = None
     metadata: dict = field(default_factory=dict)
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCall] | None = None
 
 
 @dataclass(frozen=True)
@@ -75,3 +87,7 @@ class TokenEvent:
     logprobs: list[TokenLogprob] | None = None
     output: RequestOutput | None = None
     """On the last event: the request's complete output."""
+    reasoning_content: str = ""
+    """The new reasoning text of this step (``text`` is the new answer text)."""
+    tool_calls: list[ToolCall] | None = None
+    """On the last event: the calls parsed from the answer (their text was never sent as ``text``)."""

@@ -20,6 +20,11 @@ import pytest
 import torch
 
 TINY_ARCHS = ("llama", "qwen2", "qwen3", "qwen3_moe")
+# Hybrid Gated DeltaNet models (Qwen3.5): three linear-attention layers and one full-attention layer, the
+# Qwen3.5 chat template as the tokenizer's template. Not in TINY_ARCHS (no GGUF round trip for them).
+TINY_HYBRID_ARCHS = ("qwen3_5_text", "qwen3_5_moe_text")
+QWEN3_5_TEMPLATE = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "fixtures", "chat_templates",
+                                "qwen3_5.jinja")
 TINY_EOS_ID = 2  # SmolLM2's <|im_end|>
 TINY_BOS_ID = 1
 
@@ -43,6 +48,16 @@ TINY_CONFIGS: dict[str, dict[str, Any]] = {
         "num_experts_per_tok": 2, "moe_intermediate_size": 32, "norm_topk_prob": True, "decoder_sparse_step": 1,
         "mlp_only_layers": [],
     },
+}
+_TINY_QWEN3_5: dict[str, Any] = {
+    **_TINY_COMMON, "tie_word_embeddings": False, "num_hidden_layers": 4, "head_dim": 32,
+    "layer_types": ["linear_attention"] * 3 + ["full_attention"], "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4, "linear_key_head_dim": 16, "linear_value_head_dim": 16, "linear_conv_kernel_dim": 4,
+}
+TINY_CONFIGS["qwen3_5_text"] = {**_TINY_QWEN3_5, "model_type": "qwen3_5_text"}
+TINY_CONFIGS["qwen3_5_moe_text"] = {
+    **_TINY_QWEN3_5, "model_type": "qwen3_5_moe_text", "num_experts": 4, "num_experts_per_tok": 2,
+    "moe_intermediate_size": 32, "shared_expert_intermediate_size": 48,
 }
 
 
@@ -87,6 +102,14 @@ def build_tiny_checkpoint(directory: str, arch: str, hf_tokenizer: Any) -> None:
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(tiny_config(arch), dtype=torch.float32)
+    if arch in TINY_HYBRID_ARCHS:
+        with torch.no_grad():  # RMSNorm weights are stored around zero there: make them non-trivial
+            for name, param in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    param.add_(torch.randn_like(param) * 0.2)
+        with open(QWEN3_5_TEMPLATE, encoding="utf-8") as handle:
+            hf_tokenizer = copy.copy(hf_tokenizer)
+            hf_tokenizer.chat_template = handle.read()
     model.save_pretrained(directory)
     hf_tokenizer.save_pretrained(directory)
     with open(os.path.join(directory, "generation_config.json"), "w", encoding="utf-8") as handle:
@@ -100,7 +123,7 @@ def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory, smollm2_hf_tokeniz
 
     def make(arch: str) -> str:
         if arch not in TINY_CONFIGS:
-            raise ValueError(f"unknown tiny arch {arch!r}; choose from {TINY_ARCHS}")
+            raise ValueError(f"unknown tiny arch {arch!r}; choose from {tuple(TINY_CONFIGS)}")
         if arch not in built:
             directory = str(tmp_path_factory.mktemp(f"tiny-{arch}"))
             build_tiny_checkpoint(directory, arch, smollm2_hf_tokenizer)

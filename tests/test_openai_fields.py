@@ -83,8 +83,10 @@ def test_classes_match_the_policy():
     assert kinds[CHAT][INERT] == {"model", "user", "store", "metadata", "service_tier", "prompt_cache_key",
                                   "prompt_cache_retention", "prompt_cache_options", "safety_identifier"}
     assert kinds[CHAT][REFUSED_AT_VALUE] == {"audio", "modalities", "prediction", "web_search_options", "functions",
-                                             "function_call", "verbosity", "moderation", "tool_choice",
-                                             "parallel_tool_calls", "stream_options"}
+                                             "function_call", "verbosity", "moderation", "stream_options"}
+    # Enforced with structured-output grammars (refused per value when the engine lacks them).
+    assert FIELD_POLICY[CHAT]["tool_choice"].kind == IMPLEMENTED
+    assert FIELD_POLICY[CHAT]["parallel_tool_calls"].kind == IMPLEMENTED
     assert kinds[COMPLETIONS][INERT] == {"model", "user"}
     assert kinds[COMPLETIONS][REFUSED_AT_VALUE] == {"best_of", "suffix", "echo", "top_logprobs", "stream_options"}
     for endpoint in (CHAT, COMPLETIONS):  # PocketLLM implements these, unlike the spec's server
@@ -127,7 +129,8 @@ REFUSALS: dict[str, dict[str, list[Any]]] = {
         "stop": [5, [1], ["a", 2], {"x": 1}, True],
         "logprobs": [1, 5, "true"],
         "top_logprobs": [21, -1, 1.5, True, "3"],
-        "tool_choice": ["none", "required", {"type": "function", "function": {"name": "f"}}],
+        "tool_choice": ["required", {"type": "function", "function": {"name": "f"}}, "any", 3,
+                        {"type": "function"}, {"type": "allowed_tools", "allowed_tools": {}}],
         "parallel_tool_calls": [False, "yes"],
         "audio": [{"voice": "alloy", "format": "wav"}],
         "modalities": [["text", "audio"], ["audio"], [], "text"],

@@ -11,6 +11,7 @@ from pocketllm.engine.loop import EngineLoop
 from pocketllm.errors import InvalidRequestError, UnsupportedFeatureError
 from pocketllm.loaders.checkpoint import load_checkpoint
 from pocketllm.loaders.default_model import default_model_path
+from pocketllm.runner.grammar import GrammarCompiler, xgrammar_available
 from pocketllm.sampling_params import MAX_LOGPROBS
 from pocketllm.tokenizer.eos import resolve_eos
 
@@ -43,12 +44,19 @@ class TorchBackend:
         dummy = args.load_format == "dummy" or self.checkpoint.format == "dummy"
         weights = None if dummy else self.checkpoint.iter_weights()
         self.core = EngineCore(args, self.checkpoint.hf_config, weights, eos_ids)
+        if self.tokenizer is not None and xgrammar_available():
+            tokenizer = self.tokenizer
+            # Added tokens (<|im_end|>, <think>, <tool_call>, ...) never appear inside constrained text.
+            never_in_text = tokenizer.special_token_ids | frozenset(tokenizer.hf.added_tokens_decoder)
+            self.core.grammar_compiler = GrammarCompiler(tokenizer.vocab_bytes, never_in_text,
+                                                         self.core.vocab_size, eos_ids)
         self.loop = EngineLoop(self.core)
         self.caps = EngineCaps(
             max_slots=args.max_num_seqs,
             chunked_prefill=args.enable_chunked_prefill,
-            prefix_caching=args.enable_prefix_caching,
+            prefix_caching=self.core.blocks.enable_prefix_caching,   # off for hybrid (recurrent-state) models
             max_logprobs=MAX_LOGPROBS,
+            structured_outputs=self.core.grammar_compiler is not None,
             details={
                 "eos_source": eos_source,
                 "eos_token_ids": sorted(eos_ids),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from collections.abc import Iterable
 
@@ -35,12 +36,27 @@ def add_chat_parser(subparsers) -> None:
 
 
 def _stream_to_stdout(events: Iterable[TokenEvent]) -> tuple[str, Usage | None, str | None]:
+    """The answer to stdout as it streams (reasoning, when the model writes one, to stderr; parsed tool calls
+    as one JSON object a line)."""
     text, usage, reason = [], None, None
+    reasoning_open = False
     for event in events:
+        if event.reasoning_content:
+            sys.stderr.write(event.reasoning_content)
+            sys.stderr.flush()
+            reasoning_open = True
         if event.text:
+            if reasoning_open:
+                sys.stderr.write("\n")
+                reasoning_open = False
             sys.stdout.write(event.text)
             sys.stdout.flush()
             text.append(event.text)
+        for index, call in enumerate(event.tool_calls or ()):
+            if reasoning_open:
+                sys.stderr.write("\n")
+                reasoning_open = False
+            sys.stdout.write(("\n" if text or index else "") + json.dumps(call.to_openai(), ensure_ascii=False))
         if event.finished:
             usage, reason = event.usage, event.finish_reason
     sys.stdout.write("\n")

@@ -6,7 +6,9 @@ import argparse
 import logging
 import sys
 
+from pocketllm.cli.bench_command import add_bench_parser
 from pocketllm.cli.generate_commands import add_chat_parser, add_run_parser
+from pocketllm.cli.harness_commands import add_harness_parsers
 from pocketllm.cli.serve_command import add_serve_parser
 from pocketllm.errors import PocketLLMError
 
@@ -17,6 +19,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_run_parser(subparsers)
     add_chat_parser(subparsers)
     add_serve_parser(subparsers)
+    add_bench_parser(subparsers)
+    add_harness_parsers(subparsers)
     return parser
 
 

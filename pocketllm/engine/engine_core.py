@@ -12,6 +12,7 @@ from pocketllm.config import EngineArgs
 from pocketllm.engine.block_manager import BlockManager
 from pocketllm.engine.request import FinishReason, Request
 from pocketllm.engine.scheduler import Scheduler, SchedulerLimits
+from pocketllm.engine.state_pool import StatePool
 from pocketllm.errors import InvalidRequestError, UnsupportedFeatureError
 from pocketllm.runner.model_runner import ModelRunner, resolve_device, resolve_dtype
 from pocketllm.runner.sampler import SampledToken
@@ -20,6 +21,14 @@ from pocketllm.sampling_params import SamplingParams
 logger = logging.getLogger("pocketllm.engine")
 
 GiB = 1 << 30
+
+
+@dataclass(frozen=True)
+class PendingStep:
+    """A launched step: its chunks and the logits its forward pass is computing (None if nothing samples)."""
+
+    chunks: list
+    logits: torch.Tensor | None
 
 
 @dataclass(frozen=True)
@@ -42,6 +51,13 @@ class EngineCore:
         self.eos_token_ids = eos_token_ids
         self.runner = ModelRunner(hf_config, self.device, self.dtype, args.block_size, args.seed)
         self.runner.load(weights, dummy_seed=args.seed)
+        # Hybrid models (recurrent-state layers): one state slot per request that may run, allocated before
+        # the KV cache is sized from what memory is left.
+        self.state_pool = StatePool(args.max_num_seqs) if self.runner.state_layers else None
+        if self.state_pool is not None:
+            self.runner.allocate_state_pool(args.max_num_seqs)
+            logger.info("recurrent state: %d slots of %.1f MiB", args.max_num_seqs,
+                        self.runner.state_bytes_per_slot() / (1 << 20))
         num_blocks = args.num_kv_blocks or self._blocks_from_memory()
         capacity = num_blocks * args.block_size
         context = int(getattr(hf_config, "max_position_embeddings", capacity))
@@ -54,13 +70,23 @@ class EngineCore:
             logger.warning("max_model_len %d exceeds the checkpoint's context %d", max_model_len, context)
         self.max_model_len = max_model_len
         self.runner.allocate_kv_cache(num_blocks)
-        self.blocks = BlockManager(num_blocks, args.block_size, args.enable_prefix_caching)
+        if not args.enforce_eager:
+            self.runner.capture_cuda_graphs(args.max_num_seqs, max_model_len)
+        # A cached KV prefix would skip the recurrent state of that prefix: prefix caching is off for hybrids.
+        prefix_caching = args.enable_prefix_caching and self.state_pool is None
+        if args.enable_prefix_caching and not prefix_caching:
+            logger.info("prefix caching is off: this model keeps recurrent state that a cached prefix lacks")
+        self.blocks = BlockManager(num_blocks, args.block_size, prefix_caching)
         limits = SchedulerLimits(args.max_num_seqs, args.max_num_batched_tokens, max_model_len)
         chunk = args.max_num_batched_tokens if args.enable_chunked_prefill else 0
-        self.scheduler = Scheduler(limits, self.blocks, chunk)
+        self.scheduler = Scheduler(limits, self.blocks, chunk, self.state_pool)
         self.requests: dict[str, Request] = {}
         self.vocab_size = int(hf_config.vocab_size)
+        # Set by the backend when it can constrain outputs (runner.grammar.GrammarCompiler).
+        self.grammar_compiler = None
         self.num_steps = 0
+        # CUDA: the engine loop delivers a step's outputs while the next step runs on the device.
+        self.pipelined = self.device.type == "cuda"
         logger.info("KV cache: %d blocks of %d tokens (%.2f GiB), max_model_len %d",
                     num_blocks, args.block_size, num_blocks * self.runner.kv_bytes_per_block() / GiB,
                     max_model_len)
@@ -68,8 +94,10 @@ class EngineCore:
     def _blocks_from_memory(self) -> int:
         per_block = self.runner.kv_bytes_per_block()
         if self.device.type == "cuda":
+            # What a full step needs beside weights and cache, measured with a dummy forward pass.
+            reserve = self.runner.profile_activation_bytes(self.args.max_num_batched_tokens, self.args.max_num_seqs)
             free, total = torch.cuda.mem_get_info(self.device)
-            budget = free - total * (1.0 - self.args.gpu_memory_utilization)
+            budget = free - total * (1.0 - self.args.gpu_memory_utilization) - reserve
         else:
             budget = self.args.cpu_kv_cache_gb * GiB
         return max(1, int(budget // per_block))
@@ -91,7 +119,13 @@ class EngineCore:
         generator = None
         if params.seed is not None and not params.greedy:
             generator = torch.Generator(device=self.device).manual_seed(params.seed)
-        request = Request(request_id, list(prompt_token_ids), params, self.eos_token_ids, generator)
+        grammar = None
+        if params.structured_output is not None:
+            if self.grammar_compiler is None:
+                raise UnsupportedFeatureError("this engine has no structured outputs (xgrammar and a tokenizer "
+                                              "are needed); drop the structured output")
+            grammar = self.grammar_compiler.matcher(params.structured_output, params.stop_token_ids)
+        request = Request(request_id, list(prompt_token_ids), params, self.eos_token_ids, generator, grammar)
         self.requests[request_id] = request
         self.scheduler.add(request)
         return request
@@ -137,26 +171,47 @@ class EngineCore:
         return None
 
     def step(self) -> list[StepOutput]:
+        pending = self.launch()
+        return [] if pending is None else self.complete(pending)
+
+    def launch(self) -> PendingStep | None:
+        """Schedule a step and queue its forward pass (asynchronous on CUDA); None when nothing runs."""
         chunks = self.scheduler.schedule()
         if not chunks:
-            return []
-        sampled = iter(self.runner.execute(chunks))
+            return None
+        return PendingStep(chunks, self.runner.launch(chunks))
+
+    def complete(self, pending: PendingStep) -> list[StepOutput]:
+        """Sample the launched step and advance its requests. A request that ended after the launch (cancelled,
+        or stopped by the front end while the step ran) is skipped and its token dropped."""
+        chunks = pending.chunks
+        sampled = iter(self.runner.sample(chunks, pending.logits))
         now = time.monotonic()
         self.num_steps += 1
         outputs: list[StepOutput] = []
         for chunk in chunks:
             request = chunk.request
             samples = chunk.samples
+            if request.is_finished:
+                if samples:
+                    next(sampled)
+                continue
             request.num_computed_tokens += chunk.num_tokens
             if not samples:
                 self.blocks.cache_full_blocks(request)
                 continue
             token = next(sampled)
             request.output_token_ids.append(token.token_id)
+            off_grammar = request.grammar is not None and not request.grammar.accept(token.token_id)
             if request.first_token_time is None:
                 request.first_token_time = now
             self.blocks.cache_full_blocks(request)
             reason = self._check_finished(request, token.token_id)
+            if off_grammar and reason is None:
+                # Cannot happen while the sampler masks the row; end the request rather than let it drift.
+                logger.error("request %s: token %d is outside its grammar; ending it", request.request_id,
+                             token.token_id)
+                reason = FinishReason.STOP
             if reason is not None:
                 self.requests.pop(request.request_id, None)
                 self.scheduler.finish(request, reason)

@@ -126,6 +126,29 @@ class EngineLoop:
         self.sinks.pop(request_id, None)
         self.active.discard(request_id)
 
+    def _run_pipelined(self) -> None:
+        """Deliver step N's outputs while the device runs step N+1 (launched first, sampled after).
+
+        Commands (submit, abort, shutdown) see every completed output delivered first. A request ended by its
+        sink during the overlap (a stop string) was already part of the launched step: that step's token for
+        it is dropped by ``EngineCore.complete``.
+        """
+        delayed: list[StepOutput] = []
+        while True:
+            if delayed and (not self.commands.empty() or not self.core.has_work()):
+                self._deliver_all(delayed)
+                delayed = []
+            if not self._drain(block=not self.core.has_work()):
+                break
+            pending = self.core.launch()
+            self._deliver_all(delayed)
+            delayed = self.core.complete(pending) if pending is not None else []
+        self._deliver_all(delayed)
+
+    def _deliver_all(self, outputs: list[StepOutput]) -> None:
+        for output in outputs:
+            self._deliver(output.request, output.token)
+
     def _drain(self, block: bool) -> bool:
         """Run queued commands; False once asked to stop."""
         try:
@@ -143,6 +166,9 @@ class EngineLoop:
 
     def _run(self) -> None:
         try:
+            if getattr(self.core, "pipelined", False):
+                self._run_pipelined()
+                return
             while self._drain(block=not self.core.has_work()):
                 outputs: list[StepOutput] = self.core.step()
                 for output in outputs:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -36,12 +37,16 @@ class Request:
     params: SamplingParams
     eos_token_ids: frozenset[int]
     generator: torch.Generator | None = None
+    # Grammar matcher (runner.grammar.GrammarMatcher) of a structured output, created at add time and
+    # advanced once per appended output token.
+    grammar: Any = None
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
     num_hashed_blocks: int = 0
     last_block_hash: int = 0
+    state_slot: int = -1      # hybrid models: this request's slot in the recurrent-state pool while running
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
     stop_reason: int | None = None

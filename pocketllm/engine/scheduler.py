@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from pocketllm.engine.block_manager import BlockManager
 from pocketllm.engine.request import FinishReason, Request, RequestStatus
+from pocketllm.engine.state_pool import StatePool
 
 logger = logging.getLogger("pocketllm.scheduler")
 
@@ -41,9 +42,11 @@ class Scheduler:
     ``prefill_chunk`` bounds one request's prefill per step (0: whole prompts in one step).
     """
 
-    def __init__(self, limits: SchedulerLimits, block_manager: BlockManager, prefill_chunk: int) -> None:
+    def __init__(self, limits: SchedulerLimits, block_manager: BlockManager, prefill_chunk: int,
+                 state_pool: StatePool | None = None) -> None:
         self.limits = limits
         self.blocks = block_manager
+        self.state_pool = state_pool    # hybrid models: a recurrent-state slot per running request
         self.prefill_chunk = prefill_chunk
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -72,6 +75,8 @@ class Scheduler:
     def _preempt(self, victim: Request) -> None:
         self.running.remove(victim)
         self.blocks.free_request(victim)
+        if self.state_pool is not None:
+            self.state_pool.release(victim)
         victim.num_computed_tokens = 0
         victim.status = RequestStatus.WAITING
         victim.num_preemptions += 1
@@ -113,6 +118,8 @@ class Scheduler:
             request.num_computed_tokens = computed
             request.num_cached_tokens = max(request.num_cached_tokens, computed)
             self.blocks.allocate(request, n, cached)
+            if self.state_pool is not None:
+                self.state_pool.assign(request)
             request.status = RequestStatus.RUNNING
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = time.monotonic()
@@ -131,6 +138,8 @@ class Scheduler:
         elif request in self.waiting:
             self.waiting.remove(request)
         self.blocks.free_request(request)
+        if self.state_pool is not None:
+            self.state_pool.release(request)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         request.finished_time = time.monotonic()

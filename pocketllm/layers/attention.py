@@ -1,4 +1,5 @@
-"""Attention over the paged KV cache: the PyTorch reference path (CPU, and any device without kernels)."""
+"""Attention over the paged KV cache: the PyTorch reference path (CPU, and any device without kernels), and
+the dispatch to the Triton kernels when the model runner built kernel metadata (CUDA)."""
 
 from __future__ import annotations
 
@@ -28,6 +29,11 @@ class Attention(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         """``q`` [T, H, D], ``k``/``v`` [T, KVH, D] → [T, H*D]."""
+        if meta.uses_kernels:
+            from pocketllm.kernels.attention import store_kv
+
+            store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+            return self._attend_kernels(q.contiguous(), meta)
         k_flat = self.k_cache.view(-1, self.num_kv_heads, self.head_dim)
         v_flat = self.v_cache.view(-1, self.num_kv_heads, self.head_dim)
         k_flat.index_copy_(0, meta.slot_mapping, k.to(k_flat.dtype))
@@ -37,6 +43,29 @@ class Attention(nn.Module):
         else:
             out = torch.cat([self._sequence(q, meta, i) for i in range(meta.num_seqs)], dim=0)
         return out.reshape(q.shape[0], self.num_heads * self.head_dim)
+
+    def forward_packed(self, qkv: torch.Tensor, positions: torch.Tensor, rotary: nn.Module,
+                       q_norm: nn.Module | None, k_norm: nn.Module | None, meta: AttentionMetadata) -> torch.Tensor:
+        """CUDA kernel path from the fused projection ``qkv`` [T, (H + 2 KVH) * D]: per-head q/k norm, rotary
+        embedding and the KV store in one launch, then paged attention → [T, H*D]."""
+        from pocketllm.kernels.fused import qkv_prepare
+
+        q = qkv_prepare(qkv, positions, rotary.cos_cache, rotary.sin_cache,
+                        None if q_norm is None else q_norm.weight, None if k_norm is None else k_norm.weight,
+                        q_norm.eps if q_norm is not None else 0.0, self.num_heads, self.num_kv_heads,
+                        self.head_dim, self.k_cache, self.v_cache, meta.slot_mapping)
+        return self._attend_kernels(q, meta)
+
+    def _attend_kernels(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        from pocketllm.kernels.attention import paged_decode, paged_prefill
+
+        if meta.is_decode_only:
+            out = paged_decode(q, self.k_cache, self.v_cache, meta.block_tables, meta.context_lens_gpu,
+                               self.scale, meta.num_splits)
+        else:
+            out = paged_prefill(q, self.k_cache, self.v_cache, meta.block_tables, meta.context_lens_gpu,
+                                meta.query_start_gpu, meta.max_query_len, self.scale)
+        return out.view(q.shape[0], self.num_heads * self.head_dim)
 
     def _context(self, meta: AttentionMetadata, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         length = meta.context_lens[i]

@@ -28,9 +28,19 @@ class FusedMoE(nn.Module):
         self.w13.weight_loader = self.weight_loader
         self.w2.weight_loader = self.weight_loader
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str, expert: int) -> None:
-        """``shard_id`` is ``gate``, ``up`` (into w13) or ``down`` (into w2) of expert ``expert``."""
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | None = None,
+                      expert: int | None = None) -> None:
+        """``shard_id`` is ``gate``, ``up`` (into w13) or ``down`` (into w2) of expert ``expert``; without them
+        ``loaded`` holds every expert stacked: gate and up rows [E, 2I, H] (w13) or down [E, H, I] (w2)."""
         start = self.tp_rank * self.shard
+        if shard_id is None:
+            if param is self.w2:
+                param.data.copy_(loaded.narrow(2, start, self.shard))
+                return
+            full = loaded.shape[1] // 2
+            param.data.copy_(torch.cat([loaded.narrow(1, start, self.shard),
+                                        loaded.narrow(1, full + start, self.shard)], dim=1))
+            return
         if shard_id == "down":
             param.data[expert].copy_(loaded.narrow(1, start, self.shard))
             return

@@ -49,6 +49,27 @@ PRESETS: dict[str, dict[str, Any]] = {
     },
 }
 
+# Qwen3.5 (hybrid Gated DeltaNet): the text part of the published Qwen3.5-9B and Qwen3.5-35B-A3B configs
+# (every fourth layer full attention; mrope sections are degenerate for text positions).
+_QWEN3_5_COMMON: dict[str, Any] = {
+    "vocab_size": 248320, "head_dim": 256, "hidden_act": "silu", "max_position_embeddings": 262144,
+    "rms_norm_eps": 1e-6, "attention_bias": False, "tie_word_embeddings": False, "full_attention_interval": 4,
+    "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
+    "linear_num_key_heads": 16, "linear_num_value_heads": 32, "eos_token_id": 248044, "dtype": "bfloat16",
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25,
+                        "mrope_section": [11, 11, 10], "mrope_interleaved": True},
+}
+PRESETS["qwen3.5-9b"] = {
+    **_QWEN3_5_COMMON, "model_type": "qwen3_5_text", "architectures": ["Qwen3_5ForCausalLM"],
+    "hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 32, "num_attention_heads": 16,
+    "num_key_value_heads": 4,
+}
+PRESETS["qwen3.5-35b-a3b"] = {
+    **_QWEN3_5_COMMON, "model_type": "qwen3_5_moe_text", "architectures": ["Qwen3_5MoeForCausalLM"],
+    "hidden_size": 2048, "num_hidden_layers": 40, "num_attention_heads": 16, "num_key_value_heads": 2,
+    "num_experts": 256, "num_experts_per_tok": 8, "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512,
+}
+
 
 def preset_names() -> list[str]:
     """Names accepted with ``load_format="dummy"``."""

@@ -22,9 +22,27 @@ def load_hf_config(directory: str) -> Any:
     if not os.path.isfile(os.path.join(directory, "config.json")):
         raise CheckpointError(f"{directory!r} has no config.json")
     try:
-        return AutoConfig.from_pretrained(directory, local_files_only=True, trust_remote_code=False)
+        config = AutoConfig.from_pretrained(directory, local_files_only=True, trust_remote_code=False)
     except (ValueError, KeyError, OSError) as exc:
         raise CheckpointError(f"cannot read config.json in {directory!r}: {exc}") from exc
+    return text_part(config)
+
+
+# Multimodal checkpoints served text-only (model_type → the text model's architecture). Their weights
+# keep the multimodal names; the model's ``checkpoint_name`` skips the vision tower.
+TEXT_ONLY_MODEL_TYPES = {"qwen3_5": "Qwen3_5ForCausalLM", "qwen3_5_moe": "Qwen3_5MoeForCausalLM"}
+
+
+def text_part(config: Any) -> Any:
+    """The nested ``text_config`` of a checkpoint in ``TEXT_ONLY_MODEL_TYPES`` (other configs unchanged)."""
+    text = getattr(config, "text_config", None)
+    architecture = TEXT_ONLY_MODEL_TYPES.get(getattr(config, "model_type", None))
+    if architecture is None or text is None:
+        return config
+    text.architectures = [architecture]
+    # The LM head is tied (or not) by the outer config, as transformers does for these models.
+    text.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+    return text
 
 
 def read_generation_config(directory: str) -> dict[str, Any]:

@@ -40,6 +40,9 @@ class SelfAttention(nn.Module):
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         qkv = self.qkv_proj(hidden)
+        if meta.uses_kernels and self.rotary_emb.rotary_dim == self.head_dim:
+            return self.o_proj(self.attn.forward_packed(qkv, positions, self.rotary_emb, self.q_norm, self.k_norm,
+                                                        meta))
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)

@@ -8,6 +8,8 @@ from pocketllm.errors import UnsupportedFeatureError
 from pocketllm.models.llama import LlamaForCausalLM
 from pocketllm.models.qwen2 import Qwen2ForCausalLM
 from pocketllm.models.qwen3 import Qwen3ForCausalLM
+from pocketllm.models.qwen3_5 import Qwen3_5ForCausalLM
+from pocketllm.models.qwen3_5_moe import Qwen3_5MoeForCausalLM
 from pocketllm.models.qwen3_moe import Qwen3MoeForCausalLM
 
 MODELS: dict[str, type[nn.Module]] = {
@@ -16,6 +18,10 @@ MODELS: dict[str, type[nn.Module]] = {
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    # Hybrid Gated DeltaNet models (recurrent state per request; the loader hands us the text part of
+    # Qwen3_5(Moe)ForConditionalGeneration checkpoints under these names).
+    "Qwen3_5ForCausalLM": Qwen3_5ForCausalLM,
+    "Qwen3_5MoeForCausalLM": Qwen3_5MoeForCausalLM,
 }
 
 

@@ -27,6 +27,7 @@ from typing import Any
 
 from pocketllm.errors import InvalidRequestError
 from pocketllm.protocol.chat_request import REASONING_EFFORTS
+from pocketllm.protocol.structured_output import check_response_format, check_tool_choice
 from pocketllm.sampling_params import MAX_LOGPROBS, SamplingParams
 
 __all__ = [
@@ -119,18 +120,14 @@ _CHAT_ONLY: dict[str, FieldRule] = {
     "max_completion_tokens": _impl("the generation budget; wins over max_tokens when both are sent"),
     "logprobs": _impl("boolean: report the sampled token's log probability (non-streaming only)"),
     "top_logprobs": _impl(f"0..{MAX_LOGPROBS} alternatives ranked per position; needs logprobs=true"),
-    "response_format": _impl("text, json_object or json_schema; checked by the chat builder against caps"),
+    "response_format": _impl("text, json_object or json_schema; the answer is constrained by a grammar (needs "
+                             "structured outputs)"),
     "tools": _impl("function tool definitions passed to the chat template; calls parsed back"),
     "reasoning_effort": _impl(f"reasoning effort for the template ({', '.join(REASONING_EFFORTS)})"),
-    "tool_choice": _refused(
-        "tool selection policy", (None, "auto"),
-        "tool definitions reach the chat template, but the model is not constrained to call a tool, skip "
-        "them, or call one function, so the policy would have no effect",
-        'Send "tool_choice": "auto" or omit it'),
-    "parallel_tool_calls": _refused(
-        "limit on tool calls per turn; true is inert", (None, True),
-        "the number of tool calls the model emits is not limited",
-        'Send "parallel_tool_calls": true or omit it'),
+    "tool_choice": _impl("auto; none (tools kept out of the template); required or a named function, which "
+                         "constrain the answer to calls of the tools by a grammar (needs structured outputs)"),
+    "parallel_tool_calls": _impl("true is inert; false holds a forced call (required / named) to one call, and is "
+                                 "refused with tool_choice auto, where the model's own syntax is not limited"),
     "audio": _refused(
         "audio output parameters", (None,),
         "this server generates text only and produces no audio",
@@ -154,7 +151,7 @@ _CHAT_ONLY: dict[str, FieldRule] = {
     "function_call": _refused(
         "deprecated function-call policy", (None,),
         "the deprecated function_call policy is not implemented",
-        'Omit "function_call" and use "tools" ("tool_choice" accepts "auto")'),
+        'Omit "function_call" and use "tools" with "tool_choice"'),
     "verbosity": _refused(
         "answer verbosity level", (None,),
         "the answer's length is not steered by a verbosity level",
@@ -571,10 +568,16 @@ def _chat_options(fields: Mapping[str, Any], caps: Any) -> dict[str, Any]:
         tools = _tools(fields["tools"])
         if tools:
             options["tools"] = tools
+    check_tool_choice(fields.get("tool_choice"), options.get("tools"), fields.get("parallel_tool_calls"),
+                      structured_outputs=bool(_cap(caps, "structured_outputs")))
     if "tool_choice" in fields:
         options["tool_choice"] = fields["tool_choice"]
+    if fields.get("parallel_tool_calls") is False:
+        options["parallel_tool_calls"] = False
     if "response_format" in fields:
         options["response_format"] = _response_format(fields["response_format"], caps)
+        check_response_format(options["response_format"], structured_outputs=True,
+                              tool_choice=fields.get("tool_choice"))
     if "reasoning_effort" in fields:
         effort = fields["reasoning_effort"]
         if effort not in REASONING_EFFORTS:

@@ -17,11 +17,24 @@ class AttentionMetadata:
     (block * block_size + offset).
     """
 
-    slot_mapping: torch.Tensor          # [num_tokens] int64
-    block_tables: torch.Tensor          # [num_seqs, max_blocks] int64 (padded with 0)
+    slot_mapping: torch.Tensor          # [num_tokens] int64 (int32 on the kernel path; -1: store nothing)
+    block_tables: torch.Tensor          # [num_seqs, max_blocks] int64 (int32 on the kernel path; padded with 0)
     query_start: list[int]              # host copy, len num_seqs + 1
     context_lens: list[int]             # host copy, len num_seqs
     block_size: int
+    # CUDA kernel path only (None on the PyTorch reference path): device copies of the lengths, int32, so
+    # that the kernels (and CUDA-graph replays) need nothing from the host lists.
+    context_lens_gpu: torch.Tensor | None = None    # [num_seqs] int32
+    query_start_gpu: torch.Tensor | None = None     # [num_seqs + 1] int32
+    max_query_len: int = 0
+    num_splits: int = 1                             # decode: context splits per sequence
+    # Hybrid (recurrent-state) models only; None otherwise: each sequence's slot in the state pool.
+    state_slots: torch.Tensor | None = None         # [num_seqs] int64
+    state_slots_host: list[int] | None = None       # host copy
+
+    @property
+    def uses_kernels(self) -> bool:
+        return self.context_lens_gpu is not None
 
     @property
     def num_seqs(self) -> int:

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import math
 from collections.abc import Iterable
 
 import torch
 
 from pocketllm.engine.scheduler import ScheduledChunk
+from pocketllm.kernels import available as kernels_available
 from pocketllm.models.registry import model_class
 from pocketllm.models.weights import init_dummy_weights, load_weights
 from pocketllm.runner.attention_metadata import AttentionMetadata
@@ -50,7 +53,16 @@ class ModelRunner:
         self.model.eval()
         self.sampler = Sampler(seed)
         self.attention_layers = [m for m in self.model.modules() if type(m).__name__ == "Attention"]
+        # Hybrid models: layers with per-request recurrent state, held in slots (``allocate_state_pool``).
+        self.state_layers = [m for m in self.model.modules() if hasattr(m, "state_specs")]
         self.num_blocks = 0
+        # CUDA with Triton: kernel metadata from one pinned copy per step, decode CUDA graphs (cuda_graphs.py).
+        self.cuda_step = None
+        # (Not yet for hybrid models: their CUDA step would also have to carry the state slots.)
+        if device.type == "cuda" and kernels_available(device) and self.attention_layers and not self.state_layers:
+            from pocketllm.runner.cuda_graphs import CudaStepRunner
+
+            self.cuda_step = CudaStepRunner(self.model, device, block_size, self.attention_layers[0].num_kv_heads)
 
     def load(self, weights: Iterable[tuple[str, torch.Tensor]] | None, dummy_seed: int | None = None) -> None:
         """Load checkpoint weights, or fill random ones when ``weights`` is None."""
@@ -59,10 +71,83 @@ class ModelRunner:
         else:
             load_weights(self.model, weights)
 
+    @torch.inference_mode()
+    def profile_activation_bytes(self, max_num_batched_tokens: int, max_num_seqs: int) -> int:
+        """CUDA: peak memory a full step needs beyond weights and KV cache, measured with one dummy forward of
+        ``max_num_batched_tokens`` tokens plus logits for ``max_num_seqs`` rows (and room for the sampler)."""
+        tokens = max_num_batched_tokens
+        blocks = -(-tokens // self.block_size) + 1
+        self.allocate_kv_cache(blocks)
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        base = torch.cuda.memory_allocated(self.device)
+        ids = torch.zeros(tokens, dtype=torch.int64, device=self.device)
+        positions = torch.arange(tokens, device=self.device)
+        table = list(range(blocks - 1))
+        if self.cuda_step is not None:
+            dev = torch.tensor(list(range(tokens)) + [tokens, 0, tokens] + table, dtype=torch.int32,
+                               device=self.device)
+            meta = AttentionMetadata(
+                slot_mapping=dev[:tokens], block_tables=dev[tokens + 3:].view(1, -1), query_start=[0, tokens],
+                context_lens=[tokens], block_size=self.block_size, context_lens_gpu=dev[tokens:tokens + 1],
+                query_start_gpu=dev[tokens + 1:tokens + 3], max_query_len=tokens)
+        else:
+            meta = AttentionMetadata(
+                slot_mapping=torch.arange(tokens, device=self.device),
+                block_tables=torch.tensor([table], dtype=torch.int64, device=self.device),
+                query_start=[0, tokens], context_lens=[tokens], block_size=self.block_size)
+        if self.state_layers:
+            meta = dataclasses.replace(meta, state_slots=torch.zeros(1, dtype=torch.int64, device=self.device),
+                                       state_slots_host=[0])
+        hidden = self.model(ids, positions, meta)
+        rows = min(max_num_seqs, tokens)
+        logits = self.model.compute_logits(hidden[:rows]).float()
+        del hidden, logits
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - base
+        vocab = int(self.hf_config.vocab_size)
+        sampler = 4 * max_num_seqs * vocab * 4  # a few [rows, vocab] float32 temporaries
+        self.allocate_kv_cache(0)
+        torch.cuda.empty_cache()
+        return peak + sampler
+
+    def capture_cuda_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
+        """CUDA: capture the decode graphs (after the KV cache is allocated); a no-op elsewhere, and for models
+        whose forward synchronises with the host (mixture-of-experts routing)."""
+        if self.cuda_step is None:
+            return
+        self.choose_kernels()
+        if any(type(m).__name__ == "FusedMoE" for m in self.model.modules()):
+            logger.info("decode CUDA graphs off: the MoE layers read routing counts on the host")
+            return
+        with torch.inference_mode():
+            self.cuda_step.capture(max_num_seqs, max_model_len)
+
+    def choose_kernels(self) -> None:
+        """CUDA: time the skinny LM-head kernel against cuBLAS on this weight and keep the faster."""
+        head = getattr(self.model, "lm_head", None)
+        if self.cuda_step is None or head is None or not hasattr(head, "skinny_rows"):
+            return
+        from pocketllm.kernels.gemv import skinny_rows_for
+
+        head.skinny_rows = skinny_rows_for(head.weight)
+        logger.info("LM head: Triton skinny kernel up to %d rows, cuBLAS beyond", head.skinny_rows)
+
     def kv_bytes_per_block(self) -> int:
         element = torch.tensor([], dtype=self.dtype).element_size()
         per_layer = sum(2 * a.num_kv_heads * a.head_dim for a in self.attention_layers)
         return per_layer * self.block_size * element
+
+    def state_bytes_per_slot(self) -> int:
+        """Recurrent state (all state layers) of one request."""
+        return sum(math.prod(shape) * torch.tensor([], dtype=dtype).element_size()
+                   for layer in self.state_layers for shape, dtype in layer.state_specs(self.dtype).values())
+
+    def allocate_state_pool(self, num_slots: int) -> None:
+        """Bind ``[num_slots, *shape]`` zeroed tensors to every state layer (hybrid models)."""
+        for layer in self.state_layers:
+            for name, (shape, dtype) in layer.state_specs(self.dtype).items():
+                setattr(layer, name, torch.zeros((num_slots, *shape), dtype=dtype, device=self.device))
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         self.num_blocks = num_blocks
@@ -95,10 +180,14 @@ class ModelRunner:
         width = max(len(c.request.block_table) for c in chunks)
         tables = [c.request.block_table + [0] * (width - len(c.request.block_table)) for c in chunks]
         device = self.device
+        state = {}
+        if self.state_layers:
+            host = [c.request.state_slot for c in chunks]
+            state = {"state_slots": torch.tensor(host, dtype=torch.int64, device=device), "state_slots_host": host}
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
             block_tables=torch.tensor(tables, dtype=torch.int64, device=device),
-            query_start=query_start, context_lens=context_lens, block_size=self.block_size)
+            query_start=query_start, context_lens=context_lens, block_size=self.block_size, **state)
         ids = torch.tensor(input_ids, dtype=torch.int64, device=device)
         pos = torch.tensor(positions, dtype=torch.int64, device=device)
         return ids, pos, meta, sample_index
@@ -106,13 +195,31 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, chunks: list[ScheduledChunk]) -> list[SampledToken]:
         """Run the chunks; return one sampled token per chunk that reached the end of its sequence."""
-        ids, positions, meta, sample_index = self._prepare(chunks)
-        hidden = self.model(ids, positions, meta)
-        if not sample_index:
+        return self.sample(chunks, self.launch(chunks))
+
+    @torch.inference_mode()
+    def launch(self, chunks: list[ScheduledChunk]) -> torch.Tensor | None:
+        """Queue the forward pass; the float32 logits of the sampling rows (None if no chunk samples). On CUDA
+        nothing here waits for the device."""
+        if self.cuda_step is not None:
+            sampled_hidden = self.cuda_step.forward(chunks)
+            if sampled_hidden is None:
+                return None
+        else:
+            ids, positions, meta, sample_index = self._prepare(chunks)
+            hidden = self.model(ids, positions, meta)
+            if not sample_index:
+                return None
+            index = torch.tensor(sample_index, dtype=torch.int64, device=self.device)
+            sampled_hidden = hidden.index_select(0, index)
+        return self.model.compute_logits(sampled_hidden).float()
+
+    @torch.inference_mode()
+    def sample(self, chunks: list[ScheduledChunk], logits: torch.Tensor | None) -> list[SampledToken]:
+        """One token per sampling chunk, from the logits ``launch`` returned."""
+        if logits is None:
             return []
-        index = torch.tensor(sample_index, dtype=torch.int64, device=self.device)
-        logits = self.model.compute_logits(hidden.index_select(0, index)).float()
         rows = [SamplingRow(c.request.params, c.request.prompt_token_ids, c.request.output_token_ids,
-                            c.request.generator) for c in chunks if c.samples]
+                            c.request.generator, c.request.grammar) for c in chunks if c.samples]
         return self.sampler(logits, rows)
 

@@ -5,6 +5,7 @@ The model runner hands the sampler one ``[B, V]`` float32 logits tensor per step
 
 Processing order (on a float32 copy, only made when something has to be modified):
 
+0. rows with a grammar (structured outputs) get every token the grammar does not allow set to ``-inf``;
 1. ``logit_bias`` is added;
 2. ``repetition_penalty`` over prompt + output tokens (a positive logit is divided by the penalty, any
    other logit multiplied by it);
@@ -29,9 +30,11 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
+from pocketllm.runner.grammar import apply_bitmask, fill_bitmask
 from pocketllm.sampling_params import SamplingParams
 
 __all__ = ["SampledToken", "Sampler", "SamplingRow"]
@@ -49,6 +52,9 @@ class SamplingRow:
     # Per-request generator when params.seed is set (created and owned by the engine, seeded once with
     # the seed); None -> the sampler's shared generator.
     generator: torch.Generator | None = None
+    # The request's grammar matcher (runner.grammar.GrammarMatcher) when its output is constrained; the
+    # engine advances it after each appended token, the sampler only reads the allowed set.
+    grammar: Any = None
 
 
 @dataclass
@@ -87,7 +93,9 @@ class Sampler:
         if batch == 0:
             return []
         params = [row.params for row in rows]
-        plain_greedy = all(p.greedy and p.logprobs is None and not _needs_processing(p) for p in params)
+        grammar_rows = [i for i, row in enumerate(rows) if row.grammar is not None]
+        plain_greedy = not grammar_rows and all(
+            p.greedy and p.logprobs is None and not _needs_processing(p) for p in params)
         if plain_greedy:
             # Fast path: one argmax over the raw logits, no copies.
             return [SampledToken(int(t)) for t in logits.argmax(dim=-1).tolist()]
@@ -108,8 +116,15 @@ class Sampler:
                 vals, ids = raw_logprobs.topk(k, dim=-1)
                 top_vals, top_ids = vals.tolist(), ids.tolist()
 
-        # 2. Processed logits: bias and penalties on a float32 copy.
+        # 2. Processed logits: grammar mask, bias and penalties on a float32 copy.
         x = logits.float()
+        if grammar_rows:
+            matchers = [rows[i].grammar for i in grammar_rows]
+            bitmask = fill_bitmask(matchers, math.ceil(matchers[0].vocab_size / 32))
+            if bitmask is not None:
+                if x.data_ptr() == logits.data_ptr():
+                    x = x.clone()
+                apply_bitmask(x, bitmask, grammar_rows)
         if any(_needs_processing(p) for p in params):
             if x.data_ptr() == logits.data_ptr():
                 x = x.clone()

@@ -49,6 +49,23 @@ class ServerState:
         return self.config.served_model_name or self.config.engine_args.model or "pocketllm-default"
 
 
+class ApiKeyMiddleware:
+    """Requires ``Authorization: Bearer <key>`` on /v1/* (plain ASGI, so disconnects still reach handlers)."""
+
+    def __init__(self, app, key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {key}".encode()
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1/"):
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                response = error_response(401, "missing or wrong API key: send 'Authorization: Bearer <key>'")
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
 def _load(state: ServerState) -> None:
     try:
         state.llm = AsyncLLM(state.config.engine_args)
@@ -77,14 +94,8 @@ def build_app(config: ServerConfig) -> FastAPI:
             return error_response(404, f"no route for {request.method} {request.url.path}")
         return error_response(exc.status_code, str(exc.detail))
 
-    @app.middleware("http")
-    async def authenticate(request: Request, call_next):
-        key = config.api_key
-        if key and request.url.path.startswith("/v1/"):
-            given = request.headers.get("authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
-                return error_response(401, "missing or wrong API key: send 'Authorization: Bearer <key>'")
-        return await call_next(request)
+    if config.api_key:
+        app.add_middleware(ApiKeyMiddleware, key=config.api_key)
 
     def _unavailable() -> JSONResponse | None:
         if state.load_error is not None:

@@ -13,8 +13,15 @@ from typing import Any
 from pocketllm.api import AsyncLLM
 from pocketllm.errors import InvalidRequestError
 from pocketllm.outputs import RequestOutput, TokenEvent, TokenLogprob
+from pocketllm.protocol.chat_output import ChatOutputSpec
 from pocketllm.protocol.openai_fields import ParsedRequest
-from pocketllm.sampling_params import SamplingParams
+from pocketllm.protocol.structured_output import (
+    after_reasoning,
+    is_forced_tool_choice,
+    parse_forced_tool_calls,
+    structured_output_for,
+)
+from pocketllm.sampling_params import SamplingParams, StructuredOutput
 from pocketllm.server.metrics import ServerMetrics
 
 SEED_STRIDE = 1_000_003
@@ -50,6 +57,10 @@ class _Job:
     created: int = field(default_factory=lambda: int(time.time()))
     started: float = field(default_factory=time.monotonic)
     prompt_tokens: int = 0
+    # How a chat answer is read back: reasoning split and the checkpoint's own tool-call syntax.
+    chat_output: ChatOutputSpec | None = None
+    # tool_choice "required" / a named function: the answer is a JSON list of calls, parsed into tool_calls.
+    forced_tool_calls: bool = False
 
 
 def sse(payload: dict | str) -> str:
@@ -69,11 +80,16 @@ class OpenAIServing:
         self.jobs: dict[str, _Job] = {}
 
     # --- building --------------------------------------------------------------------------------
+    def _chat_prompt(self, parsed: ParsedRequest) -> tuple[list[int], ChatOutputSpec | None]:
+        options = dict(parsed.chat_options)
+        if parsed.drop_thinking is not None:
+            options.setdefault("drop_thinking", parsed.drop_thinking)
+        return self.llm.prepare_chat(parsed.messages, **options)
+
     def _prompt_ids(self, parsed: ParsedRequest) -> list[list[int]]:
         tok = self.llm.tokenizer
         if parsed.endpoint == "chat":
-            text = self.llm.render_chat(parsed.messages, **parsed.chat_options)
-            return [tok.encode(text, add_special_tokens=False)]
+            return [self._chat_prompt(parsed)[0]]
         prompts = []
         for prompt in parsed.prompts:
             if isinstance(prompt, str):
@@ -84,8 +100,11 @@ class OpenAIServing:
                 prompts.append(list(prompt))
         return prompts
 
-    def _params(self, parsed: ParsedRequest, prompt_len: int, choice: int) -> SamplingParams:
+    def _params(self, parsed: ParsedRequest, prompt_len: int, choice: int,
+                structured: StructuredOutput | None = None) -> SamplingParams:
         sampling = dict(parsed.sampling)
+        if structured is not None:  # each choice is its own engine request, so it gets its own matcher
+            sampling["structured_output"] = structured
         room = self.llm.max_model_len - prompt_len
         if room < 1:
             raise InvalidRequestError(
@@ -108,15 +127,25 @@ class OpenAIServing:
         request_id = parsed.request_id or f"{prefix}-{uuid.uuid4().hex}"
         if request_id in self.jobs:
             raise InvalidRequestError(f"request_id {request_id!r} is already in use", param="request_id")
-        prompts = self._prompt_ids(parsed)
+        chat_output = None
+        if parsed.endpoint == "chat":
+            prompt_ids, chat_output = self._chat_prompt(parsed)
+            prompts = [prompt_ids]
+        else:
+            prompts = self._prompt_ids(parsed)
+        structured = None
+        if parsed.endpoint == "chat":
+            structured = after_reasoning(structured_output_for(parsed.chat_options), chat_output)
         choices = []
         for p, prompt_ids in enumerate(prompts):
             for i in range(parsed.n):
                 index = p * parsed.n + i
                 choices.append(_Choice(index, f"{request_id}-{index}", prompt_ids,
-                                       self._params(parsed, len(prompt_ids), i)))
+                                       self._params(parsed, len(prompt_ids), i, structured)))
         job = _Job(request_id, parsed.endpoint, choices, parsed.want_logprobs)
+        job.forced_tool_calls = is_forced_tool_choice(parsed.chat_options.get("tool_choice"))
         job.prompt_tokens = sum(len(p) for p in prompts)
+        job.chat_output = chat_output
         return job
 
     def cancel(self, request_id: str) -> bool:
@@ -173,13 +202,40 @@ class OpenAIServing:
             else "text_completion"
         return {"id": job.request_id, "object": kind, "created": job.created, "model": self.model_name}
 
+    def _forced_tool_call_body(self, job: _Job, choice: _Choice, output: RequestOutput) -> dict | None:
+        """A forced tool_choice's answer as tool_calls; None (plain content) when it does not parse."""
+        calls = parse_forced_tool_calls(output.text) if output.finish_reason == "stop" else None
+        if calls is None:
+            return None
+        message: dict[str, Any] = {"role": "assistant", "content": None, "tool_calls": calls}
+        if getattr(output, "reasoning_content", None) is not None:  # the grammar started after the reasoning
+            message["reasoning_content"] = output.reasoning_content
+        return {"index": choice.index, "message": message,
+                "logprobs": self._logprobs(job, choice, output.logprobs), "finish_reason": "tool_calls"}
+
     def _choice_body(self, job: _Job, choice: _Choice, output: RequestOutput) -> dict:
+        if job.forced_tool_calls:
+            forced = self._forced_tool_call_body(job, choice, output)
+            if forced is not None:
+                return forced
         logprobs = self._logprobs(job, choice, output.logprobs)
         if job.endpoint == "chat":
-            return {"index": choice.index, "message": {"role": "assistant", "content": output.text},
+            return {"index": choice.index, "message": self._message(output),
                     "logprobs": logprobs, "finish_reason": output.finish_reason}
         return {"index": choice.index, "text": output.text, "logprobs": logprobs,
                 "finish_reason": output.finish_reason}
+
+    @staticmethod
+    def _message(output: RequestOutput) -> dict:
+        """The assistant message: content, the reasoning when the model wrote one, and parsed tool calls
+        (content is null when the answer was only calls, as OpenAI reports it)."""
+        message: dict[str, Any] = {"role": "assistant", "content": output.text}
+        if output.reasoning_content is not None:
+            message["reasoning_content"] = output.reasoning_content
+        if output.tool_calls:
+            message["content"] = output.text or None
+            message["tool_calls"] = [call.to_openai() for call in output.tool_calls]
+        return message
 
     # --- running ---------------------------------------------------------------------------------
     def _record(self, job: _Job, output: RequestOutput) -> None:
@@ -191,7 +247,8 @@ class OpenAIServing:
         job = self._job(parsed, prefix)
         self.jobs[job.request_id] = job
         try:
-            tasks = {asyncio.ensure_future(self.llm.generate([c.prompt_ids], c.params, request_id=c.engine_id)): c
+            tasks = {asyncio.ensure_future(self.llm.generate([c.prompt_ids], c.params, request_id=c.engine_id,
+                                                             chat_output=job.chat_output)): c
                      for c in job.choices}
             watcher = asyncio.ensure_future(self._watch_disconnect(job, disconnected))
             done, pending = await asyncio.wait(tasks, timeout=self.request_timeout)
@@ -247,7 +304,8 @@ class OpenAIServing:
         async def pump(choice: _Choice) -> None:
             try:
                 async for event in self.llm.generate_stream(choice.prompt_ids, choice.params,
-                                                            request_id=choice.engine_id):
+                                                            request_id=choice.engine_id,
+                                                            chat_output=job.chat_output):
                     await events.put((choice, event))
             except Exception as exc:  # reported to the client as an error event
                 await events.put((choice, exc))
@@ -296,11 +354,15 @@ class OpenAIServing:
     def _stream_chunk(self, job: _Job, choice: _Choice, event: TokenEvent) -> dict | None:
         if event.output is not None:
             self._record(job, event.output)
-        if not event.text and not event.finished:
+        if not event.text and not event.reasoning_content and not event.finished:
             return None
         reason = event.finish_reason if event.finished else None
         if job.endpoint == "chat":
-            delta = {"content": event.text} if event.text else {}
+            delta: dict[str, Any] = {"content": event.text} if event.text else {}
+            if event.reasoning_content:
+                delta["reasoning_content"] = event.reasoning_content
+            if event.tool_calls:
+                delta["tool_calls"] = [{"index": i, **call.to_openai()} for i, call in enumerate(event.tool_calls)]
             body = {"index": choice.index, "delta": delta, "logprobs": None, "finish_reason": reason}
         else:
             body = {"index": choice.index, "text": event.text, "logprobs": None, "finish_reason": reason}

@@ -1,0 +1,158 @@
+"""``pocketllm bench serve``: an HTTP load generator against a running ``pocketllm serve`` (or any server of
+the OpenAI completions API that accepts token-id prompts and ``ignore_eos``).
+
+Requests arrive as a Poisson process (``--request-rate`` per second; ``inf`` sends them all at once),
+optionally capped at ``--max-concurrency`` in flight. Each streams ``/v1/completions`` with a random
+token-id prompt and ``max_tokens`` new tokens with EOS ignored, so it produces exactly that many tokens.
+Reported: request/s, output tok/s, TTFT, TPOT ((end - first token) / (tokens - 1)), ITL (gaps between
+streamed chunks; a chunk can carry more than one token when text is held back) and end-to-end latency,
+each as mean, p50 and p99.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import time
+from typing import Any
+
+from pocketllm.bench import common
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--base-url", default="http://127.0.0.1:8000", help="The server (default: %(default)s).")
+    parser.add_argument("--api-key", default=None, help="Bearer token, when the server asks for one.")
+    parser.add_argument("--served-model", default=None, help="The request's model field (default: the first "
+                                                              "model /v1/models lists).")
+    parser.add_argument("--num-requests", type=int, default=200, help="Requests to send (default: 200).")
+    parser.add_argument("--request-rate", type=float, default=float("inf"),
+                        help="Poisson arrival rate per second (default: inf = all at once).")
+    parser.add_argument("--max-concurrency", type=int, default=None, help="Most requests in flight (default: no cap).")
+    parser.add_argument("--min-input-len", type=int, default=100, help="Shortest prompt (default: 100).")
+    parser.add_argument("--max-input-len", type=int, default=1024, help="Longest prompt (default: 1024).")
+    parser.add_argument("--min-output-len", type=int, default=100, help="Fewest new tokens (default: 100).")
+    parser.add_argument("--max-output-len", type=int, default=1024, help="Most new tokens (default: 1024).")
+    parser.add_argument("--vocab-size", type=int, default=10000,
+                        help="Prompt token ids are drawn from [0, N) (default: 10000, valid in any real vocabulary).")
+    parser.add_argument("--temperature", type=float, default=0.0, help="Sampling temperature (default: 0).")
+    parser.add_argument("--seed", type=int, default=0, help="Seed of the workload and the arrival times.")
+    parser.add_argument("--timeout", type=float, default=600.0, help="Seconds one request may take.")
+
+
+def _stats(values: list[float]) -> dict[str, float | None]:
+    if not values:
+        return {"mean": None, "p50": None, "p99": None}
+    ordered = sorted(values)
+
+    def pct(p: float) -> float:
+        return ordered[min(len(ordered) - 1, max(0, round(p / 100 * (len(ordered) - 1))))]
+
+    return {"mean": statistics.fmean(ordered), "p50": pct(50), "p99": pct(99)}
+
+
+async def _one(client, url: str, body: dict[str, Any], headers: dict[str, str]) -> dict[str, Any]:
+    start = time.perf_counter()
+    chunks: list[float] = []
+    error = None
+    try:
+        async with client.stream("POST", url, json=body, headers=headers) as response:
+            if response.status_code != 200:
+                error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
+            else:
+                async for line in response.aiter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    data = json.loads(line[6:])
+                    if "error" in data:
+                        error = data["error"].get("message", "error")
+                        continue
+                    if any(c.get("text") for c in data.get("choices", [])):
+                        chunks.append(time.perf_counter())
+    except Exception as exc:  # counted as a failed request
+        error = repr(exc)
+    end = time.perf_counter()
+    return {"start": start, "end": end, "chunks": chunks, "error": error, "output_tokens": body["max_tokens"],
+            "prompt_tokens": len(body["prompt"])}
+
+
+async def _run(args: argparse.Namespace) -> dict[str, Any]:
+    import httpx
+
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    workload = common.random_workload(args.num_requests, (args.min_input_len, args.max_input_len),
+                                      (args.min_output_len, args.max_output_len), args.vocab_size, args.seed)
+    rng = random.Random(args.seed + 1)
+    limits = httpx.Limits(max_connections=args.max_concurrency or args.num_requests)
+    async with httpx.AsyncClient(timeout=args.timeout, limits=limits) as client:
+        model = args.served_model
+        if model is None:
+            listed = (await client.get(args.base_url + "/v1/models", headers=headers)).json()
+            model = listed["data"][0]["id"]
+        semaphore = asyncio.Semaphore(args.max_concurrency or args.num_requests)
+        url = args.base_url + "/v1/completions"
+
+        async def limited(body: dict[str, Any]) -> dict[str, Any]:
+            async with semaphore:
+                return await _one(client, url, body, headers)
+
+        tasks = []
+        started = time.perf_counter()
+        for prompt, n in zip(workload.prompts, workload.output_lens):
+            body = {"model": model, "prompt": prompt, "max_tokens": n, "temperature": args.temperature,
+                    "ignore_eos": True, "stream": True}
+            tasks.append(asyncio.ensure_future(limited(body)))
+            if args.request_rate != float("inf"):
+                await asyncio.sleep(rng.expovariate(args.request_rate))
+        results = await asyncio.gather(*tasks)
+        duration = time.perf_counter() - started
+    done = [r for r in results if r["error"] is None and r["chunks"]]
+    ttft = [r["chunks"][0] - r["start"] for r in done]
+    tpot = [(r["end"] - r["chunks"][0]) / (r["output_tokens"] - 1) for r in done if r["output_tokens"] > 1]
+    itl = [b - a for r in done for a, b in zip(r["chunks"], r["chunks"][1:])]
+    e2e = [r["end"] - r["start"] for r in done]
+    output_tokens = sum(r["output_tokens"] for r in done)
+    return {
+        "model": model, "duration_s": duration, "completed": len(done), "failed": len(results) - len(done),
+        "errors": sorted({r["error"] for r in results if r["error"]})[:5],
+        "requests_per_s": len(done) / duration, "output_tokens_per_s": output_tokens / duration,
+        "total_tokens_per_s": (output_tokens + sum(r["prompt_tokens"] for r in done)) / duration,
+        "output_tokens": output_tokens, "ttft_s": _stats(ttft), "tpot_s": _stats(tpot), "itl_s": _stats(itl),
+        "e2e_s": _stats(e2e),
+    }
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    ours = asyncio.run(_run(args))
+    result = {
+        "benchmark": "serve", "date": time.strftime("%Y-%m-%d"), "hardware": common.hardware(),
+        "workload": {"base_url": args.base_url, "num_requests": args.num_requests,
+                     "request_rate": None if args.request_rate == float("inf") else args.request_rate,
+                     "max_concurrency": args.max_concurrency, "input_len": [args.min_input_len, args.max_input_len],
+                     "output_len": [args.min_output_len, args.max_output_len], "temperature": args.temperature},
+        "pocketllm": ours,
+    }
+
+    def ms(d: dict[str, float | None], key: str) -> str:
+        return "-" if d[key] is None else f"{d[key] * 1000:.1f}"
+
+    print(f"{ours['completed']} requests ({ours['failed']} failed) in {ours['duration_s']:.2f} s: "
+          f"{ours['requests_per_s']:.2f} req/s, {ours['output_tokens_per_s']:,.0f} output tok/s")
+    for name in ("ttft_s", "tpot_s", "itl_s", "e2e_s"):
+        d = ours[name]
+        print(f"  {name[:-2].upper():5s} mean {ms(d, 'mean')} ms, p50 {ms(d, 'p50')} ms, p99 {ms(d, 'p99')} ms")
+    result["plot"] = _plot(common.plot_path(args, args.output_json), ours)
+    common.write_json(args.output_json, result)
+    return result
+
+
+def _plot(path: str | None, ours: dict[str, Any]) -> str | None:
+    bars = {}
+    for name in ("ttft_s", "tpot_s", "itl_s"):
+        for key in ("p50", "p99"):
+            if ours[name][key] is not None:
+                bars[f"{name[:-2].upper()} {key}"] = ours[name][key] * 1000
+    return common.bar_plot(path, f"serve: {ours['requests_per_s']:.2f} req/s, "
+                                 f"{ours['output_tokens_per_s']:,.0f} output tok/s", bars, "milliseconds")

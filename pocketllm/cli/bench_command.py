@@ -1,0 +1,46 @@
+"""``pocketllm bench``: throughput (offline batch), latency (batch 1) and serve (HTTP load) benchmarks."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+from pocketllm.cli.engine_flags import add_engine_flags, engine_args_from
+
+
+def _common(parser: argparse.ArgumentParser, peer: bool) -> None:
+    parser.add_argument("--output-json", default=None, help="Write the results as JSON to this file.")
+    parser.add_argument("--plot", default=None, help="PNG plot path (default: the JSON path with .png; needs "
+                                                     "matplotlib, the 'bench' extra).")
+    parser.add_argument("--verbose", action="store_true", help="Log engine decisions at DEBUG.")
+    if peer:
+        parser.add_argument("--peer", choices=["hf"], default=None,
+                            help="Also run HF transformers on the same workload and print the ratio.")
+
+
+def add_bench_parser(subparsers) -> None:
+    from pocketllm.bench import latency, serve, throughput
+
+    parser = subparsers.add_parser("bench", help="Benchmarks: throughput, latency, serve.")
+    commands = parser.add_subparsers(dest="bench_command", required=True)
+    for name, module, help_text, engine in (
+            ("throughput", throughput, "Offline throughput of a batch of random requests (nano-vllm shape).", True),
+            ("latency", latency, "Batch-1 time to first token, decode tok/s and memory bandwidth.", True),
+            ("serve", serve, "HTTP load against a running 'pocketllm serve'.", False)):
+        sub = commands.add_parser(name, help=help_text)
+        module.add_arguments(sub)
+        _common(sub, peer=engine)
+        if engine:
+            add_engine_flags(sub)
+        sub.set_defaults(handler=bench_command, bench_module=module, bench_engine=engine)
+
+
+def bench_command(args: argparse.Namespace) -> int:
+    if not args.verbose:
+        logging.getLogger("pocketllm").setLevel(logging.INFO)
+        logging.getLogger("pocketllm.scheduler").setLevel(logging.WARNING)
+    if args.bench_engine:
+        args.bench_module.run(args, engine_args_from(args))
+    else:
+        args.bench_module.run(args)
+    return 0

@@ -1,0 +1,114 @@
+"""``pocketllm pipe``, ``pocketllm host`` and ``pocketllm connect``: the resident-model harness."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import secrets
+import sys
+
+from pocketllm.config import EngineArgs, parse_field
+
+TOKEN_ENV = "POCKETLLM_TOKEN"
+
+
+def _engine_flags(parser: argparse.ArgumentParser, max_seqs: int) -> None:
+    parser.add_argument("--model", default=None,
+                        help="A .gguf file or an HF safetensors directory (default: the packaged SmolLM2-135M).")
+    parser.add_argument("--ctx", type=int, default=None,
+                        help="Context length in tokens, prompt plus answer (default: the checkpoint's context, "
+                             "capped by the KV cache).")
+    parser.add_argument("--max-seqs", type=int, default=max_seqs,
+                        help=f"Most requests decoding at once (default: {max_seqs}); more wait their turn.")
+    parser.add_argument("--device", default=None, help="auto | cpu | cuda (default: auto).")
+    parser.add_argument("--verbose", action="store_true", help="Log scheduling and harness records at DEBUG.")
+
+
+def _engine_args(args: argparse.Namespace) -> EngineArgs:
+    """The harness flags over ``POCKETLLM_*`` settings (the other engine options come from there)."""
+    given = {"max_num_seqs": args.max_seqs}
+    if args.ctx is not None:
+        given["max_model_len"] = args.ctx
+    if args.model is not None:
+        given["model"] = args.model
+    if args.device is not None:
+        given["device"] = parse_field("device", args.device)
+    return EngineArgs.from_env(**given)
+
+
+def add_harness_parsers(subparsers) -> None:
+    pipe = subparsers.add_parser(
+        "pipe", help="Serve JSONL requests on stdin, answers on stdout (several conversations, one model).")
+    _engine_flags(pipe, max_seqs=4)
+    pipe.set_defaults(handler=pipe_command)
+
+    host = subparsers.add_parser("host", help="Serve WebSocket clients and the web client on 127.0.0.1.")
+    _engine_flags(host, max_seqs=4)
+    host.add_argument("--port", type=int, default=8850, help="Port on 127.0.0.1 (default: 8850; 0 picks one).")
+    host.add_argument("--token", default=None,
+                      help=f"Shared secret every connection presents (default: ${TOKEN_ENV}, else a random one "
+                           "printed on stderr).")
+    host.add_argument("--max-conns", type=int, default=16, help="Most connections at once (default: 16).")
+    host.add_argument("--idle-expiry", type=int, default=600_000, metavar="MS",
+                      help="Forget a session idle this long, in ms (default: 600000; 0 never).")
+    host.add_argument("--kv-store", default=None, metavar="DIR",
+                      help="Keep sessions' conversations and KV blocks here so reconnects, also after a restart, "
+                           "resume warm.")
+    host.add_argument("--web", default=None, metavar="DIR",
+                      help="Serve this directory as the web client instead of the built-in one.")
+    host.set_defaults(handler=host_command)
+
+    connect = subparsers.add_parser("connect", help="Hold a conversation in the terminal with a running host.")
+    connect.add_argument("address", metavar="[HOST:]PORT", help="The host's port (host defaults to 127.0.0.1).")
+    connect.add_argument("--token", default=None, help=f"The host's token (default: ${TOKEN_ENV}).")
+    connect.add_argument("--session", default=None, help="Resume this session (or start one with this name).")
+    connect.add_argument("--verbose", action="store_true", help="Log at DEBUG.")
+    connect.set_defaults(handler=connect_command)
+
+
+def _positive(name: str, value: int | None) -> None:
+    if value is not None and value < 1:
+        raise SystemExit(f"pocketllm: error: {name} must be positive, got {value}")
+
+
+def pipe_command(args: argparse.Namespace) -> int:
+    from pocketllm.harness.pipe import run_pipe
+
+    _positive("--ctx", args.ctx)
+    _positive("--max-seqs", args.max_seqs)
+    return run_pipe(_engine_args(args))
+
+
+def host_command(args: argparse.Namespace) -> int:
+    from pocketllm.harness.host import HostConfig, run_host
+
+    for name in ("ctx", "max_seqs", "max_conns"):
+        _positive("--" + name.replace("_", "-"), getattr(args, name))
+    if not 0 <= args.port < 65536:
+        raise SystemExit(f"pocketllm: error: --port {args.port} is out of range")
+    if args.idle_expiry < 0:
+        raise SystemExit("pocketllm: error: --idle-expiry must be >= 0")
+    if args.web is not None and not os.path.isfile(os.path.join(args.web, "index.html")):
+        raise SystemExit(f"pocketllm: error: --web {args.web} has no index.html")
+    token = args.token or os.environ.get(TOKEN_ENV)
+    if not token:
+        token = secrets.token_urlsafe(18)
+        print(f"pocketllm host: token {token} (set --token or ${TOKEN_ENV} to choose one)", file=sys.stderr)
+    config = HostConfig(engine_args=_engine_args(args), port=args.port, token=token, max_conns=args.max_conns,
+                        idle_expiry_ms=args.idle_expiry, kv_store=args.kv_store, web_dir=args.web)
+    return run_host(config)
+
+
+def connect_command(args: argparse.Namespace) -> int:
+    from websockets.exceptions import WebSocketException
+
+    from pocketllm.harness.client import run_connect
+
+    token = args.token or os.environ.get(TOKEN_ENV)
+    if not token:
+        raise SystemExit(f"pocketllm: error: pass --token or set ${TOKEN_ENV}")
+    try:
+        return run_connect(args.address, token, args.session)
+    except (OSError, WebSocketException) as exc:
+        print(f"pocketllm: connection to {args.address} failed or was closed: {exc}", file=sys.stderr)
+        return 1

@@ -1,0 +1,1 @@
+"""The resident-model harness: JSONL over stdio (``pipe``), WebSocket with sessions (``host``), a web client."""

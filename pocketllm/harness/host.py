@@ -1,0 +1,209 @@
+"""``pocketllm host``: the harness over WebSocket on loopback, plus the web client on the same port.
+
+Every connection first presents the shared token (``{"op":"auth","token":…}``, compared in constant time);
+anything else, or a wrong token, is answered with an error and the connection is closed. Each connection
+may hold several sessions; all of them share the engine's continuous batching.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import itertools
+import logging
+import mimetypes
+import os
+import signal
+import sys
+from dataclasses import dataclass
+from importlib import resources
+from typing import Any
+
+from pocketllm.config import EngineArgs
+from pocketllm.harness.protocol import ProtocolError, encode, error_line, parse_line
+from pocketllm.harness.service import Channel, Harness
+from pocketllm.harness.sessions import SessionStore
+
+logger = logging.getLogger("pocketllm.harness")
+
+LOOPBACK = "127.0.0.1"
+AUTH_TIMEOUT_S = 30.0
+DRAIN_TIMEOUT_S = 30.0
+MAX_MESSAGE_BYTES = 8 << 20
+CLOSE_POLICY = 1008          # policy violation: not authenticated
+CLOSE_TRY_AGAIN = 1013       # try again later: connection limit
+# The built-in client loads nothing from elsewhere and runs no inline script.
+BUILTIN_CSP = ("default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self'; "
+               "connect-src 'self' ws://127.0.0.1:* ws://localhost:*; base-uri 'none'; form-action 'none'; "
+               "frame-ancestors 'none'")
+
+
+@dataclass
+class HostConfig:
+    engine_args: EngineArgs
+    port: int = 8850
+    token: str = ""
+    max_conns: int = 16
+    idle_expiry_ms: int = 600_000
+    kv_store: str | None = None
+    web_dir: str | None = None
+
+
+def builtin_web_dir() -> str:
+    return str(resources.files("pocketllm.harness") / "web")
+
+
+class StaticFiles:
+    """GET of files under one directory (``/`` is ``index.html``); nothing outside it is reachable."""
+
+    def __init__(self, root: str, csp: str | None) -> None:
+        self.root = os.path.realpath(root)
+        self.csp = csp
+
+    def lookup(self, path: str) -> str | None:
+        path = path.split("?", 1)[0].split("#", 1)[0]
+        if path in ("", "/"):
+            path = "/index.html"
+        if "\\" in path or "\x00" in path:
+            return None
+        full = os.path.realpath(os.path.join(self.root, path.lstrip("/")))
+        if not full.startswith(self.root + os.sep) or not os.path.isfile(full):
+            return None
+        return full
+
+    def respond(self, connection, request):
+        full = self.lookup(request.path)
+        if full is None:
+            return connection.respond(404, "not found\n")
+        with open(full, "rb") as handle:
+            body = handle.read()
+        response = connection.respond(200, "")
+        kind = mimetypes.guess_type(full)[0] or "application/octet-stream"
+        if kind.startswith("text/") or kind in ("application/javascript", "application/json"):
+            kind += "; charset=utf-8"
+        headers = response.headers
+        for name in ("Content-Type", "Content-Length"):
+            del headers[name]
+        headers["Content-Type"] = kind
+        headers["Content-Length"] = str(len(body))
+        headers["Cache-Control"] = "no-cache"
+        headers["X-Content-Type-Options"] = "nosniff"
+        headers["Referrer-Policy"] = "no-referrer"
+        if self.csp:
+            headers["Content-Security-Policy"] = self.csp
+        response.body = body
+        return response
+
+
+class Host:
+    def __init__(self, config: HostConfig) -> None:
+        self.config = config
+        self.token = config.token.encode("utf-8")
+        self.stop = asyncio.Event()
+        store = SessionStore(config.kv_store) if config.kv_store else None
+        expiry = config.idle_expiry_ms / 1000 if config.idle_expiry_ms > 0 else None
+        self.harness = Harness(config.engine_args, store=store, idle_expiry_s=expiry, on_shutdown=self.stop.set)
+        web = config.web_dir or builtin_web_dir()
+        self.static = StaticFiles(web, None if config.web_dir else BUILTIN_CSP)
+        self.connections: set[Any] = set()
+        self._names = itertools.count(1)
+
+    def check_token(self, token: Any) -> bool:
+        given = token.encode("utf-8") if isinstance(token, str) else b""
+        return hmac.compare_digest(given, self.token)
+
+    def _http(self, connection, request):
+        """Plain HTTP requests get the web client; WebSocket upgrades go on to the handshake."""
+        if request.headers.get("Upgrade", "").lower() == "websocket":
+            return None
+        return self.static.respond(connection, request)
+
+    async def _handler(self, ws) -> None:
+        async def send(obj: dict[str, Any]) -> None:
+            await ws.send(encode(obj))
+
+        if self.harness.draining:
+            await send(error_line("the host is shutting down"))
+            await ws.close(1001, "shutting down")
+            return
+        if len(self.connections) >= self.config.max_conns:
+            logger.warning("refused a connection: %d already open (--max-conns)", len(self.connections))
+            await send(error_line(f"too many connections: this host allows {self.config.max_conns} at once "
+                                  "(--max-conns); close one or try again later"))
+            await ws.close(CLOSE_TRY_AGAIN, "too many connections")
+            return
+        self.connections.add(ws)
+        name = f"c{next(self._names)}"
+        channel = Channel(name, send, check_token=self.check_token,
+                          on_bad_token=lambda: asyncio.ensure_future(ws.close(CLOSE_POLICY, "wrong token")))
+        try:
+            if not await self._authenticate(ws, send):
+                return
+            logger.info("connection %s authenticated", name)
+            async for message in ws:
+                await self.harness.handle(channel, message)
+        except Exception as exc:  # a dropped connection ends here; the host carries on
+            logger.debug("connection %s ended: %r", name, exc)
+        finally:
+            self.connections.discard(ws)
+            self.harness.detach(channel)
+
+    async def _authenticate(self, ws, send) -> bool:
+        try:
+            first = await asyncio.wait_for(ws.recv(), AUTH_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            await send(error_line(f"no auth within {AUTH_TIMEOUT_S:.0f} s"))
+            await ws.close(CLOSE_POLICY, "auth timeout")
+            return False
+        request_id = None
+        try:
+            op = parse_line(first)
+            request_id = op.id
+            if op.op != "auth":
+                raise ProtocolError('authenticate first: send {"op":"auth","token":"…"}', op.id)
+        except ProtocolError as exc:
+            await send(error_line(exc.message if "authenticate" in exc.message else
+                                  f'authenticate first: send {{"op":"auth","token":"…"}} ({exc.message})',
+                                  exc.request_id))
+            await ws.close(CLOSE_POLICY, "not authenticated")
+            return False
+        if not self.check_token(op.get("token")):
+            logger.warning("refused a connection: wrong token")
+            await send(error_line("wrong token", request_id))
+            await ws.close(CLOSE_POLICY, "wrong token")
+            return False
+        await send({"id": request_id, "auth": "ok"})
+        return True
+
+    async def run(self) -> int:
+        from websockets.asyncio.server import serve
+
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.harness.begin_shutdown)
+        server = await serve(self._handler, LOOPBACK, self.config.port, process_request=self._http,
+                             max_size=MAX_MESSAGE_BYTES, compression=None)
+        port = server.sockets[0].getsockname()[1]
+        print(f"pocketllm host: ws://{LOOPBACK}:{port}/ (web client: http://{LOOPBACK}:{port}/)",
+              file=sys.stderr, flush=True)
+        loader = asyncio.create_task(self.harness.load())
+        loader.add_done_callback(lambda task: task.cancelled() or task.exception() is None or self.stop.set())
+        await self.stop.wait()
+        server.close(close_connections=False)   # no new connections; open ones see their requests finish
+        await self.harness.drain(DRAIN_TIMEOUT_S)
+        closing = [asyncio.ensure_future(ws.close(1001, "host shutting down")) for ws in list(self.connections)]
+        if closing:
+            await asyncio.wait(closing, timeout=5)
+        await asyncio.wait_for(server.wait_closed(), 10)
+        status = 0
+        if loader.done() and not loader.cancelled() and loader.exception() is not None:
+            logger.error("the model failed to load: %s", loader.exception())
+            status = 1
+        elif not loader.done():
+            loader.cancel()
+        await self.harness.close()
+        return status
+
+
+def run_host(config: HostConfig) -> int:
+    return asyncio.run(Host(config).run())

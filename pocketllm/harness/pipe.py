@@ -1,0 +1,121 @@
+"""``pocketllm pipe``: the harness over standard input and output, one JSON object per line each way.
+
+Standard output carries protocol lines only: the process's file descriptor 1 is pointed at standard error
+before anything else runs, so a stray print or a native library's message cannot corrupt the stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import sys
+import threading
+from typing import Any
+
+from pocketllm.config import EngineArgs
+from pocketllm.harness.protocol import encode, error_line
+from pocketllm.harness.service import Channel, Harness
+
+logger = logging.getLogger("pocketllm.harness")
+
+MAX_LINE_BYTES = 8 << 20
+
+
+def _protocol_stdout():
+    """A private handle on the real stdout; fd 1 and ``sys.stdout`` then point at stderr."""
+    sys.stdout.flush()
+    out = os.fdopen(os.dup(1), "w", encoding="utf-8", newline="\n")
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    return out
+
+
+def _read_lines(loop: asyncio.AbstractEventLoop, queue: asyncio.Queue, fd: int = 0) -> None:
+    """Reader thread: stdin lines (bytes) into the queue, then None at EOF.
+
+    Reads the raw descriptor (not ``sys.stdin``), so a read still blocked at exit holds no interpreter lock.
+    """
+    def put(item) -> None:
+        loop.call_soon_threadsafe(queue.put_nowait, item)
+
+    pending = b""
+    skipping = False
+    try:
+        while True:
+            data = os.read(fd, 1 << 16)
+            if not data:
+                break
+            pending += data
+            while True:
+                cut = pending.find(b"\n")
+                if cut < 0:
+                    break
+                line, pending = pending[:cut + 1], pending[cut + 1:]
+                if skipping:
+                    skipping = False
+                else:
+                    put(line)
+            if len(pending) > MAX_LINE_BYTES:
+                if not skipping:
+                    put(ValueError(f"line longer than {MAX_LINE_BYTES} bytes"))
+                skipping, pending = True, b""
+        if pending and not skipping:
+            put(pending)
+    except (OSError, RuntimeError) as exc:
+        logger.warning("stdin: %s", exc)
+    finally:
+        try:
+            put(None)
+        except RuntimeError:  # the loop already ended
+            pass
+
+
+async def serve_pipe(engine_args: EngineArgs, out) -> int:
+    loop = asyncio.get_running_loop()
+    stop_reading = asyncio.Event()
+    harness = Harness(engine_args, on_shutdown=stop_reading.set)
+
+    async def send(obj: dict[str, Any]) -> None:
+        out.write(encode(obj) + "\n")
+        out.flush()
+
+    channel = Channel("pipe", send)
+    lines: asyncio.Queue = asyncio.Queue()
+    threading.Thread(target=_read_lines, args=(loop, lines), name="pocketllm-stdin", daemon=True).start()
+    loader = asyncio.create_task(harness.load())
+    loader.add_done_callback(lambda task: task.cancelled() or task.exception() is None or stop_reading.set())
+    stopping = asyncio.create_task(stop_reading.wait())
+    while not stop_reading.is_set():   # after shutdown, nothing more is read
+        getter = asyncio.create_task(lines.get())
+        finished, _ = await asyncio.wait({getter, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        if getter not in finished:
+            getter.cancel()
+            break
+        line = getter.result()
+        if line is None:
+            break
+        if isinstance(line, Exception):
+            await channel.send(error_line(str(line)))
+        elif line.strip():
+            await harness.handle(channel, line)
+    stopping.cancel()
+    harness.draining = True
+    await harness.drain()
+    status = 0
+    if not loader.done():
+        loader.cancel()
+    elif loader.exception() is not None:
+        logger.error("the model failed to load: %s", loader.exception())
+        await channel.send(error_line(f"the model failed to load: {loader.exception()}"))
+        status = 1
+    await harness.close()
+    return status
+
+
+def run_pipe(engine_args: EngineArgs) -> int:
+    out = _protocol_stdout()
+    try:
+        return asyncio.run(serve_pipe(engine_args, out))
+    finally:
+        out.flush()

@@ -1,0 +1,468 @@
+// The PocketLLM web client: conversations kept in localStorage, each on its own host session, all over one
+// WebSocket. Model text reaches the page only through PocketMarkdown.renderMarkdown (which escapes it
+// first) or textContent.
+"use strict";
+
+(function () {
+  const STORE_KEY = "pocketllm.conversations.v1";
+  const TOKEN_KEY = "pocketllm.token";
+  const DIAG_KEY = "pocketllm.diagnostics";
+  const OPTIONS_KEY = "pocketllm.options";
+  const MAX_BACKOFF_MS = 4000;
+  const $ = (id) => document.getElementById(id);
+
+  const state = loadState();
+  let socket = null;
+  let authed = false;
+  let refused = false;
+  let backoff = 500;
+  let reconnectTimer = null;
+  let saveTimer = null;
+  let nextId = 1;
+  const opened = new Set();     // sessions open on the current socket
+  const inflight = new Map();   // request id -> {conv, user, message}
+  const elements = new WeakMap(); // message -> its element
+
+  // --- state ------------------------------------------------------------------------------------
+  function loadState() {
+    let saved = null;
+    try {
+      saved = JSON.parse(localStorage.getItem(STORE_KEY));
+    } catch (err) {
+      saved = null;
+    }
+    if (!saved || !Array.isArray(saved.conversations)) {
+      saved = { conversations: [], active: null };
+    }
+    for (const conv of saved.conversations) {
+      for (const m of conv.messages) {
+        if (m.streaming) {   // the page went away mid-answer
+          m.streaming = false;
+          m.finish = m.finish || "interrupted";
+        }
+      }
+    }
+    return saved;
+  }
+
+  function save() {
+    clearTimeout(saveTimer);
+    saveTimer = null;
+    localStorage.setItem(STORE_KEY, JSON.stringify(state));
+  }
+
+  function saveSoon() {
+    if (saveTimer === null) saveTimer = setTimeout(save, 200);
+  }
+
+  function newSessionId() {
+    const bytes = new Uint8Array(8);
+    crypto.getRandomValues(bytes);
+    return "w" + Array.from(bytes, (b) => b.toString(16).padStart(2, "0")).join("");
+  }
+
+  function activeConv() {
+    return state.conversations.find((c) => c.id === state.active) || null;
+  }
+
+  function newConversation() {
+    const conv = { id: newSessionId(), title: "", messages: [], created: Date.now() };
+    state.conversations.unshift(conv);
+    state.active = conv.id;
+    save();
+    openSession(conv);
+    render();
+    return conv;
+  }
+
+  // What the host should hold for a conversation: finished turns, failed ones left out.
+  function history(conv) {
+    return conv.messages
+      .filter((m) => !m.failed && !m.error && !(m.role === "assistant" && m.streaming))
+      .map((m) => ({ role: m.role, content: m.content }));
+  }
+
+  function busy(conv) {
+    for (const entry of inflight.values()) {
+      if (entry.conv === conv) return true;
+    }
+    return false;
+  }
+
+  // --- socket -----------------------------------------------------------------------------------
+  function send(obj) {
+    if (socket && socket.readyState === WebSocket.OPEN) socket.send(JSON.stringify(obj));
+  }
+
+  function connect() {
+    clearTimeout(reconnectTimer);
+    const token = localStorage.getItem(TOKEN_KEY);
+    if (!token) {
+      showLogin("");
+      return;
+    }
+    refused = false;
+    setStatus("connecting");
+    const scheme = location.protocol === "https:" ? "wss://" : "ws://";
+    const ws = new WebSocket(scheme + location.host + "/");
+    socket = ws;
+    ws.onopen = () => ws.send(JSON.stringify({ op: "auth", id: "auth", token: token }));
+    ws.onmessage = (event) => {
+      if (socket !== ws) return;
+      let msg;
+      try {
+        msg = JSON.parse(event.data);
+      } catch (err) {
+        return;
+      }
+      onMessage(msg);
+    };
+    ws.onclose = () => {
+      if (socket === ws) onClosed();
+    };
+  }
+
+  function onClosed() {
+    socket = null;
+    authed = false;
+    opened.clear();
+    for (const entry of inflight.values()) {
+      entry.message.streaming = false;
+      entry.message.finish = "interrupted";
+    }
+    inflight.clear();
+    save();
+    render();
+    if (refused) return;
+    setStatus("offline");
+    reconnectTimer = setTimeout(connect, backoff);
+    backoff = Math.min(backoff * 2, MAX_BACKOFF_MS);
+  }
+
+  function openSession(conv) {
+    if (!authed || opened.has(conv.id)) return;
+    const msg = { op: "open", id: "open:" + conv.id, session: conv.id };
+    const known = history(conv);
+    if (known.length) msg.messages = known;
+    opened.add(conv.id);
+    send(msg);
+  }
+
+  function onMessage(msg) {
+    if (msg.id === "auth") {
+      if (msg.auth === "ok") {
+        authed = true;
+        backoff = 500;
+        showApp();
+        send({ op: "health", id: "health" });
+        for (const conv of state.conversations) openSession(conv);
+      } else {
+        refused = true;
+        localStorage.removeItem(TOKEN_KEY);
+        showLogin(msg.error || "the host refused the token");
+      }
+      updateControls();
+      return;
+    }
+    if (msg.id === "health") {
+      setStatus(msg.state || "offline");
+      $("model").textContent = msg.model || "";
+      if (msg.state === "loading") setTimeout(() => send({ op: "health", id: "health" }), 1000);
+      return;
+    }
+    if (typeof msg.id === "string" && msg.id.startsWith("open:")) {
+      if (msg.error) opened.delete(msg.id.slice(5));
+      return;
+    }
+    if (typeof msg.id === "string" && msg.id.startsWith("close:")) return;
+    if (msg.id === null || msg.id === undefined) {
+      if (msg.session && (msg.expired || msg.detached)) opened.delete(msg.session);
+      return;
+    }
+    const entry = inflight.get(msg.id);
+    if (!entry) return;
+    const m = entry.message;
+    if (typeof msg.chunk === "string") {
+      m.content += msg.chunk;
+      saveSoon();
+      updateMessage(m);
+    } else if (msg.done) {
+      m.streaming = false;
+      m.finish = msg.finish;
+      m.usage = msg.usage;
+      if (msg.diag) m.diag = msg.diag;
+      inflight.delete(msg.id);
+      save();
+      render();
+    } else if (msg.error) {
+      m.streaming = false;
+      m.error = msg.error;
+      entry.user.failed = true;
+      inflight.delete(msg.id);
+      save();
+      render();
+    }
+  }
+
+  // --- actions ----------------------------------------------------------------------------------
+  function sendMessage(text) {
+    if (!authed || !text.trim()) return;
+    const conv = activeConv() || newConversation();
+    if (busy(conv)) return;
+    openSession(conv);
+    const user = { role: "user", content: text };
+    const answer = { role: "assistant", content: "", streaming: true };
+    conv.messages.push(user, answer);
+    if (!conv.title) conv.title = text.slice(0, 48);
+    const id = nextId++;
+    inflight.set(id, { conv: conv, user: user, message: answer });
+    const request = { op: "chat", id: id, session: conv.id, messages: [{ role: "user", content: text }] };
+    if (diagnosticsOn()) request.diag = true;
+    Object.assign(request, samplingOptions());
+    send(request);
+    save();
+    render();
+  }
+
+  function stop() {
+    const conv = activeConv();
+    for (const [id, entry] of inflight) {
+      if (entry.conv === conv) send({ op: "cancel", id: id });
+    }
+  }
+
+  function deleteConversation(conv) {
+    if (busy(conv)) return;
+    if (authed) send({ op: "close", id: "close:" + conv.id, session: conv.id });
+    opened.delete(conv.id);
+    state.conversations = state.conversations.filter((c) => c !== conv);
+    if (state.active === conv.id) state.active = state.conversations.length ? state.conversations[0].id : null;
+    save();
+    render();
+  }
+
+  // The composer's optional sampling fields (empty: the host's defaults).
+  function samplingOptions() {
+    const options = {};
+    const n = parseInt($("opt-n").value, 10);
+    const temp = parseFloat($("opt-temp").value);
+    if (Number.isInteger(n) && n > 0) options.n = n;
+    if (Number.isFinite(temp) && temp >= 0) options.temp = temp;
+    return options;
+  }
+
+  function loadOptions() {
+    let saved = {};
+    try {
+      saved = JSON.parse(localStorage.getItem(OPTIONS_KEY)) || {};
+    } catch (err) {
+      saved = {};
+    }
+    $("opt-n").value = saved.n === undefined ? "" : String(saved.n);
+    $("opt-temp").value = saved.temp === undefined ? "" : String(saved.temp);
+  }
+
+  function saveOptions() {
+    localStorage.setItem(OPTIONS_KEY, JSON.stringify(samplingOptions()));
+  }
+
+  function diagnosticsOn() {
+    return localStorage.getItem(DIAG_KEY) === "1";
+  }
+
+  // --- rendering --------------------------------------------------------------------------------
+  function setStatus(text) {
+    const el = $("status");
+    el.textContent = text;
+    el.dataset.state = text;
+  }
+
+  function showLogin(error) {
+    $("login").hidden = false;
+    $("app").hidden = true;
+    $("forget-token").hidden = true;
+    $("login-error").textContent = error || "";
+    setStatus("offline");
+  }
+
+  function showApp() {
+    $("login").hidden = true;
+    $("app").hidden = false;
+    $("forget-token").hidden = false;
+    render();
+  }
+
+  function metaText(m) {
+    if (m.role !== "assistant") return "";
+    if (m.streaming) return "streaming";
+    if (m.finish === "interrupted") return "interrupted (connection lost)";
+    const parts = [];
+    if (m.finish) parts.push("finish: " + m.finish);
+    if (m.usage) {
+      parts.push(m.usage.gen_tokens + " tokens");
+      parts.push("prefill " + m.usage.prefill_ms + " ms");
+      parts.push("decode " + m.usage.decode_ms + " ms");
+    }
+    return parts.join(" · ");
+  }
+
+  function fillMessage(el, m) {
+    el.className = "message " + m.role + (m.streaming ? " streaming" : "");
+    el.dataset.finish = m.finish || "";
+    el.replaceChildren();
+    const body = document.createElement("div");
+    body.className = "body";
+    if (m.role === "assistant") {
+      body.innerHTML = window.PocketMarkdown.renderMarkdown(m.content); // escaped before any markup is added
+    } else {
+      body.textContent = m.content;
+    }
+    el.appendChild(body);
+    if (m.error) {
+      const error = document.createElement("div");
+      error.className = "error";
+      error.textContent = m.error;
+      el.appendChild(error);
+    }
+    const meta = document.createElement("div");
+    meta.className = "meta";
+    meta.textContent = metaText(m);
+    el.appendChild(meta);
+  }
+
+  function updateMessage(m) {
+    const el = elements.get(m);
+    if (el && el.isConnected) {
+      fillMessage(el, m);
+      const box = $("messages");
+      box.scrollTop = box.scrollHeight;
+    }
+  }
+
+  function renderList() {
+    const list = $("conv-list");
+    list.replaceChildren();
+    for (const conv of state.conversations) {
+      const item = document.createElement("li");
+      item.className = conv.id === state.active ? "active" : "";
+      item.dataset.session = conv.id;
+      const title = document.createElement("button");
+      title.type = "button";
+      title.className = "title";
+      title.textContent = conv.title || "New conversation";
+      title.addEventListener("click", () => {
+        state.active = conv.id;
+        save();
+        render();
+      });
+      const del = document.createElement("button");
+      del.type = "button";
+      del.className = "delete";
+      del.title = "Delete this conversation";
+      del.textContent = "×";
+      del.addEventListener("click", () => deleteConversation(conv));
+      item.append(title, del);
+      list.appendChild(item);
+    }
+  }
+
+  function renderDiagnostics() {
+    const on = diagnosticsOn();
+    $("diag-toggle").checked = on;
+    $("diag").hidden = !on;
+    if (!on) return;
+    const conv = activeConv();
+    const last = conv ? conv.messages.filter((m) => m.role === "assistant" && m.diag).pop() : null;
+    $("diag-body").textContent = last
+      ? JSON.stringify({ finish: last.finish, usage: last.usage, diag: last.diag }, null, 2)
+      : "No turn with diagnostics yet.";
+  }
+
+  function updateControls() {
+    const conv = activeConv();
+    $("send").disabled = !authed || (conv !== null && busy(conv));
+    $("stop").disabled = !(conv && busy(conv));
+  }
+
+  function render() {
+    renderList();
+    const box = $("messages");
+    box.replaceChildren();
+    const conv = activeConv();
+    if (conv) {
+      for (const m of conv.messages) {
+        const el = document.createElement("div");
+        fillMessage(el, m);
+        elements.set(m, el);
+        box.appendChild(el);
+      }
+      box.scrollTop = box.scrollHeight;
+    }
+    renderDiagnostics();
+    updateControls();
+  }
+
+  // --- wiring -----------------------------------------------------------------------------------
+  function init() {
+    $("login-form").addEventListener("submit", (event) => {
+      event.preventDefault();
+      const token = $("token").value;
+      if (!token) return;
+      localStorage.setItem(TOKEN_KEY, token);
+      $("token").value = "";
+      $("login-error").textContent = "";
+      connect();
+    });
+    $("forget-token").addEventListener("click", () => {
+      localStorage.removeItem(TOKEN_KEY);
+      refused = true;
+      if (socket) socket.close();
+      showLogin("");
+    });
+    $("composer").addEventListener("submit", (event) => {
+      event.preventDefault();
+      const input = $("input");
+      const text = input.value;
+      if (!authed || !text.trim()) return;
+      input.value = "";
+      sendMessage(text);
+    });
+    $("input").addEventListener("keydown", (event) => {
+      if (event.key === "Enter" && !event.shiftKey) {
+        event.preventDefault();
+        $("composer").requestSubmit();
+      }
+    });
+    $("stop").addEventListener("click", stop);
+    loadOptions();
+    $("opt-n").addEventListener("change", saveOptions);
+    $("opt-temp").addEventListener("change", saveOptions);
+    $("new-conv").addEventListener("click", () => {
+      newConversation();
+      $("input").focus();
+    });
+    $("diag-toggle").addEventListener("change", (event) => {
+      localStorage.setItem(DIAG_KEY, event.target.checked ? "1" : "0");
+      renderDiagnostics();
+    });
+    window.addEventListener("storage", (event) => {
+      if (event.key === STORE_KEY && event.newValue) {
+        // Another tab changed the conversations: take its copy unless we are streaming.
+        if (inflight.size === 0) {
+          const fresh = JSON.parse(event.newValue);
+          state.conversations = fresh.conversations;
+          state.active = fresh.active;
+          render();
+        }
+      }
+    });
+    if (localStorage.getItem(TOKEN_KEY)) {
+      showApp();
+      connect();
+    } else {
+      showLogin("");
+    }
+  }
+
+  init();
+})();

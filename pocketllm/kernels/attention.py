@@ -1,0 +1,275 @@
+"""Paged-attention kernels: KV-cache store, split-KV decode, and varlen prefill over a cached prefix.
+
+The cache layout is the reference path's: ``[num_blocks, block_size, num_kv_heads, head_dim]`` per layer,
+so a token's key for KV head ``g`` lives at ``slot * num_kv_heads * head_dim + g * head_dim`` with
+``slot = block_table[token // block_size] * block_size + token % block_size``. Kernels gather tokens
+through the block table one tile (``BLOCK_N`` tokens, several pages) at a time, so any block size works.
+
+Decode packs the ``G = num_heads / num_kv_heads`` query heads sharing a KV head into the rows of one
+tile, so every key and value is read once per sequence; a sequence's context is split into ``num_splits``
+pieces handled by separate programs and merged by a second small kernel (log-sum-exp weights). The
+number of splits depends only on the batch size, which keeps the launch shape fixed for CUDA graphs.
+
+Index arithmetic that can exceed 2**31 (slot times row stride) is done in int64. Padding rows of a
+CUDA-graph batch carry ``slot = -1`` (nothing stored) and ``context_len = 0`` (zeros out).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+
+def _pow2(n: int) -> int:
+    return triton.next_power_of_2(int(n))
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    # fp32 models are the exactness oracle: no tf32 in their dot products.
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+# ------------------------------------------------------------------------------------------------ store
+
+@triton.jit
+def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, stride_k, stride_v,
+                     ROW: tl.constexpr, ROW_PAD: tl.constexpr):
+    t = tl.program_id(0)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    offs = tl.arange(0, ROW_PAD)
+    mask = (offs < ROW) & (slot >= 0)
+    k = tl.load(k_ptr + t * stride_k + offs, mask=mask)
+    v = tl.load(v_ptr + t * stride_v + offs, mask=mask)
+    tl.store(k_cache_ptr + slot * ROW + offs, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_cache_ptr + slot * ROW + offs, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Write ``k``/``v`` ([T, KVH, D], each token's heads contiguous) to their slots; slot -1 is skipped."""
+    tokens = k.shape[0]
+    if tokens == 0:
+        return
+    row = k.shape[1] * k.shape[2]
+    k2, v2 = k.reshape(tokens, row), v.reshape(tokens, row)
+    assert k2.stride(1) == 1 and v2.stride(1) == 1
+    _store_kv_kernel[(tokens,)](k2, v2, k_cache, v_cache, slot_mapping, k2.stride(0), v2.stride(0),
+                                ROW=row, ROW_PAD=_pow2(row), num_warps=4 if row >= 1024 else 1)
+
+
+# ------------------------------------------------------------------------------------------------ decode
+
+@triton.jit
+def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, lens_ptr, out_ptr, part_ptr, lse_ptr,
+                   stride_qt, stride_ot, stride_table, scale, num_splits,
+                   NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
+                   HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                   BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr):
+    seq = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    ctx = tl.load(lens_ptr + seq)
+    per_split = tl.cdiv(tl.cdiv(ctx, num_splits), BLOCK_N) * BLOCK_N
+    start = split * per_split
+    end = tl.minimum(start + per_split, ctx)
+
+    rows = tl.arange(0, GROUP_PAD)
+    dims = tl.arange(0, D_PAD)
+    row_mask = rows < GROUP
+    dim_mask = dims < HEAD_DIM
+    heads = kvh * GROUP + rows
+    q = tl.load(q_ptr + seq.to(tl.int64) * stride_qt + heads[:, None] * HEAD_DIM + dims[None, :],
+                mask=row_mask[:, None] & dim_mask[None, :], other=0.0)
+    qk_scale = scale * 1.4426950408889634
+
+    m_i = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
+    acc = tl.zeros([GROUP_PAD, D_PAD], dtype=tl.float32)
+    row_stride = NUM_KV_HEADS * HEAD_DIM
+    table = tables_ptr + seq.to(tl.int64) * stride_table
+    for n0 in range(start, end, BLOCK_N):
+        tok = n0 + tl.arange(0, BLOCK_N)
+        valid = tok < end
+        page = tl.load(table + tok // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+        slot = page * BLOCK_SIZE + tok % BLOCK_SIZE
+        offs = slot[:, None] * row_stride + kvh * HEAD_DIM + dims[None, :]
+        kv_mask = valid[:, None] & dim_mask[None, :]
+        k = tl.load(k_cache_ptr + offs, mask=kv_mask, other=0.0)
+        v = tl.load(v_cache_ptr + offs, mask=kv_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.exp2(s - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+
+    out_mask = row_mask[:, None] & dim_mask[None, :]
+    if not SPLIT:
+        safe_l = tl.where(l_i > 0, l_i, 1.0)
+        out = acc / safe_l[:, None]
+        tl.store(out_ptr + seq.to(tl.int64) * stride_ot + heads[:, None] * HEAD_DIM + dims[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=out_mask)
+    else:
+        # partials [B, H, S, D] and log2-sum-exp [B, H, S]; an empty split has lse -inf.
+        part_row = (seq * NUM_KV_HEADS * GROUP + heads).to(tl.int64) * num_splits + split
+        safe_l = tl.where(l_i > 0, l_i, 1.0)
+        tl.store(part_ptr + part_row[:, None] * HEAD_DIM + dims[None, :], acc / safe_l[:, None], mask=out_mask)
+        lse = tl.where(l_i > 0, m_i + tl.log2(safe_l), float("-inf"))
+        tl.store(lse_ptr + part_row, lse, mask=row_mask)
+
+
+@triton.jit
+def _merge_kernel(part_ptr, lse_ptr, out_ptr, stride_ot, num_splits, NUM_HEADS: tl.constexpr,
+                  HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, S_PAD: tl.constexpr):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    splits = tl.arange(0, S_PAD)
+    dims = tl.arange(0, D_PAD)
+    base = (seq * NUM_HEADS + head).to(tl.int64) * num_splits
+    lse = tl.load(lse_ptr + base + splits, mask=splits < num_splits, other=float("-inf"))
+    top = tl.max(lse, 0)
+    top = tl.where(top == float("-inf"), 0.0, top)
+    w = tl.exp2(lse - top)
+    total = tl.sum(w, 0)
+    w = w / tl.where(total > 0, total, 1.0)
+    part = tl.load(part_ptr + (base + splits)[:, None] * HEAD_DIM + dims[None, :],
+                   mask=(splits < num_splits)[:, None] & (dims < HEAD_DIM)[None, :], other=0.0)
+    out = tl.sum(part * w[:, None], 0)
+    tl.store(out_ptr + seq.to(tl.int64) * stride_ot + head * HEAD_DIM + dims, out.to(out_ptr.dtype.element_ty),
+             mask=dims < HEAD_DIM)
+
+
+@functools.cache
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def decode_splits(batch: int, num_kv_heads: int, max_splits: int = 16) -> int:
+    """Context splits per sequence so that batch × KV heads × splits fills the GPU about twice."""
+    target = 2 * _num_sms(torch.cuda.current_device())
+    return max(1, min(max_splits, -(-target // max(1, batch * num_kv_heads))))
+
+
+def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                 context_lens: torch.Tensor, scale: float, num_splits: int,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+    """One query token per sequence: ``q`` [B, H, D] (heads contiguous) → [B, H, D]."""
+    batch, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    block_size = k_cache.shape[1]
+    group = num_heads // num_kv_heads
+    if out is None:
+        out = torch.empty_like(q)
+    assert q.stride(2) == 1 and q.stride(1) == head_dim and out.stride(2) == 1 and out.stride(1) == head_dim
+    d_pad = _pow2(head_dim)
+    block_n = 64 if q.dtype != torch.float32 else 32
+    if num_splits > 1:
+        part = torch.empty(batch, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
+        lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device)
+    else:
+        part = lse = out
+    _decode_kernel[(batch, num_kv_heads, num_splits)](
+        q, k_cache, v_cache, block_tables, context_lens, out, part, lse,
+        q.stride(0), out.stride(0), block_tables.stride(0), scale, num_splits,
+        NUM_KV_HEADS=num_kv_heads, GROUP=group, GROUP_PAD=max(16, _pow2(group)), HEAD_DIM=head_dim,
+        D_PAD=d_pad, BLOCK_SIZE=block_size, BLOCK_N=block_n, SPLIT=num_splits > 1,
+        PRECISION=_dot_precision(q.dtype), num_warps=4, num_stages=2)
+    if num_splits > 1:
+        _merge_kernel[(batch, num_heads)](part, lse, out, out.stride(0), num_splits, NUM_HEADS=num_heads,
+                                          HEAD_DIM=head_dim, D_PAD=d_pad, S_PAD=_pow2(num_splits), num_warps=1)
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ prefill
+
+@triton.jit
+def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, lens_ptr, qstart_ptr, out_ptr,
+                    stride_qt, stride_ot, stride_table, scale,
+                    NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+                    BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    PRECISION: tl.constexpr):
+    m_block = tl.program_id(0)
+    head = tl.program_id(1)
+    seq = tl.program_id(2)
+    kvh = head // GROUP
+    q_begin = tl.load(qstart_ptr + seq)
+    q_len = tl.load(qstart_ptr + seq + 1) - q_begin
+    ctx = tl.load(lens_ptr + seq)
+    prefix = ctx - q_len
+
+    rows = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
+    dims = tl.arange(0, D_PAD)
+    row_mask = rows < q_len
+    dim_mask = dims < HEAD_DIM
+    q_pos = prefix + rows
+    q_rows = (q_begin + rows).to(tl.int64)
+    q = tl.load(q_ptr + q_rows[:, None] * stride_qt + head * HEAD_DIM + dims[None, :],
+                mask=row_mask[:, None] & dim_mask[None, :], other=0.0)
+    qk_scale = scale * 1.4426950408889634
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
+    # Keys up to the last query row of this tile (causal); nothing for tiles past the chunk's end.
+    hi = tl.where(m_block * BLOCK_M < q_len, tl.minimum(ctx, prefix + (m_block + 1) * BLOCK_M), 0)
+    row_stride = NUM_KV_HEADS * HEAD_DIM
+    table = tables_ptr + seq.to(tl.int64) * stride_table
+    for n0 in range(0, hi, BLOCK_N):
+        tok = n0 + tl.arange(0, BLOCK_N)
+        valid = tok < hi
+        page = tl.load(table + tok // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+        slot = page * BLOCK_SIZE + tok % BLOCK_SIZE
+        offs = slot[:, None] * row_stride + kvh * HEAD_DIM + dims[None, :]
+        kv_mask = valid[:, None] & dim_mask[None, :]
+        k = tl.load(k_cache_ptr + offs, mask=kv_mask, other=0.0)
+        v = tl.load(v_cache_ptr + offs, mask=kv_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+        causal = valid[None, :] & (tok[None, :] <= q_pos[:, None])
+        s = tl.where(causal, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+
+    safe_l = tl.where(l_i > 0, l_i, 1.0)
+    out = acc / safe_l[:, None]
+    tl.store(out_ptr + q_rows[:, None] * stride_ot + head * HEAD_DIM + dims[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & dim_mask[None, :])
+
+
+def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                  context_lens: torch.Tensor, query_start: torch.Tensor, max_query_len: int, scale: float,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
+    """Chunks of any length in one launch, each over its cached prefix plus itself (causal).
+
+    ``q`` [T, H, D] holds sequence ``i``'s queries at ``query_start[i]:query_start[i+1]``; their keys and
+    values must already be in the cache. Returns [T, H, D].
+    """
+    tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    batch = context_lens.shape[0]
+    if out is None:
+        out = torch.empty_like(q)
+    assert q.stride(2) == 1 and q.stride(1) == head_dim and out.stride(2) == 1 and out.stride(1) == head_dim
+    d_pad = _pow2(head_dim)
+    fp32 = q.dtype == torch.float32
+    block_m = 32 if fp32 else (64 if d_pad <= 128 else 32)
+    block_n = 32 if fp32 else 64
+    if max_query_len <= 16:
+        block_m = 16
+    grid = (triton.cdiv(max_query_len, block_m), num_heads, batch)
+    _prefill_kernel[grid](
+        q, k_cache, v_cache, block_tables, context_lens, query_start, out,
+        q.stride(0), out.stride(0), block_tables.stride(0), scale,
+        NUM_KV_HEADS=num_kv_heads, GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, D_PAD=d_pad,
+        BLOCK_SIZE=k_cache.shape[1], BLOCK_M=block_m, BLOCK_N=block_n, PRECISION=_dot_precision(q.dtype),
+        num_warps=4, num_stages=2)
+    return out

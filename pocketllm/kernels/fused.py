@@ -1,0 +1,170 @@
+"""Fused elementwise kernels: RMSNorm (+residual), SiLU·mul, and the attention input preparation.
+
+Each replaces several PyTorch launches on the decode path, where a step is a few hundred tiny kernels
+and launch count, not bytes, sets the time. Arithmetic is float32 inside; results are rounded to the
+model dtype at the points where the PyTorch reference rounds (the residual sum, the norm output).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+def _pow2(n: int) -> int:
+    return triton.next_power_of_2(int(n))
+
+
+def _warps(width: int) -> int:
+    return 1 if width <= 256 else 4 if width <= 2048 else 8
+
+
+# ------------------------------------------------------------------------------------------------ RMSNorm
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, stride_x, stride_r, stride_o, n_cols, eps,
+                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        r = tl.load(res_ptr + row * stride_r + cols, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)  # the reference adds in the model dtype
+        tl.store(res_out_ptr + row * n_cols + cols, x, mask=mask)
+    xf = x.to(tl.float32)
+    var = tl.sum(xf * xf, 0) / n_cols
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    y = xf * tl.rsqrt(var + eps) * w
+    tl.store(out_ptr + row * stride_o + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """``norm(x)``, or with ``residual`` ``(norm(x + residual), x + residual)``; last dimension normalised."""
+    shape = x.shape
+    n = shape[-1]
+    x2 = x.reshape(-1, n)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    rows = x2.shape[0]
+    out = torch.empty(shape, dtype=x.dtype, device=x.device)
+    out2 = out.view(-1, n)
+    if residual is None:
+        if rows:
+            _rms_norm_kernel[(rows,)](x2, x2, weight, out2, out2, x2.stride(0), 0, out2.stride(0), n, eps,
+                                      HAS_RESIDUAL=False, BLOCK=_pow2(n), num_warps=_warps(n))
+        return out
+    r2 = residual.reshape(-1, n)
+    if r2.stride(-1) != 1:
+        r2 = r2.contiguous()
+    summed = torch.empty(shape, dtype=x.dtype, device=x.device)
+    if rows:
+        _rms_norm_kernel[(rows,)](x2, r2, weight, out2, summed.view(-1, n), x2.stride(0), r2.stride(0),
+                                  out2.stride(0), n, eps, HAS_RESIDUAL=True, BLOCK=_pow2(n), num_warps=_warps(n))
+    return out, summed
+
+
+# ------------------------------------------------------------------------------------------------ SiLU·mul
+
+@triton.jit
+def _silu_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, n_cols, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + row * stride_x + n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+    y = gate / (1.0 + tl.exp(-gate)) * up
+    tl.store(out_ptr + row * stride_o + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """``silu(x[..., :n]) * x[..., n:]`` for ``x`` [..., 2n]."""
+    n = x.shape[-1] // 2
+    x2 = x.reshape(-1, 2 * n)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    rows = x2.shape[0]
+    out = torch.empty(*x.shape[:-1], n, dtype=x.dtype, device=x.device)
+    if rows:
+        block = min(1024, _pow2(n))
+        _silu_mul_kernel[(rows, triton.cdiv(n, block))](x2, out.view(-1, n), x2.stride(0), n, n, BLOCK=block,
+                                                         num_warps=4)
+    return out
+
+
+# ------------------------------------------------------------------------------------ attention input prep
+
+@triton.jit
+def _qkv_prep_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr,
+                     slot_ptr, stride_qkv, stride_cos, eps,
+                     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                     HALF_PAD: tl.constexpr, HAS_NORM: tl.constexpr):
+    tok = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    half: tl.constexpr = HEAD_DIM // 2
+    cols = tl.arange(0, HALF_PAD)
+    cmask = cols < half
+    is_q = head < NUM_HEADS
+    is_v = head >= NUM_HEADS + NUM_KV_HEADS
+    is_k = (head >= NUM_HEADS) & (head < NUM_HEADS + NUM_KV_HEADS)
+    src = qkv_ptr + tok * stride_qkv + head * HEAD_DIM
+    x1 = tl.load(src + cols, mask=cmask, other=0.0)
+    x2 = tl.load(src + half + cols, mask=cmask, other=0.0)
+    slot = tl.load(slot_ptr + tok).to(tl.int64)
+    kv_row = NUM_KV_HEADS * HEAD_DIM
+    if is_v:
+        dst = v_cache_ptr + slot * kv_row + (head - NUM_HEADS - NUM_KV_HEADS) * HEAD_DIM
+        ok = cmask & (slot >= 0)
+        tl.store(dst + cols, x1.to(v_cache_ptr.dtype.element_ty), mask=ok)
+        tl.store(dst + half + cols, x2.to(v_cache_ptr.dtype.element_ty), mask=ok)
+    else:
+        a = x1.to(tl.float32)
+        b = x2.to(tl.float32)
+        if HAS_NORM:
+            r = tl.rsqrt((tl.sum(a * a, 0) + tl.sum(b * b, 0)) / HEAD_DIM + eps)
+            wq1 = tl.load(qw_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
+            wq2 = tl.load(qw_ptr + half + cols, mask=cmask, other=0.0).to(tl.float32)
+            wk1 = tl.load(kw_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
+            wk2 = tl.load(kw_ptr + half + cols, mask=cmask, other=0.0).to(tl.float32)
+            # the reference rounds the norm's output to the model dtype before the rotation
+            a = (a * r * tl.where(is_q, wq1, wk1)).to(x1.dtype).to(tl.float32)
+            b = (b * r * tl.where(is_q, wq2, wk2)).to(x1.dtype).to(tl.float32)
+        pos = tl.load(pos_ptr + tok).to(tl.int64)
+        c = tl.load(cos_ptr + pos * stride_cos + cols, mask=cmask, other=0.0)
+        s = tl.load(sin_ptr + pos * stride_cos + cols, mask=cmask, other=0.0)
+        o1 = a * c - b * s
+        o2 = b * c + a * s
+        if is_q:
+            dst = q_out_ptr + tok * (NUM_HEADS * HEAD_DIM) + head * HEAD_DIM
+            tl.store(dst + cols, o1.to(q_out_ptr.dtype.element_ty), mask=cmask)
+            tl.store(dst + half + cols, o2.to(q_out_ptr.dtype.element_ty), mask=cmask)
+        if is_k:
+            dst = k_cache_ptr + slot * kv_row + (head - NUM_HEADS) * HEAD_DIM
+            ok = cmask & (slot >= 0)
+            tl.store(dst + cols, o1.to(k_cache_ptr.dtype.element_ty), mask=ok)
+            tl.store(dst + half + cols, o2.to(k_cache_ptr.dtype.element_ty), mask=ok)
+
+
+def qkv_prepare(qkv: torch.Tensor, positions: torch.Tensor, cos_cache: torch.Tensor, sin_cache: torch.Tensor,
+                q_weight: torch.Tensor | None, k_weight: torch.Tensor | None, eps: float, num_heads: int,
+                num_kv_heads: int, head_dim: int, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                slot_mapping: torch.Tensor) -> torch.Tensor:
+    """One launch for: split ``qkv`` [T, (H + 2 KVH) * D], per-head RMSNorm of q and k (when weights are
+    given), rotary embedding of q and k (rotate-half layout over the whole head), and the store of k and v
+    into their cache slots. Returns q as [T, H, D]."""
+    tokens = qkv.shape[0]
+    assert qkv.stride(1) == 1 and head_dim % 2 == 0
+    q = torch.empty(tokens, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
+    if tokens == 0:
+        return q
+    has_norm = q_weight is not None
+    qw = q_weight if has_norm else qkv
+    kw = k_weight if has_norm else qkv
+    _qkv_prep_kernel[(tokens, num_heads + 2 * num_kv_heads)](
+        qkv, positions, cos_cache, sin_cache, qw, kw, q, k_cache, v_cache, slot_mapping,
+        qkv.stride(0), cos_cache.stride(0), eps,
+        NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, HALF_PAD=_pow2(head_dim // 2),
+        HAS_NORM=has_norm, num_warps=1)
+    return q

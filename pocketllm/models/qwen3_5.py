@@ -1,0 +1,162 @@
+"""Qwen3.5 (dense): a hybrid of Gated DeltaNet (linear attention) and gated full-attention layers.
+
+``config.layer_types`` names each layer's token mixer (typically three ``linear_attention`` layers then one
+``full_attention``). Full-attention layers use the paged KV cache; linear-attention layers keep a conv and a
+recurrent state per request in the runner's state pool (``layers.gated_delta``).
+
+Differences from the Llama layout: every RMSNorm except the DeltaNet's gated one stores ``weight`` around
+zero and scales by ``1 + weight``; ``q_proj`` yields, per head, the query followed by an output gate of the
+same width (``attn_out * sigmoid(gate)``); q/k RMSNorm per head; rotary embedding on the first
+``partial_rotary_factor`` of each head. The checkpoint's multimodal rotary (``mrope_section``) is
+degenerate for text: all three position streams equal the token position, so it is plain rotary here
+(image and video inputs are refused before they reach the engine).
+
+Checkpoints: ``Qwen3_5ForCausalLM`` names (``model.layers...``) or the text part of a
+``Qwen3_5ForConditionalGeneration`` checkpoint (``model.language_model.layers...``; the vision tower and the
+multi-token-prediction head are skipped).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from pocketllm.layers.attention import Attention
+from pocketllm.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from pocketllm.layers.gated_delta import GatedDeltaNet
+from pocketllm.layers.linear import QKVParallelLinear, RowParallelLinear
+from pocketllm.layers.norm import OffsetRMSNorm
+from pocketllm.layers.rotary import RotaryEmbedding, rope_settings
+from pocketllm.models.llama import GatedMLP, head_dim_of
+from pocketllm.runner.attention_metadata import AttentionMetadata
+
+SKIPPED_PREFIXES = ("mtp.", "model.visual.", "visual.")
+TEXT_PREFIXES = ("model.language_model.", "model.")
+
+
+def rotary_for(config: Any) -> RotaryEmbedding:
+    """The (text-position) rotary embedding of a Qwen3.5 config: ``partial_rotary_factor`` of each head."""
+    head_dim = head_dim_of(config)
+    params = getattr(config, "rope_parameters", None) or {}
+    factor = params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0))
+    theta, scaling = rope_settings(config)
+    return RotaryEmbedding(head_dim, int(head_dim * factor), config.max_position_embeddings, theta, scaling)
+
+
+class GatedAttention(nn.Module):
+    """Full attention with per-head q/k norms, partial rotary and a sigmoid output gate from ``q_proj``."""
+
+    def __init__(self, config: Any, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        head_dim = head_dim_of(config)
+        bias = bool(getattr(config, "attention_bias", False))
+        # The "q" part holds, per head, head_dim query rows then head_dim gate rows.
+        self.qkv_proj = QKVParallelLinear(config.hidden_size, head_dim, 2 * config.num_attention_heads,
+                                          config.num_key_value_heads, bias=bias)
+        self.num_heads = self.qkv_proj.num_heads // 2
+        self.num_kv_heads = self.qkv_proj.num_kv_heads
+        self.head_dim = head_dim
+        self.o_proj = RowParallelLinear(config.num_attention_heads * head_dim, config.hidden_size, bias=bias)
+        self.q_norm = OffsetRMSNorm(head_dim, config.rms_norm_eps)
+        self.k_norm = OffsetRMSNorm(head_dim, config.rms_norm_eps)
+        self.rotary_emb = rotary
+        self.attn = Attention(self.num_heads, head_dim, self.num_kv_heads, head_dim ** -0.5)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
+        query_gate, k, v = self.qkv_proj(hidden).split([2 * heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
+        query_gate = query_gate.view(-1, heads, 2 * dim)
+        q, gate = query_gate[..., :dim], query_gate[..., dim:]
+        q = self.q_norm(q)
+        k = self.k_norm(k.view(-1, kv_heads, dim))
+        q, k = self.rotary_emb(positions, q, k)
+        out = self.attn(q, k, v.view(-1, kv_heads, dim), meta)
+        return self.o_proj(out * torch.sigmoid(gate.reshape(out.shape)))
+
+
+class HybridDecoderLayer(nn.Module):
+    """Pre-norm token mixer (``linear_attn`` or ``self_attn``) and feed-forward, residual through the norms."""
+
+    def __init__(self, config: Any, layer_type: str, mlp: nn.Module, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.layer_type = layer_type
+        if layer_type == "linear_attention":
+            self.linear_attn = GatedDeltaNet(config)
+        elif layer_type == "full_attention":
+            self.self_attn = GatedAttention(config, rotary)
+        else:
+            raise ValueError(f"unknown Qwen3.5 layer type {layer_type!r}")
+        self.mlp = mlp
+        self.input_layernorm = OffsetRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = OffsetRMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
+                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            hidden, residual = self.input_layernorm(hidden), hidden
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        if self.layer_type == "linear_attention":
+            hidden = self.linear_attn(hidden, meta)
+        else:
+            hidden = self.self_attn(positions, hidden, meta)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class Qwen3_5ForCausalLM(nn.Module):
+    """Embedding, hybrid decoder layers, final norm and LM head (the model runner's model interface)."""
+
+    packed_modules = {
+        "q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+        "in_proj_qkv": ("in_proj", "qkv"), "in_proj_z": ("in_proj", "z"),
+        "in_proj_b": ("in_proj", "b"), "in_proj_a": ("in_proj", "a"),
+    }
+
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        self.config = config
+        layer_types = list(config.layer_types)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        self.rotary_emb = rotary_for(config)     # one table shared by every full-attention layer
+        self.layers = nn.ModuleList(
+            HybridDecoderLayer(config, layer_types[i], self.make_mlp(config, i), self.rotary_emb)
+            for i in range(config.num_hidden_layers))
+        self.norm = OffsetRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        if self.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def make_mlp(self, config: Any, layer_index: int) -> nn.Module:
+        return GatedMLP(config.hidden_size, config.intermediate_size)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        residual = None
+        for layer in self.layers:
+            hidden, residual = layer(positions, hidden, residual, meta)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    def checkpoint_name(self, name: str) -> str | None:
+        """Our parameter name for a checkpoint entry (before packing); None for parts we do not run."""
+        if name.startswith(SKIPPED_PREFIXES):
+            return None
+        for prefix in TEXT_PREFIXES:
+            if name.startswith(prefix):
+                name = name[len(prefix):]
+                break
+        # Experts stored stacked (one tensor per layer) rather than one per expert.
+        if name.endswith(".mlp.experts.gate_up_proj"):
+            return name.removesuffix("gate_up_proj") + "w13"
+        if name.endswith(".mlp.experts.down_proj"):
+            return name.removesuffix("down_proj") + "w2"
+        return name

@@ -1,0 +1,266 @@
+"""The CUDA side of a step: batch inputs in one pinned host→device copy, kernel metadata, and decode steps
+replayed from CUDA graphs captured per batch-size bucket.
+
+Per step the host builds every integer input (token ids, positions, KV slots, context lengths, query
+starts, block tables) into one int32 array in pinned memory and sends it with a single non-blocking copy;
+the forward pass is queued behind it with no host synchronisation. The only synchronisation of a step
+is the sampler reading back the sampled tokens.
+
+Decode-only batches (one new token per sequence, every sequence sampling) of up to ``max_num_seqs``
+sequences replay a graph captured for the next bucket size up; padding rows carry ``slot = -1`` (the
+kernels store nothing) and ``context_len = 0`` (attention writes zeros), so they touch no real state.
+Graph inputs live in one static device buffer whose layout is fixed at capture time.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from pocketllm.runner.attention_metadata import AttentionMetadata
+
+logger = logging.getLogger("pocketllm.runner")
+
+
+def graph_buckets(max_num_seqs: int) -> list[int]:
+    """Batch sizes a graph is captured for: 1, 2, 4, 8, then steps of 16 up to 64 and of 32 beyond."""
+    sizes = [b for b in (1, 2, 4, 8) if b < max_num_seqs]
+    sizes += list(range(16, min(64, max_num_seqs) + 1, 16)) + list(range(96, max_num_seqs + 1, 32))
+    sizes = sorted(set(s for s in sizes if s <= max_num_seqs))
+    if not sizes or sizes[-1] != max_num_seqs:
+        sizes.append(max_num_seqs)
+    return sizes
+
+
+@dataclass
+class HostBatch:
+    """A step's inputs on the host (plain lists; turned into one int32 array by the staging code)."""
+
+    input_ids: list[int]
+    positions: list[int]
+    slots: list[int]
+    query_start: list[int]
+    context_lens: list[int]
+    sample_index: list[int]
+    tables: list[list[int]]
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.input_ids)
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.context_lens)
+
+    @property
+    def is_plain_decode(self) -> bool:
+        """One token per sequence and every sequence samples: the shape decode graphs are captured for."""
+        return self.num_tokens == self.num_seqs and len(self.sample_index) == self.num_seqs
+
+
+def _token_slice(request, start: int, end: int) -> list[int]:
+    prompt = request.prompt_token_ids
+    n = len(prompt)
+    if end <= n:
+        return prompt[start:end]
+    if start >= n:
+        return request.output_token_ids[start - n:end - n]
+    return prompt[start:] + request.output_token_ids[:end - n]
+
+
+def gather_host_batch(chunks: Sequence, block_size: int) -> HostBatch:
+    """The step's integer inputs, read off the scheduled chunks without copying whole token histories."""
+    ids: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    query_start = [0]
+    context_lens: list[int] = []
+    sample_index: list[int] = []
+    tables: list[list[int]] = []
+    total = 0
+    for chunk in chunks:
+        request = chunk.request
+        start = request.num_computed_tokens
+        count = chunk.num_tokens
+        end = start + count
+        table = request.block_table
+        if count == 1:
+            n_prompt = len(request.prompt_token_ids)
+            ids.append(request.prompt_token_ids[start] if start < n_prompt
+                       else request.output_token_ids[start - n_prompt])
+            positions.append(start)
+            slots.append(table[start // block_size] * block_size + start % block_size)
+        else:
+            ids.extend(_token_slice(request, start, end))
+            positions.extend(range(start, end))
+            pos = np.arange(start, end)
+            slots.extend((np.asarray(table, dtype=np.int64)[pos // block_size] * block_size
+                          + pos % block_size).tolist())
+        total += count
+        query_start.append(total)
+        context_lens.append(end)
+        if chunk.samples:
+            sample_index.append(total - 1)
+        tables.append(table)
+    return HostBatch(ids, positions, slots, query_start, context_lens, sample_index, tables)
+
+
+def _align(n: int) -> int:
+    return -(-n // 16) * 16
+
+
+class _PinnedRing:
+    """Two pinned int32 host buffers used in turn; a buffer is rewritten only after its last copy finished."""
+
+    def __init__(self) -> None:
+        self.buffers: list[torch.Tensor | None] = [None, None]
+        self.events: list[torch.cuda.Event | None] = [None, None]
+        self.turn = 0
+
+    def take(self, size: int) -> tuple[int, np.ndarray]:
+        self.turn ^= 1
+        i = self.turn
+        if self.events[i] is not None:
+            self.events[i].synchronize()
+        buf = self.buffers[i]
+        if buf is None or buf.numel() < size:
+            capacity = max(size, 2 * (buf.numel() if buf is not None else 4096))
+            self.buffers[i] = torch.empty(capacity, dtype=torch.int32, pin_memory=True)
+        return i, self.buffers[i].numpy()
+
+    def send(self, i: int, size: int, dest: torch.Tensor) -> None:
+        dest[:size].copy_(self.buffers[i][:size], non_blocking=True)
+        event = self.events[i] or torch.cuda.Event()
+        event.record()
+        self.events[i] = event
+
+
+class CudaStepRunner:
+    """Runs a step of the model on CUDA through the Triton-kernel metadata, replaying decode graphs."""
+
+    def __init__(self, model: torch.nn.Module, device: torch.device, block_size: int, num_kv_heads: int) -> None:
+        self.model = model
+        self.device = device
+        self.block_size = block_size
+        self.num_kv_heads = num_kv_heads
+        self.ring = _PinnedRing()
+        self.eager_buffer = torch.empty(1 << 16, dtype=torch.int32, device=device)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.graph_outputs: dict[int, torch.Tensor] = {}
+        self.graph_meta: dict[int, AttentionMetadata] = {}
+        self.max_graph_bs = 0
+        self.graph_width = 0
+        self.static: torch.Tensor | None = None
+        self.pool = None
+
+    # ------------------------------------------------------------------------------------------ eager
+    def _splits(self, batch: int) -> int:
+        from pocketllm.kernels.attention import decode_splits
+
+        return decode_splits(batch, self.num_kv_heads)
+
+    def forward(self, chunks: Sequence) -> torch.Tensor | None:
+        """Hidden states of the rows that sample this step (None if none does)."""
+        host = gather_host_batch(chunks, self.block_size)
+        n = host.num_seqs
+        if host.is_plain_decode and n <= self.max_graph_bs and max(len(t) for t in host.tables) <= self.graph_width:
+            return self._replay(host)
+        hidden, meta_index = self._eager(host)
+        if not host.sample_index:
+            return None
+        if len(host.sample_index) == host.num_tokens:
+            return hidden
+        return hidden.index_select(0, meta_index)
+
+    def _eager(self, host: HostBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        t, n, s = host.num_tokens, host.num_seqs, len(host.sample_index)
+        width = max(len(tb) for tb in host.tables)
+        # Segments start at multiples of 16 elements, so kernels see the same pointer alignment every step
+        # (Triton specialises on it; unaligned views would compile extra variants).
+        size = _align(t) * 3 + _align(n) + _align(n + 1) + _align(s) + n * width
+        i, buf = self.ring.take(size)
+        o = 0
+        parts = {}
+        for name, values in (("ids", host.input_ids), ("pos", host.positions), ("slots", host.slots),
+                             ("ctx", host.context_lens), ("qstart", host.query_start), ("sample", host.sample_index)):
+            buf[o:o + len(values)] = values
+            parts[name] = (o, len(values))
+            o += _align(len(values))
+        tables = buf[o:o + n * width].reshape(n, width)
+        for row, table in enumerate(host.tables):
+            tables[row, :len(table)] = table
+        if self.eager_buffer.numel() < size:
+            self.eager_buffer = torch.empty(max(size, 2 * self.eager_buffer.numel()), dtype=torch.int32,
+                                            device=self.device)
+        dev = self.eager_buffer
+        self.ring.send(i, size, dev)
+
+        def view(name: str) -> torch.Tensor:
+            start, length = parts[name]
+            return dev[start:start + length]
+
+        decode = t == n
+        meta = AttentionMetadata(
+            slot_mapping=view("slots"), block_tables=dev[o:o + n * width].view(n, width),
+            query_start=host.query_start, context_lens=host.context_lens, block_size=self.block_size,
+            context_lens_gpu=view("ctx"), query_start_gpu=view("qstart"),
+            max_query_len=max(b - a for a, b in zip(host.query_start, host.query_start[1:])),
+            num_splits=self._splits(n) if decode else 1)
+        hidden = self.model(view("ids"), view("pos"), meta)
+        return hidden, view("sample")
+
+    # ------------------------------------------------------------------------------------------ graphs
+    def capture(self, max_num_seqs: int, max_model_len: int) -> None:
+        """Capture one decode graph per bucket size up to ``max_num_seqs`` (largest first, one memory pool)."""
+        started = time.perf_counter()
+        self.graph_width = -(-max_model_len // self.block_size)
+        maxb, seg = max_num_seqs, _align(max_num_seqs)
+        self.segment = seg
+        self.static = torch.zeros(4 * seg + maxb * self.graph_width, dtype=torch.int32, device=self.device)
+        ids, pos, slots, ctx = (self.static[k * seg:k * seg + maxb] for k in range(4))
+        tables = self.static[4 * seg:].view(maxb, self.graph_width)
+        slots.fill_(-1)
+        self.pool = torch.cuda.graph_pool_handle()
+        for bs in reversed(graph_buckets(max_num_seqs)):
+            meta = AttentionMetadata(
+                slot_mapping=slots[:bs], block_tables=tables[:bs], query_start=list(range(bs + 1)),
+                context_lens=[0] * bs, block_size=self.block_size, context_lens_gpu=ctx[:bs],
+                query_start_gpu=None, max_query_len=1, num_splits=self._splits(bs))
+            self.model(ids[:bs], pos[:bs], meta)  # compile and warm up outside the capture
+            torch.cuda.synchronize(self.device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                out = self.model(ids[:bs], pos[:bs], meta)
+            self.graphs[bs] = graph
+            self.graph_outputs[bs] = out
+            self.graph_meta[bs] = meta
+        torch.cuda.synchronize(self.device)
+        self.max_graph_bs = max_num_seqs
+        self.buckets = sorted(self.graphs)
+        logger.info("captured %d decode CUDA graphs (batch sizes %s) in %.1f s", len(self.graphs), self.buckets,
+                    time.perf_counter() - started)
+
+    def _replay(self, host: HostBatch) -> torch.Tensor:
+        n = host.num_seqs
+        bs = next(b for b in self.buckets if b >= n)
+        maxb, seg, width = self.max_graph_bs, self.segment, self.graph_width
+        size = 4 * seg + bs * width
+        i, buf = self.ring.take(4 * seg + maxb * width)
+        buf[0:n] = host.input_ids
+        buf[seg:seg + n] = host.positions
+        buf[2 * seg:2 * seg + n] = host.slots
+        buf[3 * seg:3 * seg + n] = host.context_lens
+        if bs > n:
+            for k, pad in enumerate((0, 0, -1, 0)):
+                buf[k * seg + n:k * seg + bs] = pad
+        tables = buf[4 * seg:4 * seg + maxb * width].reshape(maxb, width)
+        for row, table in enumerate(host.tables):
+            tables[row, :len(table)] = table
+        self.ring.send(i, size, self.static)
+        self.graphs[bs].replay()
+        return self.graph_outputs[bs][:n]

@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# One device call: GPU tests, profiles and the three H200 benchmark numbers; logs and JSON under $OUT.
+# Usage (on the GPU machine, repository root): bash scripts/gpu_check.sh [tests|latency|throughput|profile ...]
+set -u
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
+OUT=${OUT:-/tmp/pocketllm-out}; mkdir -p "$OUT"
+PY=${PY:-python3}
+PLOTS=${PLOTS:-$OUT}  # at most 8 files come back from a device call: point PLOTS elsewhere to keep fewer
+stages=${*:-tests gemv profile latency throughput}
+nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv | tee "$OUT/bench.log"
+$PY -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/bench.log"
+for stage in $stages; do
+  start=$(date +%s)
+  case $stage in
+    tests)
+      timeout 200 $PY -m pytest -m gpu tests/test_kernels_gpu.py -q -p no:cacheprovider > "$OUT/tests.log" 2>&1
+      echo "gpu tests rc=$? $(tail -1 "$OUT/tests.log")" | tee -a "$OUT/bench.log" ;;
+    gemv)
+      timeout 90 $PY scripts/bench_gemv.py > "$OUT/gemv.log" 2>&1; cat "$OUT/gemv.log" | tee -a "$OUT/bench.log" ;;
+    profile)
+      specs=("qwen3-0.6b 1 256" "qwen3-0.6b 256 800 graphs 0.6" "llama3-8b 1 256")
+      for spec in "${specs[@]}"; do
+        timeout 100 $PY scripts/profile_step.py $spec >> "$OUT/profile.log" 2>&1
+      done
+      grep "step wall" "$OUT/profile.log" | tee -a "$OUT/bench.log" ;;
+    latency)
+      for preset in qwen3-0.6b llama3-8b; do
+        timeout 130 $PY -m pocketllm bench latency --model $preset --load-format dummy --peer hf \
+          --output-json "$OUT/latency-$preset.json" --plot "$PLOTS/latency-$preset.png" 2>&1 | grep -v Warning | tee -a "$OUT/bench.log"
+      done ;;
+    throughput)
+      timeout ${THROUGHPUT_TIMEOUT:-160} $PY -m pocketllm bench throughput --model qwen3-0.6b --load-format dummy --max-num-seqs 256 \
+        --max-num-batched-tokens 8192 ${THROUGHPUT_ARGS:-} --output-json "$OUT/throughput.json" \
+        --plot "$OUT/throughput.png" 2>&1 | tee -a "$OUT/bench.log" ;;
+  esac
+  echo "[$stage: $(( $(date +%s) - start )) s]" | tee -a "$OUT/bench.log"
+done

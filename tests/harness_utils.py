@@ -1,0 +1,313 @@
+"""Driving ``pocketllm pipe`` and ``pocketllm host`` subprocesses (and host connections) from tests."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from typing import Any
+
+from server_utils import free_port
+
+TIMEOUT = 120.0
+FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
+USAGE_KEYS = {"prompt_tokens", "gen_tokens", "prefill_ms", "decode_ms"}
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "PYTHONUNBUFFERED": "1", "TQDM_DISABLE": "1"}
+
+
+class Router:
+    """Lines routed by id; ``collect`` waits for one request's chunks and its final line."""
+
+    def __init__(self) -> None:
+        self.cond = threading.Condition()
+        self.by_id: dict[Any, list[dict]] = {}
+        self.untagged: list[dict] = []
+        self.all: list[dict] = []
+
+    def put(self, obj: dict) -> None:
+        with self.cond:
+            self.all.append(obj)
+            key = obj.get("id")
+            if key is None:
+                self.untagged.append(obj)
+            else:
+                self.by_id.setdefault(key, []).append(obj)
+            self.cond.notify_all()
+
+    def wait_for(self, predicate, timeout: float = TIMEOUT):
+        deadline = time.monotonic() + timeout
+        with self.cond:
+            while True:
+                found = predicate()
+                if found:
+                    return found
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"timed out; last lines: {self.all[-5:]}")
+                self.cond.wait(left)
+
+    def first(self, request_id: Any, timeout: float = TIMEOUT) -> dict:
+        """The first line carrying ``request_id`` (taken off the list)."""
+        def found():
+            lines = self.by_id.get(request_id)
+            return lines.pop(0) if lines else None
+        return self.wait_for(found, timeout)
+
+    def collect(self, request_id: Any, timeout: float = TIMEOUT) -> tuple[str, dict]:
+        """(the streamed text, the done or error line) of one request."""
+        def found():
+            lines = self.by_id.get(request_id, [])
+            for i, line in enumerate(lines):
+                if line.get("done") or "error" in line:
+                    del self.by_id[request_id]
+                    return "".join(x.get("chunk", "") for x in lines[:i]), line
+            return None
+        return self.wait_for(found, timeout)
+
+    def untagged_matching(self, predicate, timeout: float = TIMEOUT) -> dict:
+        def found():
+            for i, line in enumerate(self.untagged):
+                if predicate(line):
+                    return self.untagged.pop(i)
+            return None
+        return self.wait_for(found, timeout)
+
+
+class PipeProcess:
+    """``pocketllm pipe`` with its stdout parsed line by line (a non-JSON line is a protocol violation)."""
+
+    def __init__(self, *args: str) -> None:
+        self.stderr = tempfile.TemporaryFile()
+        self.proc = subprocess.Popen([sys.executable, "-m", "pocketllm", "pipe", *args], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=self.stderr, env=_env())
+        self.router = Router()
+        self.impure: list[bytes] = []
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+
+    def _read(self) -> None:
+        for raw in self.proc.stdout:
+            try:
+                obj = json.loads(raw)
+                assert isinstance(obj, dict)
+            except (ValueError, AssertionError):
+                self.impure.append(raw)
+                continue
+            self.router.put(obj)
+
+    def send(self, line: dict | str | bytes) -> None:
+        if isinstance(line, dict):
+            line = json.dumps(line)
+        if isinstance(line, str):
+            line = line.encode("utf-8")
+        self.proc.stdin.write(line.rstrip(b"\n") + b"\n")
+        self.proc.stdin.flush()
+
+    def request(self, obj: dict, timeout: float = TIMEOUT) -> tuple[str, dict]:
+        self.send(obj)
+        return self.router.collect(obj["id"], timeout)
+
+    def wait_ready(self, timeout: float = TIMEOUT) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            self.send({"op": "health", "id": "ready?"})
+            if self.router.first("ready?", timeout)["state"] == "ready":
+                return
+            time.sleep(0.2)
+        raise TimeoutError("the pipe did not become ready")
+
+    def error_output(self) -> str:
+        self.stderr.seek(0)
+        return self.stderr.read().decode("utf-8", "replace")[-4000:]
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.proc.stdin.close()
+            except OSError:
+                pass
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+
+
+class HostProcess:
+    """``pocketllm host`` on a free loopback port (or ``port``)."""
+
+    def __init__(self, *args: str, token: str = "s3cret-token", port: int | None = None) -> None:
+        self.port = port or free_port()
+        self.token = token
+        self.args = args
+        self.stderr = tempfile.TemporaryFile()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "pocketllm", "host", "--port", str(self.port), "--token", token, *args],
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=self.stderr, env=_env())
+
+    @property
+    def url(self) -> str:
+        return f"ws://127.0.0.1:{self.port}/"
+
+    def wait_listening(self, timeout: float = 60) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"host exited early:\n{self.error_output()}")
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=1):
+                    return
+            except OSError:
+                time.sleep(0.05)
+        raise TimeoutError("the host did not listen")
+
+    def connect(self, auth: bool = True) -> Conn:
+        conn = Conn(self.url)
+        if auth:
+            reply = conn.call({"op": "auth", "id": "auth", "token": self.token})
+            assert reply == {"id": "auth", "auth": "ok"}, reply
+        return conn
+
+    def wait_ready(self, timeout: float = TIMEOUT) -> None:
+        self.wait_listening()
+        conn = self.connect()
+        try:
+            deadline = time.monotonic() + timeout
+            while time.monotonic() < deadline:
+                if conn.call({"op": "health", "id": "h"})["state"] == "ready":
+                    return
+                time.sleep(0.2)
+            raise TimeoutError("the host did not become ready")
+        finally:
+            conn.close()
+
+    def error_output(self) -> str:
+        self.stderr.seek(0)
+        return self.stderr.read().decode("utf-8", "replace")[-4000:]
+
+    def stop(self) -> int | None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(40)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        return self.proc.returncode
+
+
+class Conn:
+    """A blocking WebSocket connection with a reader thread routing lines by id."""
+
+    def __init__(self, url: str) -> None:
+        from websockets.sync.client import connect
+
+        self.ws = connect(url, open_timeout=10, max_size=None, compression=None).__enter__()
+        self.router = Router()
+        self.close_code: int | None = None
+        self.closed = threading.Event()
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+
+    def _read(self) -> None:
+        from websockets.exceptions import ConnectionClosed
+
+        try:
+            while True:
+                self.router.put(json.loads(self.ws.recv()))
+        except ConnectionClosed as exc:
+            self.close_code = exc.rcvd.code if exc.rcvd is not None else None
+        finally:
+            self.closed.set()
+            with self.router.cond:
+                self.router.cond.notify_all()
+
+    def send(self, line: dict | str) -> None:
+        self.ws.send(json.dumps(line) if isinstance(line, dict) else line)
+
+    def call(self, obj: dict, timeout: float = TIMEOUT) -> dict:
+        self.send(obj)
+        return self.router.first(obj["id"], timeout)
+
+    def request(self, obj: dict, timeout: float = TIMEOUT) -> tuple[str, dict]:
+        self.send(obj)
+        return self.router.collect(obj["id"], timeout)
+
+    def wait_closed(self, timeout: float = 10) -> int | None:
+        assert self.closed.wait(timeout), "the host did not close the connection"
+        return self.close_code
+
+    def close(self) -> None:
+        try:
+            self.ws.close()
+        except Exception:
+            pass
+        self.closed.wait(5)
+
+
+def checkpoint_without_template(source: str, target: str) -> str:
+    """A copy of an HF checkpoint directory whose tokenizer has no chat template."""
+    shutil.copytree(source, target, dirs_exist_ok=True)
+    config_path = os.path.join(target, "tokenizer_config.json")
+    with open(config_path, encoding="utf-8") as handle:
+        config = json.load(handle)
+    config.pop("chat_template", None)
+    with open(config_path, "w", encoding="utf-8") as handle:
+        json.dump(config, handle)
+    jinja = os.path.join(target, "chat_template.jinja")
+    if os.path.exists(jinja):
+        os.remove(jinja)
+    return target
+
+
+def fuzz_lines(count: int, rng: random.Random) -> list[bytes]:
+    ops = ["generate", "chat", "health", "cancel", "open", "close", "auth", "shutdown", "nope", "", None, 5]
+    values = [None, True, -1, 0, 1.5, "", "x" * 300, [], {}, [1, "a"], {"role": "user"}, float("inf")]
+    lines: list[bytes] = []
+    while len(lines) < count:
+        kind = rng.randrange(8)
+        if kind == 0:
+            lines.append(bytes(rng.randrange(256) for _ in range(rng.randrange(1, 80))).replace(b"\n", b" "))
+        elif kind == 1:
+            good = json.dumps({"op": "generate", "id": rng.randrange(10**6), "prompt": "hi", "n": 1})
+            lines.append(good[: rng.randrange(1, len(good) - 1)].encode())
+        elif kind == 2:
+            lines.append(json.dumps(rng.choice([[], 1, "str", None, [{"op": "health"}]])).encode())
+        elif kind == 3:   # an op with a field it does not take
+            op = rng.choice(["generate", "chat", "health", "open", "close", "auth"])
+            lines.append(json.dumps({"op": op, "id": f"f{len(lines)}", f"extra{rng.randrange(9)}": 1}).encode())
+        elif kind == 4:   # a bad value
+            field = rng.choice(["n", "temp", "top_k", "top_p", "repeat_penalty", "seed", "stop", "diag", "session"])
+            bad = {"n": rng.choice([0, -2, 1.5, "3", None]), "temp": rng.choice([-1, "hot", None, []]),
+                   "top_k": rng.choice([-1, 2.5, "k"]), "top_p": rng.choice([0, 2, "p"]),
+                   "repeat_penalty": rng.choice([0, -1, "r"]), "seed": rng.choice([1.5, "s", None]),
+                   "stop": rng.choice([5, [""], [1], {}]), "diag": rng.choice([1, "y", None]),
+                   "session": rng.choice(["", "a b", "../x", 7, "x" * 80])}[field]
+            lines.append(json.dumps({"op": "generate", "id": f"v{len(lines)}", "prompt": "p", field: bad},
+                                    allow_nan=True).encode())
+        elif kind == 5:
+            lines.append(json.dumps({"op": rng.choice(ops), "id": rng.choice(values[:2] + [1.25, [], {}])},
+                                    allow_nan=True).encode())
+        elif kind == 6:   # messages of the wrong shape
+            lines.append(json.dumps({"op": "chat", "id": f"c{len(lines)}",
+                                     "messages": rng.choice(values[:10] + [[{"role": "user", "content": 3}]])},
+                                    allow_nan=True).encode())
+        else:             # unknown ops, deep nesting, cancels of nothing
+            choice = rng.randrange(3)
+            if choice == 0:
+                lines.append(json.dumps({"op": f"op{rng.randrange(99)}", "id": len(lines)}).encode())
+            elif choice == 1:
+                lines.append(b"[" * 5000 + b"]" * 5000)
+            else:
+                lines.append(json.dumps({"op": "cancel", "id": f"nothing{len(lines)}"}).encode())
+    return lines

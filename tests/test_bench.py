@@ -1,0 +1,69 @@
+"""The bench commands run on CPU with a tiny model and write the JSON fields they promise."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pocketllm.cli.main import main
+
+SMALL_ENGINE = ["--num-kv-blocks", "64", "--device", "cpu"]
+
+
+def _read(path) -> dict:
+    with open(path, encoding="utf-8") as handle:
+        return json.load(handle)
+
+
+def test_bench_throughput(tiny_checkpoint, tmp_path, capsys):
+    out = tmp_path / "throughput.json"
+    assert main(["bench", "throughput", "--model", tiny_checkpoint("llama"), "--num-requests", "5", "--min-len", "3",
+                 "--max-len", "9", "--warmup-requests", "1", "--output-json", str(out), *SMALL_ENGINE]) == 0
+    result = _read(out)
+    ours = result["pocketllm"]
+    assert result["benchmark"] == "throughput"
+    assert result["workload"]["num_requests"] == 5 and result["workload"]["temperature"] == 0.6
+    assert ours["num_requests"] == 5 and 5 * 3 <= ours["output_tokens"] <= 5 * 9
+    assert ours["output_tokens_per_s"] > 0 and ours["elapsed_s"] > 0 and ours["requests_per_s"] > 0
+    assert "cpu" in result["hardware"] and result["engine_args"]["max_model_len"] == 18
+    assert "output tok/s" in capsys.readouterr().out
+
+
+def test_bench_latency_with_hf_peer(tiny_checkpoint, tmp_path, capsys):
+    out = tmp_path / "latency.json"
+    assert main(["bench", "latency", "--model", tiny_checkpoint("qwen3"), "--input-len", "8", "--output-len", "5",
+                 "--num-iters", "1", "--warmup-iters", "0", "--peak-bandwidth-gbs", "10", "--peer", "hf",
+                 "--output-json", str(out), *SMALL_ENGINE]) == 0
+    result = _read(out)
+    ours = result["pocketllm"]
+    assert result["workload"] == {"batch_size": 1, "input_len": 8, "output_len": 5, "greedy": True}
+    assert ours["runs"][0]["tokens"] == 5
+    assert ours["decode_tokens_per_s"] > 0 and ours["ttft_s"] > 0 and ours["weight_bytes"] > 0
+    assert ours["bound_bandwidth_gbs"] == pytest.approx(10.0)
+    assert ours["fraction_of_bound"] == pytest.approx(ours["achieved_bandwidth_gbs"] / 10.0)
+    assert ours["host_exposed_per_step_s"] > 0
+    peer = result["peer"]["hf"]
+    assert peer["decode_tokens_per_s"] > 0 and peer["ratio_pocketllm_over_peer"] > 0
+    assert "pocketllm / hf" in capsys.readouterr().out
+
+
+def test_bench_serve(tiny_checkpoint, tmp_path):
+    from server_utils import ServerProcess
+
+    server = ServerProcess("--model", tiny_checkpoint("llama"), *SMALL_ENGINE)
+    try:
+        server.wait_ready(120)
+        out = tmp_path / "serve.json"
+        assert main(["bench", "serve", "--base-url", server.url, "--num-requests", "4", "--request-rate", "50",
+                     "--max-concurrency", "3", "--min-input-len", "4", "--max-input-len", "12",
+                     "--min-output-len", "3", "--max-output-len", "6", "--vocab-size", "1000",
+                     "--output-json", str(out)]) == 0
+    finally:
+        server.stop()
+    result = _read(out)["pocketllm"]
+    assert result["completed"] == 4 and result["failed"] == 0, result["errors"]
+    assert 4 * 3 <= result["output_tokens"] <= 4 * 6
+    for name in ("ttft_s", "tpot_s", "itl_s", "e2e_s"):
+        assert result[name]["p50"] is not None and result[name]["p99"] >= result[name]["p50"]
+    assert result["requests_per_s"] > 0 and result["output_tokens_per_s"] > 0

@@ -1,0 +1,335 @@
+"""``pocketllm host`` / ``pocketllm connect`` as subprocesses, and the KV snapshot facility they rest on."""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+from harness_utils import FRANCE, USAGE_KEYS, HostProcess, fuzz_lines
+
+pytestmark = pytest.mark.usefixtures("smollm2_gguf")
+
+IDLE_EXPIRY_MS = 2000
+# A long, fixed system prompt: its prefill dominates a cold turn.
+SYSTEM = " ".join(f"Fact {i}: the archive keeps record number {i * 7} on shelf {i % 13}." for i in range(30))
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("kv-store"))
+
+
+@pytest.fixture(scope="module")
+def host(store):
+    proc = HostProcess("--kv-store", store, "--max-conns", "3", "--idle-expiry", str(IDLE_EXPIRY_MS),
+                       "--ctx", "2048")
+    try:
+        proc.wait_listening()
+        conn = proc.connect()
+        proc.first_health = conn.call({"op": "health", "id": 0})
+        conn.close()
+        proc.wait_ready()
+        yield proc
+    finally:
+        proc.stop()
+
+
+def test_health_loading_then_ready(host):
+    assert host.first_health["state"] == "loading"
+    conn = host.connect()
+    try:
+        health = conn.call({"op": "health", "id": 1})
+        assert health == {"id": 1, "state": "ready", "model": host.first_health["model"]}
+    finally:
+        conn.close()
+
+
+def test_web_client_is_served_from_the_same_port(host):
+    base = f"http://127.0.0.1:{host.port}"
+    page = httpx.get(base + "/")
+    assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+    assert "app.js" in page.text and "script-src 'self'" in page.headers["content-security-policy"]
+    assert httpx.get(base + "/app.js").headers["content-type"].startswith(("text/javascript",
+                                                                           "application/javascript"))
+    for path in ("/nope.js", "/../../pyproject.toml", "/%2e%2e/%2e%2e/pyproject.toml", "/..%2f..%2fsetup.py"):
+        assert httpx.get(base + path).status_code == 404, path
+
+
+def test_every_connection_must_authenticate_first(host):
+    conn = host.connect(auth=False)
+    conn.send({"op": "health", "id": 1})
+    reply = conn.router.first(1)
+    assert "authenticate first" in reply["error"]
+    assert conn.wait_closed() == 1008
+
+    conn = host.connect(auth=False)
+    conn.send({"op": "auth", "id": "a", "token": host.token + "x"})
+    assert conn.router.first("a") == {"id": "a", "error": "wrong token"}
+    assert conn.wait_closed() == 1008
+
+    conn = host.connect(auth=False)
+    conn.send({"op": "auth", "id": "a"})
+    assert "token" in conn.router.first("a")["error"]
+    assert conn.wait_closed() == 1008
+
+    conn = host.connect(auth=False)
+    conn.send("not json at all")
+    assert "authenticate first" in conn.router.untagged_matching(lambda x: "error" in x)["error"]
+    assert conn.wait_closed() == 1008
+
+    conn = host.connect()          # the right token, then a wrong one later also ends the connection
+    assert conn.call({"op": "auth", "id": "again", "token": host.token}) == {"id": "again", "auth": "ok"}
+    conn.send({"op": "auth", "id": "bad", "token": "guess"})
+    assert conn.router.first("bad")["error"] == "wrong token"
+    assert conn.wait_closed() == 1008
+
+
+def _connect_when_free(host, attempts: int = 50):
+    for _ in range(attempts):
+        conn = host.connect(auth=False)
+        conn.send({"op": "auth", "id": "auth", "token": host.token})
+        reply = conn.router.wait_for(lambda c=conn: c.router.all[:1] or None)[0]
+        if reply.get("auth") == "ok":
+            return conn
+        conn.close()
+        time.sleep(0.1)
+    raise AssertionError("no connection slot came free")
+
+
+def test_max_conns_is_enforced_with_a_clear_refusal(host):
+    conns = [_connect_when_free(host) for _ in range(3)]
+    try:
+        extra = host.connect(auth=False)
+        refusal = extra.router.untagged_matching(lambda x: "error" in x)
+        assert "too many connections" in refusal["error"] and "--max-conns" in refusal["error"]
+        assert extra.wait_closed() == 1013
+        from pocketllm.errors import InvalidRequestError
+        from pocketllm.harness.client import HostClient
+
+        with pytest.raises(InvalidRequestError, match="too many connections"):   # what `connect` reports
+            HostClient(str(host.port), host.token)
+        conns.pop().close()
+        conns.append(_connect_when_free(host))
+        assert conns[-1].call({"op": "health", "id": 1})["state"] == "ready"
+    finally:
+        for conn in conns:
+            conn.close()
+
+
+def test_ops_finish_reasons_and_errors_over_websocket(host):
+    conn = _connect_when_free(host)
+    try:
+        text, done = conn.request({"op": "chat", "id": 1, "messages": FRANCE, "temp": 0, "diag": True})
+        assert text == "The capital of France is Paris." and done["finish"] == "eos"
+        assert set(done["usage"]) == USAGE_KEYS and done["diag"]["route"]["device"] == "cpu"
+        assert conn.request({"op": "generate", "id": 2, "prompt": "The sky", "n": 3, "temp": 0})[1]["finish"] == \
+            "budget"
+        text, done = conn.request({"op": "chat", "id": 3, "messages": FRANCE, "temp": 0, "stop": "Paris"})
+        assert (text, done["finish"]) == ("The capital of France is ", "stop")
+        story = [{"role": "user", "content": "Write a very long story about a dragon."}]
+        conn.send({"op": "chat", "id": 4, "messages": story, "n": 1000, "temp": 0.8, "seed": 3})
+        assert "chunk" in conn.router.first(4)
+        conn.send({"op": "cancel", "id": 4})
+        assert conn.router.collect(4)[1]["finish"] == "cancel"
+        conn.send("{broken")
+        assert conn.router.untagged_matching(lambda x: "error" in x)["id"] is None
+        assert "'temperature'" in conn.request({"op": "chat", "id": 5, "messages": FRANCE,
+                                                "temperature": 0})[1]["error"]
+        assert conn.call({"op": "health", "id": 6})["state"] == "ready"   # the connection survived
+    finally:
+        conn.close()
+
+
+def test_sessions_multiplexed_over_one_connection_and_across_connections(host):
+    a = _connect_when_free(host)
+    b = _connect_when_free(host)
+    try:
+        sids = [f"mux-{i}" for i in range(4)]
+        for sid in sids:
+            assert a.call({"op": "open", "id": f"open-{sid}", "session": sid})["session"] == sid
+        questions = ["What is the capital of France?", "Name a fruit.", "What is 3 + 4?", "Say hi."]
+        for i, (sid, question) in enumerate(zip(sids, questions)):
+            a.send({"op": "chat", "id": i, "session": sid, "temp": 0, "n": 20,
+                    "messages": [{"role": "user", "content": question}]})
+        assert b.call({"op": "open", "id": "ob", "session": "mux-b"})["resumed"] is False
+        b_text, b_done = b.request({"op": "chat", "id": 0, "session": "mux-b", "messages": FRANCE, "temp": 0})
+        results = [a.router.collect(i) for i in range(4)]
+        assert all(done.get("done") for _, done in results)
+        assert results[0][0] == b_text == "The capital of France is Paris."
+        chunk_ids = [line["id"] for line in a.router.all if "chunk" in line]
+        first_done = next(i for i, line in enumerate(a.router.all) if line.get("done"))
+        assert len(set(chunk_ids[:first_done])) >= 2   # interleaved, not one after another
+        # A session is used only on the connection that opened it; opening it elsewhere takes it over.
+        assert "not open on this connection" in b.request(
+            {"op": "chat", "id": 1, "session": "mux-0", "messages": FRANCE})[1]["error"]
+        assert a.call({"op": "open", "id": "keep", "session": "mux-0"})["resumed"] is True  # (touches it)
+        taken = b.call({"op": "open", "id": "take", "session": "mux-0"})
+        assert taken["resumed"] is True and taken["messages"][-1]["content"] == results[0][0]
+        notice = a.router.untagged_matching(lambda x: x.get("session") == "mux-0" and "detached" in x)
+        assert notice["detached"] == "opened on another connection"
+        busy = b.request({"op": "chat", "id": 2, "session": "mux-0", "messages": FRANCE, "n": 2})
+        assert busy[1]["done"]
+        for sid in sids[1:]:
+            assert a.call({"op": "close", "id": f"close-{sid}", "session": sid})["closed"] is True
+    finally:
+        a.close()
+        b.close()
+
+
+def test_idle_sessions_expire(host):
+    conn = _connect_when_free(host)
+    try:
+        assert conn.call({"op": "open", "id": 1, "session": "idle-one"})["resumed"] is False
+        start = time.monotonic()
+        notice = conn.router.untagged_matching(lambda x: x.get("session") == "idle-one", timeout=30)
+        assert notice == {"id": None, "session": "idle-one", "expired": True}
+        assert time.monotonic() - start >= IDLE_EXPIRY_MS / 1000 - 0.5
+        assert "not open" in conn.request({"op": "chat", "id": 2, "session": "idle-one",
+                                           "messages": FRANCE})[1]["error"]
+        assert conn.call({"op": "open", "id": 3, "session": "idle-one"})["resumed"] is False
+    finally:
+        conn.close()
+
+
+def test_fuzz_5000_lines_over_websocket(host):
+    conn = _connect_when_free(host)
+    try:
+        lines = [line for line in fuzz_lines(5000, random.Random(99)) if line.strip()]
+        for line in lines:
+            conn.ws.send(line.decode("utf-8", "replace"))
+        assert conn.call({"op": "health", "id": "after-fuzz"}, timeout=120)["state"] == "ready"
+        errors = [x for x in conn.router.all if set(x) == {"id", "error"}]
+        assert len(errors) == len(lines)
+    finally:
+        conn.close()
+
+
+def _turn(conn, request_id, sid, content, **extra):
+    return conn.request({"op": "chat", "id": request_id, "session": sid, "temp": 0, "n": 12,
+                         "messages": [{"role": "user", "content": content}], **extra})
+
+
+@pytest.fixture(scope="module")
+def restarted(host, store):
+    """Host A runs two identical conversations; S1 stops after its first turn, S2 goes on (the uninterrupted
+    reference). Then A is shut down with the shutdown op and host B starts on the same kv-store."""
+    conn = _connect_when_free(host)
+    first_turn = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "What is on shelf 3?"}]
+    assert conn.call({"op": "open", "id": "o1", "session": "kv-s1", "messages": first_turn[:1]})
+    s1_text, s1_done = conn.request({"op": "chat", "id": 1, "session": "kv-s1", "temp": 0, "n": 12,
+                                     "messages": first_turn[1:], "diag": True})
+    assert s1_done["diag"]["prefill"]["mode"] == "cold"
+    assert conn.call({"op": "open", "id": "o2", "session": "kv-s2", "messages": first_turn[:1]})
+    s2_text, _ = conn.request({"op": "chat", "id": 2, "session": "kv-s2", "temp": 0, "n": 12,
+                               "messages": first_turn[1:]})
+    assert s2_text == s1_text
+    reference, _ = _turn(conn, 3, "kv-s2", "And what is on shelf 5?")
+    drain = conn.call({"op": "shutdown", "id": "stop"})
+    assert drain["state"] == "draining"
+    assert host.proc.wait(60) == 0, host.error_output()
+    b = HostProcess("--kv-store", store, "--ctx", "2048")
+    conn.close()
+    try:
+        b.wait_ready()
+        yield {"host": b, "cold": s1_done, "s1_text": s1_text, "reference": reference}
+    finally:
+        b.stop()
+
+
+def test_kv_store_resumes_warm_after_a_restart(restarted):
+    b = restarted["host"]
+    conn = b.connect()
+    try:
+        opened = conn.call({"op": "open", "id": "o", "session": "kv-s1"})
+        assert opened["resumed"] is True and opened["stored_tokens"] > 400
+        assert [m["role"] for m in opened["messages"]] == ["system", "user", "assistant"]
+        assert opened["messages"][-1]["content"] == restarted["s1_text"]
+        text, done = _turn(conn, 1, "kv-s1", "And what is on shelf 5?", diag=True)
+        assert text == restarted["reference"]          # the same greedy continuation as without the restart
+        diag = done["diag"]
+        assert diag["kv_store"]["restored_tokens"] >= 400
+        assert diag["prefill"]["mode"] == "prefix-cached" and diag["prefill"]["cached_tokens"] >= 400
+        cold = restarted["cold"]["usage"]
+        assert done["usage"]["prompt_tokens"] > cold["prompt_tokens"]
+        assert done["usage"]["prefill_ms"] < cold["prefill_ms"], (done["usage"], cold)
+    finally:
+        conn.close()
+
+
+def test_connect_cli_resumes_a_session_and_drives_it(restarted):
+    from pocketllm.errors import InvalidRequestError
+    from pocketllm.harness.client import HostClient, parse_address
+
+    b = restarted["host"]
+    # kv-s2 was left on host A's kv-store; the terminal client resumes it and carries on.
+    run = subprocess.run([sys.executable, "-m", "pocketllm", "connect", f"127.0.0.1:{b.port}", "--token", b.token,
+                          "--session", "kv-s2"], input="What is the capital of France?\n/exit\n",
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert "resumed session kv-s2" in run.stderr and "--session kv-s2" in run.stderr
+    assert "> What is on shelf 3?" in run.stdout and restarted["reference"] in run.stdout   # the history
+    answer = run.stdout.split(restarted["reference"], 1)[1]
+    assert run.stderr.count("tokens, finish ") == 1 and any(c.isalpha() for c in answer)
+    with pytest.raises(InvalidRequestError, match="wrong token"):
+        HostClient(str(b.port), "not-the-token")
+    assert parse_address("9000") == ("127.0.0.1", 9000) and parse_address("[::1]:80") == ("::1", 80)
+
+
+def test_kv_snapshot_export_import_roundtrip_and_refusal(tmp_path, tiny_checkpoint):
+    from pocketllm import SamplingParams
+    from pocketllm.api import LLM, KVSnapshot
+    from pocketllm.errors import InvalidRequestError
+
+    model = tiny_checkpoint("llama")
+    prompt = list(range(100, 141))                      # 41 tokens: two whole blocks and a bit
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    with LLM(model=model, num_kv_blocks=64, max_model_len=256) as first:
+        out = first.generate([prompt], params)[0]
+        tokens = prompt + out.token_ids
+        snapshot = first.export_prefix(tokens)
+        assert snapshot.num_tokens == 48 and snapshot.token_ids == tokens[:48]
+        path = str(tmp_path / "prefix.kv.safetensors")
+        snapshot.save(path)
+    with open(path, "rb") as handle:
+        header = json.loads(handle.read(int.from_bytes(handle.read(8), "little")))
+    assert "pocketllm_kv" in header["__metadata__"]
+    loaded = KVSnapshot.load(path)
+    assert loaded.token_ids == snapshot.token_ids and loaded.identity == snapshot.identity
+    assert all((a == b).all() for a, b in zip(loaded.keys, snapshot.keys))
+    forged = KVSnapshot({**loaded.identity, "model": "another-model"}, loaded.token_ids, loaded.keys, loaded.values)
+    with LLM(model=model, num_kv_blocks=64, max_model_len=256) as second:
+        with pytest.raises(InvalidRequestError, match="model"):
+            second.import_prefix(forged)
+        assert second.import_prefix(loaded) == 48
+        again = second.generate([tokens[:45]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))[0]
+        assert again.usage.cached_tokens == 32
+        rerun = second.generate([prompt], params)[0]
+        assert rerun.token_ids == out.token_ids and rerun.usage.cached_tokens == 32
+    with LLM(model=model, num_kv_blocks=64, max_model_len=256, block_size=32) as other:
+        with pytest.raises(InvalidRequestError, match="block_size"):
+            other.import_prefix(loaded)
+
+
+def test_web_dir_serves_another_client_and_nothing_outside_it(tmp_path):
+    from pocketllm.cli.main import main
+    from pocketllm.harness.host import StaticFiles, builtin_web_dir
+
+    site = tmp_path / "site"
+    (site / "assets").mkdir(parents=True)
+    (site / "index.html").write_text("<p>mine</p>")
+    (site / "assets" / "a.css").write_text("p {}")
+    (tmp_path / "secret.txt").write_text("no")
+    files = StaticFiles(str(site), csp=None)
+    assert files.lookup("/") == str(site / "index.html")
+    assert files.lookup("/assets/a.css?v=1") == str(site / "assets" / "a.css")
+    for path in ("/../secret.txt", "/assets/../../secret.txt", "/assets", "/missing.html", "/..\\secret.txt"):
+        assert files.lookup(path) is None, path
+    builtin = StaticFiles(builtin_web_dir(), csp=None)
+    assert all(builtin.lookup(f"/{name}") for name in ("index.html", "app.js", "markdown.js", "style.css"))
+    with pytest.raises(SystemExit, match="no index.html"):
+        main(["host", "--web", str(tmp_path / "assets-only")])

@@ -1,0 +1,245 @@
+"""``pocketllm pipe``: the JSONL protocol over stdio, exercised as a subprocess with the default model."""
+
+from __future__ import annotations
+
+import random
+import time
+
+import pytest
+from harness_utils import FRANCE, USAGE_KEYS, PipeProcess, checkpoint_without_template, fuzz_lines
+
+pytestmark = pytest.mark.usefixtures("smollm2_gguf")
+
+
+
+@pytest.fixture(scope="module")
+def pipe():
+    proc = PipeProcess("--ctx", "2048", "--max-seqs", "6")
+    # The first line is answered at once, while the model is still loading.
+    proc.send({"op": "health", "id": "first"})
+    proc.first_health = proc.router.first("first", timeout=60)
+    try:
+        proc.wait_ready()
+        yield proc
+    finally:
+        proc.stop()
+        assert not proc.impure, f"stdout carried non-protocol lines: {proc.impure[:3]}"
+
+
+def test_health_says_loading_then_ready(pipe):
+    assert pipe.first_health["state"] == "loading"
+    assert pipe.first_health["model"].endswith(".gguf")
+    pipe.send({"op": "health", "id": 1})
+    health = pipe.router.first(1)
+    assert health == {"id": 1, "state": "ready", "model": pipe.first_health["model"]}
+
+
+def test_chat_streams_then_done_with_eos_usage_and_diag(pipe):
+    text, done = pipe.request({"op": "chat", "id": 2, "messages": FRANCE, "temp": 0, "diag": True})
+    assert text == "The capital of France is Paris."
+    assert done["done"] is True and done["finish"] == "eos"
+    assert set(done["usage"]) == USAGE_KEYS
+    assert done["usage"]["prompt_tokens"] > 10 and done["usage"]["gen_tokens"] > 0
+    assert done["usage"]["prefill_ms"] > 0 and done["usage"]["decode_ms"] >= 0
+    diag = done["diag"]
+    assert diag["route"]["device"] == "cpu" and diag["route"]["format"] == "gguf"
+    assert diag["prefill"]["prompt_tokens"] == done["usage"]["prompt_tokens"]
+    assert {"mode", "cached_tokens", "computed_tokens", "chunked"} <= set(diag["prefill"])
+    assert "hit_tokens" in diag["prefix_cache"]
+    # The same conversation again is served from the prefix cache, with the same greedy answer.
+    again, done2 = pipe.request({"op": "chat", "id": "2b", "messages": FRANCE, "temp": 0, "diag": True})
+    assert again == text
+    assert done2["diag"]["prefill"]["mode"] == "prefix-cached" and done2["diag"]["prefill"]["cached_tokens"] > 0
+    assert "diag" not in pipe.request({"op": "chat", "id": "2c", "messages": FRANCE, "temp": 0, "n": 2})[1]
+
+
+def test_budget_finish_and_end_of_generation_tokens_never_in_chunks(pipe):
+    pipe.send({"op": "generate", "id": 3, "prompt": "The quick brown fox", "n": 5, "temp": 0})
+    lines = []
+    while not lines or not (lines[-1].get("done") or "error" in lines[-1]):
+        lines.append(pipe.router.first(3))
+    assert lines[-1]["finish"] == "budget" and lines[-1]["usage"]["gen_tokens"] == 5
+    chunks = [line["chunk"] for line in lines[:-1]]
+    assert chunks and all(isinstance(c, str) and c for c in chunks)
+    # Chat answers end on <|im_end|>, which no chunk may carry.
+    for i in range(3):
+        pipe.send({"op": "chat", "id": f"eog{i}", "messages": FRANCE, "temp": 0.7, "seed": i, "n": 40})
+    for i in range(3):
+        text, done = pipe.router.collect(f"eog{i}")
+        assert "<|im_end|>" not in text and "<|im_start|>" not in text
+        assert done["finish"] in ("eos", "budget")
+
+
+def test_stop_string_finish(pipe):
+    text, done = pipe.request({"op": "chat", "id": 4, "messages": FRANCE, "temp": 0, "stop": ["Paris"]})
+    assert done["finish"] == "stop"
+    assert text == "The capital of France is "
+
+
+def test_sampling_fields_are_acted_on(pipe):
+    prompt = {"op": "generate", "prompt": "Once upon a time", "n": 8, "temp": 1.0, "top_k": 50, "top_p": 0.9,
+              "repeat_penalty": 1.1}
+    a, _ = pipe.request({**prompt, "id": "s1", "seed": 7})
+    b, _ = pipe.request({**prompt, "id": "s2", "seed": 7})
+    c, _ = pipe.request({**prompt, "id": "s3", "seed": 8})
+    assert a == b and a != c
+    echo = {**prompt, "prompt": "apple apple apple apple apple apple", "n": 4, "temp": 0}
+    greedy, _ = pipe.request({**echo, "id": "s4", "repeat_penalty": 1.0})
+    penalised, _ = pipe.request({**echo, "id": "s5", "repeat_penalty": 2.0})
+    assert greedy != penalised
+
+
+def test_cancel(pipe):
+    story = [{"role": "user", "content": "Write a very long story about a dragon."}]
+    pipe.send({"op": "chat", "id": 5, "messages": story, "n": 1500, "temp": 0.8, "seed": 1})
+    first = pipe.router.first(5)
+    assert "chunk" in first
+    pipe.send({"op": "cancel", "id": 5})
+    text, done = pipe.router.collect(5)
+    assert done["finish"] == "cancel"
+    assert done["usage"]["gen_tokens"] < 1500
+    _, error = pipe.request({"op": "cancel", "id": 5})
+    assert "no running request" in error["error"]
+
+
+def test_four_conversations_multiplexed(pipe):
+    questions = ["What is the capital of France?", "Name three colours.", "What is 2 + 2?", "Say hello."]
+    for i, question in enumerate(questions):
+        pipe.send({"op": "chat", "id": f"m{i}", "messages": [{"role": "user", "content": question}], "temp": 0,
+                   "n": 24})
+    results = [pipe.router.collect(f"m{i}") for i in range(len(questions))]
+    assert all(done.get("done") for _, done in results)
+    assert results[0][0].startswith("The capital of France is Paris")
+    # The answers were interleaved on the pipe, not served one after another.
+    order = [line["id"] for line in pipe.router.all if str(line.get("id")).startswith("m") and "chunk" in line]
+    first_done = min(i for i, line in enumerate(pipe.router.all) if str(line.get("id")).startswith("m")
+                     and line.get("done"))
+    assert len({line_id for line_id in order[:first_done]}) >= 2
+    assert sum(1 for line in pipe.router.all[:first_done]
+               if str(line.get("id")).startswith("m") and "chunk" in line) < len(order)
+
+
+def test_sessions_on_the_pipe(pipe):
+    pipe.send({"op": "open", "id": "o1", "session": "pipe-a"})
+    opened = pipe.router.first("o1")
+    assert opened == {"id": "o1", "session": "pipe-a", "resumed": False}
+    text1, done1 = pipe.request({"op": "chat", "id": "t1", "session": "pipe-a", "messages": FRANCE, "temp": 0})
+    assert "Paris" in text1
+    text2, done2 = pipe.request({"op": "chat", "id": "t2", "session": "pipe-a", "temp": 0, "n": 16, "diag": True,
+                                 "messages": [{"role": "user", "content": "And of Italy?"}]})
+    assert done2["usage"]["prompt_tokens"] > done1["usage"]["prompt_tokens"] + done1["usage"]["gen_tokens"] - 2
+    assert done2["diag"]["prefill"]["cached_tokens"] > 0   # the first turn's KV is reused
+    pipe.send({"op": "open", "id": "o2", "session": "pipe-a"})
+    resumed = pipe.router.first("o2")
+    assert resumed["resumed"] is True
+    assert [m["role"] for m in resumed["messages"]] == ["user", "assistant", "user", "assistant"]
+    assert resumed["messages"][1]["content"] == text1 and resumed["messages"][3]["content"] == text2
+    _, error = pipe.request({"op": "generate", "id": "t3", "session": "pipe-a", "prompt": "x"})
+    assert "holds a chat conversation" in error["error"]
+    # A text session continues its own text.
+    pipe.send({"op": "open", "id": "o3", "session": "pipe-b"})
+    pipe.router.first("o3")
+    part1, _ = pipe.request({"op": "generate", "id": "g1", "session": "pipe-b", "prompt": "One, two,", "n": 4,
+                             "temp": 0})
+    part2, done = pipe.request({"op": "generate", "id": "g2", "session": "pipe-b", "prompt": " and", "n": 3,
+                                "temp": 0})
+    assert done["usage"]["prompt_tokens"] >= 5
+    pipe.send({"op": "open", "id": "o4", "session": "pipe-b"})
+    assert pipe.router.first("o4")["text"] == "One, two," + part1 + " and" + part2
+    for sid in ("pipe-a", "pipe-b"):
+        pipe.send({"op": "close", "id": f"c-{sid}", "session": sid})
+        assert pipe.router.first(f"c-{sid}") == {"id": f"c-{sid}", "session": sid, "closed": True}
+    _, error = pipe.request({"op": "chat", "id": "t4", "session": "pipe-a", "messages": FRANCE})
+    assert "not open" in error["error"]
+
+
+@pytest.mark.parametrize("line, id_, needle", [
+    ("not json", None, "not valid JSON"),
+    ("[1, 2]", None, "JSON object"),
+    ('{"op": "generate", "id": 1.5, "prompt": "x"}', None, "id must be"),
+    ('{"op": "teleport", "id": 9}', 9, "unknown op"),
+    ('{"op": "generate", "id": 10, "prompt": "x", "max_tokens": 5, "frequency_penalty": 1}', 10,
+     "'frequency_penalty', 'max_tokens'"),
+    ('{"op": "health", "id": 11, "verbose": true}', 11, "'verbose'"),
+    ('{"op": "generate", "prompt": "x"}', None, "needs an 'id'"),
+    ('{"op": "generate", "id": 12}', 12, "prompt"),
+    ('{"op": "generate", "id": 13, "prompt": "x", "n": 0}', 13, "n must be"),
+    ('{"op": "generate", "id": 14, "prompt": "x", "temp": -1}', 14, "temp"),
+    ('{"op": "generate", "id": 15, "prompt": "x", "top_p": 1.5}', 15, "top_p"),
+    ('{"op": "generate", "id": 16, "prompt": "x", "stop": [1]}', 16, "stop"),
+    ('{"op": "generate", "id": 17, "prompt": "x", "temp": NaN}', None, "not valid JSON"),
+    ('{"op": "chat", "id": 18, "messages": [{"role": "robot", "content": "x"}]}', 18, "role"),
+    ('{"op": "chat", "id": 19, "messages": [{"role": "user", "content": "x", "name": "a"}]}', 19, "'name'"),
+    ('{"op": "auth", "id": 20, "token": "t"}', 20, "pipe needs no token"),
+    ('{"op": "close", "id": 21, "session": "nope"}', 21, "unknown session"),
+    ('{"op": "open", "id": 22, "session": "../etc"}', 22, "session must be"),
+    ('{"op": "generate", "id": 23, "prompt": "x", "diag": "yes"}', 23, "diag"),
+])
+def test_bad_lines_are_answered_with_an_error(pipe, line, id_, needle):
+    pipe.send(line)
+    reply = pipe.router.untagged_matching(lambda x: "error" in x) if id_ is None else pipe.router.first(id_)
+    assert set(reply) == {"id", "error"}
+    assert reply["id"] == id_ and needle in reply["error"], reply
+
+
+def test_duplicate_running_id_is_refused(pipe):
+    count = [{"role": "user", "content": "Count from one to one hundred in words."}]
+    pipe.send({"op": "chat", "id": "dup", "messages": count, "n": 200, "temp": 0})
+    pipe.send({"op": "generate", "id": "dup", "prompt": "again", "n": 2})
+    lines = [pipe.router.first("dup") for _ in range(2)]
+    errors = [line for line in lines if "error" in line]
+    assert errors and "still running" in errors[0]["error"]
+    pipe.send({"op": "cancel", "id": "dup"})
+    _, done = pipe.router.collect("dup")
+    assert done["finish"] in ("cancel", "budget", "eos")
+
+
+def test_fuzz_5000_lines_then_health(pipe):
+    rng = random.Random(1234)
+    lines = [line for line in fuzz_lines(5000, rng) if line.strip()]
+    before = len(pipe.router.all)
+    start = time.monotonic()
+    for line in lines:
+        pipe.send(line)
+    pipe.send({"op": "health", "id": "after-fuzz"})
+    health = pipe.router.first("after-fuzz", timeout=120)
+    assert health["state"] == "ready"
+    answers = pipe.router.all[before:]
+    errors = [a for a in answers if set(a) == {"id", "error"}]
+    took = time.monotonic() - start
+    assert len(errors) == len(lines), f"{len(lines)} bad lines, {len(errors)} errors, in {took:.1f}s"
+    text, done = pipe.request({"op": "chat", "id": "post-fuzz", "messages": FRANCE, "temp": 0})
+    assert text == "The capital of France is Paris."
+
+
+def test_eof_drains_and_exits_zero(pipe):
+    """Runs last: closing stdin lets running requests finish, then the process exits 0."""
+    pipe.send({"op": "generate", "id": "last", "prompt": "Once upon a time", "n": 12, "temp": 0})
+    pipe.proc.stdin.close()
+    assert pipe.proc.wait(60) == 0, pipe.error_output()
+    pipe.reader.join(10)
+    _, done = pipe.router.collect("last", timeout=1)
+    assert done["finish"] == "budget" and done["usage"]["gen_tokens"] == 12
+
+
+def test_chat_refused_without_template_and_shutdown_drains(tmp_path, tiny_checkpoint):
+    model = checkpoint_without_template(tiny_checkpoint("llama"), str(tmp_path / "no-template"))
+    proc = PipeProcess("--model", model, "--ctx", "256", "--verbose")   # DEBUG logs, all on stderr
+    try:
+        proc.wait_ready()
+        _, error = proc.request({"op": "chat", "id": 1, "messages": FRANCE})
+        assert "no chat template" in error["error"]
+        text, done = proc.request({"op": "generate", "id": 2, "prompt": "hello", "n": 3, "temp": 0})
+        assert done["finish"] in ("budget", "eos")
+        proc.send({"op": "generate", "id": 3, "prompt": "hello", "n": 40, "temp": 0})
+        proc.send({"op": "shutdown", "id": "bye"})
+        proc.send({"op": "generate", "id": 4, "prompt": "ignored", "n": 2})
+        assert proc.router.first("bye")["state"] == "draining"
+        assert proc.proc.wait(60) == 0, proc.error_output()
+        proc.reader.join(10)
+        _, done = proc.router.collect(3, timeout=1)
+        assert done["finish"] == "budget" and done["usage"]["gen_tokens"] == 40
+        assert 4 not in proc.router.by_id
+        assert not proc.impure and "DEBUG" in proc.error_output()
+    finally:
+        proc.stop()

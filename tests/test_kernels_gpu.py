@@ -1,0 +1,309 @@
+"""Triton kernels against PyTorch references, and the CUDA engine against the CPU path (marked ``gpu``).
+
+Run on a CUDA machine with ``pytest -m gpu tests/test_kernels_gpu.py``. The kernel tests also run without
+a GPU under Triton's interpreter (``TRITON_INTERPRET=1``, CPU tensors), which is how they were first
+checked; the engine tests need CUDA.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import tiny_config
+
+pytestmark = pytest.mark.gpu
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+DEVICE = "cpu" if INTERPRET else "cuda"
+
+
+def _need_kernels(dtype: torch.dtype | None = None, uses_dot: bool = False) -> None:
+    pytest.importorskip("triton")
+    if not INTERPRET and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device (or TRITON_INTERPRET=1)")
+    if INTERPRET and uses_dot and dtype == torch.bfloat16:
+        pytest.skip("Triton's interpreter computes bf16 dot products wrongly; run on a GPU")
+
+
+def _need_cuda() -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    pytest.importorskip("triton")
+
+
+def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((out.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30))
+
+
+TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
+
+
+# ------------------------------------------------------------------------------------------- references
+
+def _paged_cache(num_blocks: int, block_size: int, kv_heads: int, head_dim: int, dtype: torch.dtype):
+    k = torch.randn(num_blocks, block_size, kv_heads, head_dim, dtype=dtype, device=DEVICE)
+    v = torch.randn(num_blocks, block_size, kv_heads, head_dim, dtype=dtype, device=DEVICE)
+    return k, v
+
+
+def _tables(lens: list[int], block_size: int, num_blocks: int, gen: torch.Generator) -> torch.Tensor:
+    """Random, disjoint block tables (shuffled pages) padded with 0."""
+    need = [-(-n // block_size) for n in lens]
+    pages = torch.randperm(num_blocks, generator=gen)[: sum(need)].tolist()
+    width = max(need + [1])
+    rows, at = [], 0
+    for n in need:
+        rows.append(pages[at:at + n] + [0] * (width - n))
+        at += n
+    return torch.tensor(rows, dtype=torch.int32, device=DEVICE)
+
+
+def _ref_attention(q: torch.Tensor, k_cache, v_cache, tables, ctx_lens, q_lens, scale) -> torch.Tensor:
+    """float64 causal attention of each sequence's last ``q_len`` positions over its ``ctx_len`` context."""
+    block_size = k_cache.shape[1]
+    heads, kv_heads = q.shape[1], k_cache.shape[2]
+    outs, start = [], 0
+    for i, (ctx, qn) in enumerate(zip(ctx_lens, q_lens)):
+        pages = tables[i, : -(-ctx // block_size)].long()
+        k = k_cache[pages].reshape(-1, kv_heads, k_cache.shape[-1])[:ctx].double()
+        v = v_cache[pages].reshape(-1, kv_heads, v_cache.shape[-1])[:ctx].double()
+        k = k.repeat_interleave(heads // kv_heads, dim=1)
+        v = v.repeat_interleave(heads // kv_heads, dim=1)
+        qs = q[start:start + qn].double()
+        scores = torch.einsum("qhd,khd->hqk", qs, k) * scale
+        qpos = torch.arange(ctx - qn, ctx, device=q.device)[:, None]
+        mask = torch.arange(ctx, device=q.device)[None, :] <= qpos
+        scores = scores.masked_fill(~mask, float("-inf"))
+        outs.append(torch.einsum("hqk,khd->qhd", scores.softmax(-1), v))
+        start += qn
+    return torch.cat(outs)
+
+
+# ------------------------------------------------------------------------------------------- kernels
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_store_kv(dtype):
+    _need_kernels()
+    from pocketllm.kernels.attention import store_kv
+
+    k_cache, v_cache = _paged_cache(8, 16, 2, 64, dtype)
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    qkv = torch.randn(5, (4 + 2 + 2) * 64, dtype=dtype, device=DEVICE)
+    k = qkv[:, 4 * 64:6 * 64].view(5, 2, 64)
+    v = qkv[:, 6 * 64:].view(5, 2, 64)
+    slots = torch.tensor([3, 17, 100, -1, 127], dtype=torch.int32, device=DEVICE)
+    store_kv(k, v, k_cache, v_cache, slots)
+    keep = slots >= 0
+    k_ref.view(-1, 2, 64).index_copy_(0, slots[keep].long(), k[keep])
+    v_ref.view(-1, 2, 64).index_copy_(0, slots[keep].long(), v[keep])
+    assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(16, 8, 128), (32, 8, 128), (9, 3, 64), (4, 2, 16)])
+@pytest.mark.parametrize("splits", [1, 4])
+def test_paged_decode(dtype, heads, kv_heads, head_dim, splits):
+    _need_kernels(dtype, uses_dot=True)
+    from pocketllm.kernels.attention import paged_decode
+
+    gen = torch.Generator().manual_seed(heads * 7 + splits)
+    block_size, num_blocks = 16, 64
+    lens = [1, 17, 150, 64, 0] if not INTERPRET else [1, 17, 70, 0]
+    k_cache, v_cache = _paged_cache(num_blocks, block_size, kv_heads, head_dim, dtype)
+    tables = _tables(lens, block_size, num_blocks, gen)
+    q = torch.randn(len(lens), heads, head_dim, dtype=dtype, device=DEVICE)
+    ctx = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    out = torch.full_like(q, float("nan"))
+    paged_decode(q, k_cache, v_cache, tables, ctx, head_dim ** -0.5, splits, out=out)
+    live = [i for i, n in enumerate(lens) if n > 0]
+    ref = _ref_attention(q[live], k_cache, v_cache, tables[live], [lens[i] for i in live], [1] * len(live),
+                         head_dim ** -0.5)
+    assert _rel(out[live], ref) < TOL[dtype]
+    assert torch.all(out[[i for i, n in enumerate(lens) if n == 0]] == 0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(16, 8, 128), (4, 2, 16)])
+def test_paged_prefill_with_cached_prefix(dtype, heads, kv_heads, head_dim):
+    _need_kernels(dtype, uses_dot=True)
+    from pocketllm.kernels.attention import paged_prefill
+
+    gen = torch.Generator().manual_seed(heads)
+    block_size, num_blocks = 16, 96
+    # (context, new tokens): a fresh prompt, a chunk after a cached prefix, a decode row, a long chunk
+    shapes = [(37, 37), (90, 21), (50, 1), (200, 130)] if not INTERPRET else [(37, 37), (45, 9), (20, 1)]
+    lens = [c for c, _ in shapes]
+    q_lens = [n for _, n in shapes]
+    k_cache, v_cache = _paged_cache(num_blocks, block_size, kv_heads, head_dim, dtype)
+    tables = _tables(lens, block_size, num_blocks, gen)
+    q = torch.randn(sum(q_lens), heads, head_dim, dtype=dtype, device=DEVICE)
+    starts = [0]
+    for n in q_lens:
+        starts.append(starts[-1] + n)
+    out = torch.full_like(q, float("nan"))
+    paged_prefill(q, k_cache, v_cache, tables, torch.tensor(lens, dtype=torch.int32, device=DEVICE),
+                  torch.tensor(starts, dtype=torch.int32, device=DEVICE), max(q_lens), head_dim ** -0.5, out=out)
+    ref = _ref_attention(q, k_cache, v_cache, tables, lens, q_lens, head_dim ** -0.5)
+    assert _rel(out, ref) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("width", [64, 1024, 4096])
+def test_rms_norm_and_residual(dtype, width):
+    _need_kernels()
+    from pocketllm.kernels.fused import rms_norm
+    from pocketllm.layers.norm import RMSNorm
+
+    norm = RMSNorm(width, 1e-6).to(DEVICE)
+    norm.weight.data = (torch.rand(width, device=DEVICE) + 0.5).to(dtype)
+    x = torch.randn(7, width, dtype=dtype, device=DEVICE)
+    res = torch.randn(7, width, dtype=dtype, device=DEVICE)
+    assert _rel(rms_norm(x, norm.weight, 1e-6), norm._norm(x)) < TOL[dtype]
+    out, summed = rms_norm(x, norm.weight, 1e-6, res)
+    torch.testing.assert_close(summed, x + res)
+    assert _rel(out, norm._norm(x + res)) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_and_mul(dtype):
+    _need_kernels()
+    from pocketllm.kernels.fused import silu_and_mul
+
+    x = torch.randn(9, 2 * 3000, dtype=dtype, device=DEVICE)
+    gate, up = x.float().chunk(2, dim=-1)
+    assert _rel(silu_and_mul(x), F.silu(gate) * up) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("qk_norm", [True, False])
+def test_qkv_prepare(dtype, qk_norm):
+    _need_kernels()
+    from pocketllm.kernels.fused import qkv_prepare
+    from pocketllm.layers.norm import RMSNorm
+    from pocketllm.layers.rotary import RotaryEmbedding
+
+    heads, kv_heads, head_dim, tokens = 4, 2, 64, 6
+    rope = RotaryEmbedding(head_dim, head_dim, 512, 10000.0).to(DEVICE)
+    q_norm, k_norm = RMSNorm(head_dim, 1e-6).to(DEVICE), RMSNorm(head_dim, 1e-6).to(DEVICE)
+    q_norm.weight.data = (torch.rand(head_dim, device=DEVICE) + 0.5).to(dtype)
+    k_norm.weight.data = (torch.rand(head_dim, device=DEVICE) + 0.5).to(dtype)
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, dtype=dtype, device=DEVICE)
+    positions = torch.tensor([0, 5, 17, 100, 300, 511], device=DEVICE)
+    slots = torch.tensor([0, 9, -1, 33, 40, 63], dtype=torch.int32, device=DEVICE)
+    k_cache = torch.zeros(4, 16, kv_heads, head_dim, dtype=dtype, device=DEVICE)
+    v_cache = torch.zeros_like(k_cache)
+    q = qkv_prepare(qkv, positions, rope.cos_cache, rope.sin_cache, q_norm.weight if qk_norm else None,
+                    k_norm.weight if qk_norm else None, 1e-6, heads, kv_heads, head_dim, k_cache, v_cache, slots)
+    rq, rk, rv = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    rq, rk, rv = rq.view(tokens, heads, head_dim), rk.view(tokens, kv_heads, head_dim), rv.reshape(
+        tokens, kv_heads, head_dim)
+    if qk_norm:
+        rq, rk = q_norm._norm(rq), k_norm._norm(rk)
+    cos = rope.cos_cache[positions].unsqueeze(1).float()
+    sin = rope.sin_cache[positions].unsqueeze(1).float()
+    rq = rope._rotate(rq.float(), cos, sin)
+    rk = rope._rotate(rk.float(), cos, sin)
+    assert _rel(q, rq) < TOL[dtype]
+    keep = slots >= 0
+    flat_k, flat_v = k_cache.view(-1, kv_heads, head_dim), v_cache.view(-1, kv_heads, head_dim)
+    assert _rel(flat_k[slots[keep].long()], rk[keep]) < TOL[dtype]
+    assert torch.equal(flat_v[slots[keep].long()], rv[keep])
+
+
+# ------------------------------------------------------------------------------------------- engine
+
+def _tiny_model(arch: str):
+    """A seeded random fp32 HF model of a tiny config (its config names the architecture)."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config(arch), dtype=torch.float32).eval()
+    model.config.architectures = [type(model).__name__]
+    return model
+
+
+_SAVED: dict[str, str] = {}
+
+
+def _tiny_checkpoint(arch: str):
+    """(config, weights) of the tiny model as its saved checkpoint reads back (checkpoint tensor names)."""
+    import tempfile
+
+    from pocketllm.loaders import hf_loader
+
+    if arch not in _SAVED:
+        directory = tempfile.mkdtemp(prefix=f"pocketllm-tiny-{arch}-")
+        _tiny_model(arch).save_pretrained(directory)
+        _SAVED[arch] = directory
+    directory = _SAVED[arch]
+    return hf_loader.load_hf_config(directory), hf_loader.SafetensorsWeights(hf_loader.safetensors_files(directory))
+
+
+PROMPTS = [[(1000 + 7919 * (i + 1) * (n + 3)) % 49152 for i in range(length)]
+           for n, length in enumerate((5, 17, 33, 70))]
+PROMPTS.append(PROMPTS[2][:20] + [7, 8, 9])  # shares a prefix with the 33-token prompt
+
+
+def _greedy(arch: str, device: str, dtype: str, new_tokens: int, **options) -> list[list[int]]:
+    from pocketllm.config import EngineArgs
+    from pocketllm.engine.engine_core import EngineCore
+    from pocketllm.sampling_params import SamplingParams
+
+    args = EngineArgs(device=device, dtype=dtype, num_kv_blocks=256, max_num_seqs=8, **options)
+    config, weights = _tiny_checkpoint(arch)
+    core = EngineCore(args, config, weights, frozenset({2}))
+    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    requests = [core.add_request(f"r{i}", p, params) for i, p in enumerate(PROMPTS)]
+    while core.has_work():
+        core.step()
+    return [list(r.output_token_ids) for r in requests]
+
+
+REGIMES = {
+    "graphs": {},
+    "eager": {"enforce_eager": True},
+    "chunked-16": {"max_num_batched_tokens": 16},
+    "block-4": {"block_size": 4},
+}
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "qwen3_moe"])
+@pytest.mark.parametrize("regime", list(REGIMES))
+def test_engine_fp32_cuda_equals_cpu(arch, regime):
+    _need_cuda()
+    expected = _greedy(arch, "cpu", "float32", 24, **REGIMES[regime])
+    assert _greedy(arch, "cuda", "float32", 24, **REGIMES[regime]) == expected
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_engine_bf16_diverges_only_at_near_ties(arch):
+    """Every bf16 CUDA token is the fp32 argmax, or within bf16 noise of it, along the bf16 path."""
+    _need_cuda()
+    outputs = _greedy(arch, "cuda", "bfloat16", 24)
+    model = _tiny_model(arch)
+    for prompt, out in zip(PROMPTS, outputs):
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + out])).logits[0, len(prompt) - 1:-1].float()
+        for step, token in enumerate(out):
+            row = logits[step]
+            gap = float(row.max() - row[token])
+            assert gap <= 0.05 * float(row.abs().max()) + 1e-3, (prompt[:3], step, gap)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 16])
+@pytest.mark.parametrize("shape", [(1000, 192), (4096, 1024)])
+def test_skinny_linear(rows, shape):
+    dtype = torch.float32 if INTERPRET else torch.bfloat16
+    _need_kernels(dtype, uses_dot=rows > 1)
+    if INTERPRET and shape[0] > 1000:
+        pytest.skip("slow in the interpreter")
+    from pocketllm.kernels.gemv import skinny_linear
+
+    weight = torch.randn(*shape, dtype=dtype, device=DEVICE)
+    x = torch.randn(rows, shape[1], dtype=dtype, device=DEVICE)
+    out = skinny_linear(x, weight)
+    assert out.shape == (rows, shape[0])
+    assert _rel(out, x.double() @ weight.double().T) < TOL[dtype]
