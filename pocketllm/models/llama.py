@@ -102,19 +102,22 @@ class CausalLM(nn.Module):
         "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
     }
 
+    norm_class: type[nn.Module] = RMSNorm
+
     def __init__(self, config: Any) -> None:
         super().__init__()
         self.config = config
-        qkv_bias = getattr(config, "attention_bias", self.qkv_bias) or self.qkv_bias
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(
-            DecoderLayer(config, self.make_mlp(config, i), qkv_bias, self.qk_norm)
-            for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.layers = nn.ModuleList(self.make_layer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = self.norm_class(config.hidden_size, config.rms_norm_eps)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if self.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+
+    def make_layer(self, config: Any, layer_index: int) -> nn.Module:
+        qkv_bias = getattr(config, "attention_bias", self.qkv_bias) or self.qkv_bias
+        return DecoderLayer(config, self.make_mlp(config, layer_index), qkv_bias, self.qk_norm)
 
     def make_mlp(self, config: Any, layer_index: int) -> nn.Module:
         return GatedMLP(config.hidden_size, config.intermediate_size)

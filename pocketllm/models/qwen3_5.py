@@ -24,12 +24,11 @@ import torch
 from torch import nn
 
 from pocketllm.layers.attention import Attention
-from pocketllm.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from pocketllm.layers.gated_delta import GatedDeltaNet
 from pocketllm.layers.linear import QKVParallelLinear, RowParallelLinear
 from pocketllm.layers.norm import OffsetRMSNorm
 from pocketllm.layers.rotary import RotaryEmbedding, rope_settings
-from pocketllm.models.llama import GatedMLP, head_dim_of
+from pocketllm.models.llama import CausalLM, head_dim_of
 from pocketllm.runner.attention_metadata import AttentionMetadata
 
 SKIPPED_PREFIXES = ("mtp.", "model.visual.", "visual.")
@@ -106,45 +105,21 @@ class HybridDecoderLayer(nn.Module):
         return self.mlp(hidden), residual
 
 
-class Qwen3_5ForCausalLM(nn.Module):
-    """Embedding, hybrid decoder layers, final norm and LM head (the model runner's model interface)."""
+class Qwen3_5ForCausalLM(CausalLM):
+    """The shared decoder stack with hybrid layers and offset RMSNorms (the model runner's model interface)."""
 
+    norm_class = OffsetRMSNorm
     packed_modules = {
-        "q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
-        "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+        **CausalLM.packed_modules,
         "in_proj_qkv": ("in_proj", "qkv"), "in_proj_z": ("in_proj", "z"),
         "in_proj_b": ("in_proj", "b"), "in_proj_a": ("in_proj", "a"),
     }
 
-    def __init__(self, config: Any) -> None:
-        super().__init__()
-        self.config = config
-        layer_types = list(config.layer_types)
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        self.rotary_emb = rotary_for(config)     # one table shared by every full-attention layer
-        self.layers = nn.ModuleList(
-            HybridDecoderLayer(config, layer_types[i], self.make_mlp(config, i), self.rotary_emb)
-            for i in range(config.num_hidden_layers))
-        self.norm = OffsetRMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
-        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        if self.tie_word_embeddings:
-            self.lm_head.weight = self.embed_tokens.weight
-
-    def make_mlp(self, config: Any, layer_index: int) -> nn.Module:
-        return GatedMLP(config.hidden_size, config.intermediate_size)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids)
-        residual = None
-        for layer in self.layers:
-            hidden, residual = layer(positions, hidden, residual, meta)
-        hidden, _ = self.norm(hidden, residual)
-        return hidden
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
+    def make_layer(self, config: Any, layer_index: int) -> nn.Module:
+        if getattr(self, "rotary_emb", None) is None:
+            self.rotary_emb = rotary_for(config)     # one table shared by every full-attention layer
+        layer_type = list(config.layer_types)[layer_index]
+        return HybridDecoderLayer(config, layer_type, self.make_mlp(config, layer_index), self.rotary_emb)
 
     def checkpoint_name(self, name: str) -> str | None:
         """Our parameter name for a checkpoint entry (before packing); None for parts we do not run."""
