@@ -7,6 +7,7 @@ import hmac
 import json
 import logging
 import time
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
@@ -79,12 +80,15 @@ def _load(state: ServerState) -> None:
 def build_app(config: ServerConfig) -> FastAPI:
     state = ServerState(config)
     state.metrics = ServerMetrics(lambda: state.llm.stats() if state.llm is not None else None)
-    app = FastAPI(title="PocketLLM", docs_url=None, redoc_url=None, openapi_url=None)
-    app.state.pocketllm = state
 
-    @app.on_event("startup")
-    async def start_loading() -> None:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        # The model loads in a worker thread so the listener answers /alive and /ready at once.
         app.state.load_task = asyncio.get_running_loop().run_in_executor(None, _load, state)
+        yield
+
+    app = FastAPI(title="PocketLLM", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
+    app.state.pocketllm = state
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
