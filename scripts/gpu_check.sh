@@ -3,7 +3,7 @@
 # Usage (on the GPU machine, repository root): bash scripts/gpu_check.sh [tests|latency|throughput|profile ...]
 set -u
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
-OUT=${OUT:-/tmp/pocketllm-out}; mkdir -p "$OUT"
+OUT=${OUT:-build/gpu-check}; mkdir -p "$OUT"
 PY=${PY:-python3}
 PLOTS=${PLOTS:-$OUT}  # at most 8 files come back from a device call: point PLOTS elsewhere to keep fewer
 stages=${*:-tests gemv profile latency throughput}
