@@ -213,8 +213,8 @@ def _chat_options(options: dict[str, Any]) -> tuple[str | None, dict[str, Any]]:
     return request_id, options
 
 
-class LLM:
-    """Offline, blocking use of one model. Requests from many threads are batched together by the engine."""
+class _Facade:
+    """What LLM and AsyncLLM expose alike without waiting on the engine: metadata, templates, cancellation."""
 
     def __init__(self, args: EngineArgs | None = None, **overrides: Any) -> None:
         self._client = _EngineClient(args, overrides)
@@ -227,8 +227,45 @@ class LLM:
     def args(self) -> EngineArgs:
         return self._client.args
 
+    @property
+    def model_path(self) -> str:
+        return self._client.model_path
+
+    @property
+    def generation_config(self) -> dict[str, Any]:
+        return self._client.generation_config
+
+    @property
+    def max_model_len(self) -> int:
+        return self._client.max_model_len
+
     def engine_caps(self) -> EngineCaps:
         return self._client.engine_caps()
+
+    def render_chat(self, messages: Sequence[Mapping[str, Any]], **options: Any) -> str:
+        """The prompt text the checkpoint's own template makes of ``messages`` (options as ``chat``)."""
+        return self._client.render_chat(messages, **options)
+
+    def prepare_chat(self, messages: Sequence[Mapping[str, Any]],
+                     **options: Any) -> tuple[list[int], ChatOutputSpec | None]:
+        """Prompt ids and the answer's read-back spec (pass it to ``generate(..., chat_output=...)``)."""
+        return self._client.prepare_chat(messages, **options)
+
+    def cancel(self, request_id: str) -> bool:
+        """Cancel an active request at the next step boundary; False if it is unknown or finished."""
+        return self._client.cancel(request_id)
+
+    def is_active(self, request_id: str) -> bool:
+        """Whether a request with this id is queued or running."""
+        return self._client.is_active(request_id)
+
+    def stats(self) -> dict[str, float | int]:
+        """Engine load and cache counters (for metrics)."""
+        return self._client.stats()
+
+
+class LLM(_Facade):
+    """Offline, blocking use of one model. Requests from many threads are batched together by the engine."""
 
     def _run(self, prompt_ids: list[int], params: SamplingParams, request_id: str,
              stream: bool, chat: ChatOutputSpec | None = None) -> queue.SimpleQueue:
@@ -300,22 +337,6 @@ class LLM:
         prompt_ids, spec = self._client.prepare_chat(messages, **options)
         return self._stream(prompt_ids, self._client.chat_params(params, options, spec), request_id, spec)
 
-    def render_chat(self, messages: Sequence[Mapping[str, Any]], **options: Any) -> str:
-        return self._client.render_chat(messages, **options)
-
-    def prepare_chat(self, messages: Sequence[Mapping[str, Any]],
-                     **options: Any) -> tuple[list[int], ChatOutputSpec | None]:
-        """Prompt ids and the answer's read-back spec (pass it to ``generate(..., chat_output=...)``)."""
-        return self._client.prepare_chat(messages, **options)
-
-    def cancel(self, request_id: str) -> bool:
-        """Cancel an active request at the next step boundary; False if it is unknown or finished."""
-        return self._client.cancel(request_id)
-
-    @property
-    def model_path(self) -> str:
-        return self._client.model_path
-
     def export_prefix(self, token_ids: Sequence[int]) -> KVSnapshot:
         """The KV of the longest prefix of ``token_ids`` held in whole cached blocks (``snapshot.save(path)``
         writes it as safetensors; ``KVSnapshot.load(path)`` reads it back)."""
@@ -336,18 +357,8 @@ class LLM:
         self.shutdown()
 
 
-class AsyncLLM:
+class AsyncLLM(_Facade):
     """The same entry points as ``LLM`` as coroutines and async iterators, for asyncio applications."""
-
-    def __init__(self, args: EngineArgs | None = None, **overrides: Any) -> None:
-        self._client = _EngineClient(args, overrides)
-
-    @property
-    def tokenizer(self):
-        return self._client.tokenizer
-
-    def engine_caps(self) -> EngineCaps:
-        return self._client.engine_caps()
 
     async def _run(self, prompt_ids: list[int], params: SamplingParams, request_id: str,
                    stream: bool, chat: ChatOutputSpec | None = None) -> asyncio.Queue:
@@ -415,38 +426,6 @@ class AsyncLLM:
         prompt_ids, spec = self._client.prepare_chat(messages, **options)
         async for event in self._stream(prompt_ids, self._client.chat_params(params, options, spec), request_id, spec):
             yield event
-
-    def render_chat(self, messages: Sequence[Mapping[str, Any]], **options: Any) -> str:
-        return self._client.render_chat(messages, **options)
-
-    def prepare_chat(self, messages: Sequence[Mapping[str, Any]],
-                     **options: Any) -> tuple[list[int], ChatOutputSpec | None]:
-        """Prompt ids and the answer's read-back spec (pass it to ``generate(..., chat_output=...)``)."""
-        return self._client.prepare_chat(messages, **options)
-
-    def cancel(self, request_id: str) -> bool:
-        return self._client.cancel(request_id)
-
-    def is_active(self, request_id: str) -> bool:
-        """Whether a request with this id is queued or running."""
-        return self._client.is_active(request_id)
-
-    def stats(self) -> dict[str, float | int]:
-        """Engine load and cache counters (for metrics)."""
-        return self._client.stats()
-
-    @property
-    def max_model_len(self) -> int:
-        return self._client.max_model_len
-
-    @property
-    def model_path(self) -> str:
-        return self._client.model_path
-
-    @property
-    def generation_config(self) -> dict[str, Any]:
-        """The checkpoint's generation defaults (generation_config.json; empty when it has none)."""
-        return self._client.generation_config
 
     async def export_prefix(self, token_ids: Sequence[int]) -> KVSnapshot:
         """As ``LLM.export_prefix``."""
