@@ -67,8 +67,28 @@ class GatedMLP(nn.Module):
         return self.down_proj(self.act(self.gate_up_proj(x)))
 
 
-class DecoderLayer(nn.Module):
-    """Pre-norm attention and feed-forward blocks with residuals carried through the norms."""
+class PreNormBlock(nn.Module):
+    """Token mixer and feed-forward, each after a norm, with the residual carried through the norms.
+
+    Subclasses set ``input_layernorm``, ``post_attention_layernorm`` and ``mlp`` and define ``mix``.
+    """
+
+    def mix(self, positions: torch.Tensor, hidden: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        raise NotImplementedError
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
+                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            hidden, residual = self.input_layernorm(hidden), hidden
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.mix(positions, hidden, meta)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class DecoderLayer(PreNormBlock):
+    """Self-attention and feed-forward (the Llama / Qwen2 / Qwen3 layer)."""
 
     def __init__(self, config: Any, mlp: nn.Module, qkv_bias: bool, qk_norm: bool) -> None:
         super().__init__()
@@ -77,15 +97,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
-                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            hidden, residual = self.input_layernorm(hidden), hidden
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden, meta)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
+    def mix(self, positions: torch.Tensor, hidden: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        return self.self_attn(positions, hidden, meta)
 
 
 class CausalLM(nn.Module):

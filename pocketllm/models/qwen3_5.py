@@ -28,7 +28,7 @@ from pocketllm.layers.gated_delta import GatedDeltaNet
 from pocketllm.layers.linear import QKVParallelLinear, RowParallelLinear
 from pocketllm.layers.norm import OffsetRMSNorm
 from pocketllm.layers.rotary import RotaryEmbedding, rope_settings
-from pocketllm.models.llama import CausalLM, head_dim_of
+from pocketllm.models.llama import CausalLM, PreNormBlock, head_dim_of
 from pocketllm.runner.attention_metadata import AttentionMetadata
 
 SKIPPED_PREFIXES = ("mtp.", "model.visual.", "visual.")
@@ -75,7 +75,7 @@ class GatedAttention(nn.Module):
         return self.o_proj(out * torch.sigmoid(gate.reshape(out.shape)))
 
 
-class HybridDecoderLayer(nn.Module):
+class HybridDecoderLayer(PreNormBlock):
     """Pre-norm token mixer (``linear_attn`` or ``self_attn``) and feed-forward, residual through the norms."""
 
     def __init__(self, config: Any, layer_type: str, mlp: nn.Module, rotary: RotaryEmbedding) -> None:
@@ -91,18 +91,10 @@ class HybridDecoderLayer(nn.Module):
         self.input_layernorm = OffsetRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = OffsetRMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
-                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            hidden, residual = self.input_layernorm(hidden), hidden
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
+    def mix(self, positions: torch.Tensor, hidden: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         if self.layer_type == "linear_attention":
-            hidden = self.linear_attn(hidden, meta)
-        else:
-            hidden = self.self_attn(positions, hidden, meta)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
+            return self.linear_attn(hidden, meta)
+        return self.self_attn(positions, hidden, meta)
 
 
 class Qwen3_5ForCausalLM(CausalLM):
