@@ -12,7 +12,7 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import tiny_config
+from conftest import TINY_HYBRID_ARCHS, tiny_config
 
 pytestmark = pytest.mark.gpu
 
@@ -222,6 +222,11 @@ def _tiny_model(arch: str):
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(tiny_config(arch), dtype=torch.float32).eval()
     model.config.architectures = [type(model).__name__]
+    if arch in TINY_HYBRID_ARCHS:
+        with torch.no_grad():  # RMSNorm weights are stored around zero there: make them non-trivial
+            for name, param in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    param.add_(torch.randn_like(param) * 0.2)
     return model
 
 
@@ -257,13 +262,21 @@ def _greedy(arch: str, device: str, dtype: str, new_tokens: int, **options) -> l
     core = EngineCore(args, config, weights, frozenset({2}))
     params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
     requests = [core.add_request(f"r{i}", p, params) for i, p in enumerate(PROMPTS)]
-    while core.has_work():
-        core.step()
+    previous = None
+    while core.has_work() or previous is not None:
+        # As the engine loop does on CUDA: launch step N+1 before reading step N back.
+        pending = core.launch() if core.has_work() else None
+        if previous is not None:
+            core.complete(previous)
+        previous = pending if core.pipelined else None
+        if pending is not None and not core.pipelined:
+            core.complete(pending)
     return [list(r.output_token_ids) for r in requests]
 
 
 REGIMES = {
     "graphs": {},
+    "graphs-sync": {"async_scheduling": "off"},
     "eager": {"enforce_eager": True},
     "chunked-16": {"max_num_batched_tokens": 16},
     "block-4": {"block_size": 4},
@@ -273,6 +286,15 @@ REGIMES = {
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "qwen3_moe"])
 @pytest.mark.parametrize("regime", list(REGIMES))
 def test_engine_fp32_cuda_equals_cpu(arch, regime):
+    _need_cuda()
+    expected = _greedy(arch, "cpu", "float32", 24, **REGIMES[regime])
+    assert _greedy(arch, "cuda", "float32", 24, **REGIMES[regime]) == expected
+
+
+@pytest.mark.parametrize("arch", sorted(TINY_HYBRID_ARCHS))
+@pytest.mark.parametrize("regime", ["graphs", "graphs-sync", "eager", "chunked-16"])
+def test_hybrid_fp32_cuda_equals_cpu(arch, regime):
+    """Qwen3.5 (Gated DeltaNet state slots beside the paged KV cache) on the CUDA step path."""
     _need_cuda()
     expected = _greedy(arch, "cpu", "float32", 24, **REGIMES[regime])
     assert _greedy(arch, "cuda", "float32", 24, **REGIMES[regime]) == expected

@@ -10,9 +10,10 @@ import torch
 from pocketllm import LLM, EngineArgs, SamplingParams
 
 
-@pytest.fixture(scope="module")
-def llm(tiny_checkpoint):
-    with LLM(EngineArgs(model=tiny_checkpoint("llama"))) as engine:
+@pytest.fixture(scope="module", params=["off", "on"], ids=["sync", "async-scheduling"])
+def llm(request, tiny_checkpoint):
+    """Every test runs with step N+1 launched after step N's tokens are read (sync) and before (async)."""
+    with LLM(EngineArgs(model=tiny_checkpoint("llama"), async_scheduling=request.param)) as engine:
         yield engine
 
 

@@ -354,8 +354,9 @@ def llm(smollm2_gguf, server_process):
     from pocketllm import LLM
     from pocketllm.config import EngineArgs
 
-    # A small KV pool (24 blocks of 16 tokens) so that a batch of constrained requests gets preempted.
-    with LLM(EngineArgs(model=smollm2_gguf, num_kv_blocks=24, max_num_seqs=24)) as engine:
+    # A small KV pool (24 blocks of 16 tokens) so that a batch of constrained requests gets preempted; async
+    # scheduling (the CUDA default) so that grammar rows are seen to wait for their previous token.
+    with LLM(EngineArgs(model=smollm2_gguf, num_kv_blocks=24, max_num_seqs=24, async_scheduling="on")) as engine:
         yield engine
 
 

@@ -101,7 +101,9 @@ class BlockManager:
         """Register the request's blocks whose every token's KV is now computed."""
         if not self.enable_prefix_caching:
             return
-        full = min(request.num_computed_tokens // self.block_size, len(request.block_table))
+        # Computed tokens may run one past the known ones (a launched step's pending input): hash known ones.
+        computed = min(request.num_computed_tokens, request.num_tokens)
+        full = min(computed // self.block_size, len(request.block_table))
         if full <= request.num_hashed_blocks:
             return
         tokens = request.all_token_ids

@@ -10,12 +10,12 @@ import torch
 
 from pocketllm.config import EngineArgs
 from pocketllm.engine.block_manager import BlockManager
-from pocketllm.engine.request import FinishReason, Request
+from pocketllm.engine.request import FinishReason, Request, RequestStatus
 from pocketllm.engine.scheduler import Scheduler, SchedulerLimits
 from pocketllm.engine.state_pool import StatePool
 from pocketllm.errors import InvalidRequestError, UnsupportedFeatureError
 from pocketllm.runner.model_runner import ModelRunner, resolve_device, resolve_dtype
-from pocketllm.runner.sampler import SampledToken
+from pocketllm.runner.sampler import SampledToken, SampleResult
 from pocketllm.sampling_params import SamplingParams
 
 logger = logging.getLogger("pocketllm.engine")
@@ -25,10 +25,10 @@ GiB = 1 << 30
 
 @dataclass(frozen=True)
 class PendingStep:
-    """A launched step: its chunks and the logits its forward pass is computing (None if nothing samples)."""
+    """A launched step: its chunks and the tokens it is sampling on the device (None if nothing samples)."""
 
     chunks: list
-    logits: torch.Tensor | None
+    sampled: SampleResult | None
 
 
 @dataclass(frozen=True)
@@ -85,8 +85,10 @@ class EngineCore:
         # Set by the backend when it can constrain outputs (runner.grammar.GrammarCompiler).
         self.grammar_compiler = None
         self.num_steps = 0
-        # CUDA: the engine loop delivers a step's outputs while the next step runs on the device.
-        self.pipelined = self.device.type == "cuda"
+        # CUDA: the engine loop schedules and launches step N+1 before reading step N's tokens back.
+        self.pipelined = (args.async_scheduling == "on"
+                          or (args.async_scheduling == "auto" and self.device.type == "cuda"))
+        self.in_flight: PendingStep | None = None
         logger.info("KV cache: %d blocks of %d tokens (%.2f GiB), max_model_len %d",
                     num_blocks, args.block_size, num_blocks * self.runner.kv_bytes_per_block() / GiB,
                     max_model_len)
@@ -174,38 +176,64 @@ class EngineCore:
         pending = self.launch()
         return [] if pending is None else self.complete(pending)
 
+    def needs_sync(self) -> bool:
+        """Whether the step in flight must be read back before the next one is scheduled: some request with
+        a pending token samples from host-side history (a grammar, or penalties over its output tokens)."""
+        if self.in_flight is None or self.in_flight.sampled is None:
+            return False
+        return any(c.samples and (c.request.grammar is not None or c.request.params.needs_penalties)
+                   for c in self.in_flight.chunks)
+
     def launch(self) -> PendingStep | None:
-        """Schedule a step and queue its forward pass (asynchronous on CUDA); None when nothing runs."""
+        """Schedule a step and queue its forward pass and sampling (asynchronous on CUDA); None when nothing
+        runs. At most one launched step is left uncompleted; its pending tokens feed this one on the device."""
         chunks = self.scheduler.schedule()
         if not chunks:
             return None
-        return PendingStep(chunks, self.runner.launch(chunks))
+        previous = self.in_flight.sampled if self.in_flight is not None else None
+        logits = self.runner.launch(chunks, previous.tokens if previous is not None else None)
+        sampled = self.runner.sample_async(chunks, logits)
+        row = 0
+        for chunk in chunks:
+            request = chunk.request
+            request.num_computed_tokens = chunk.end
+            if chunk.samples:
+                request.num_pending_tokens += 1
+                request.pending_row = row
+                row += 1
+        pending = PendingStep(chunks, sampled)
+        self.in_flight = pending
+        return pending
 
     def complete(self, pending: PendingStep) -> list[StepOutput]:
-        """Sample the launched step and advance its requests. A request that ended after the launch (cancelled,
-        or stopped by the front end while the step ran) is skipped and its token dropped."""
+        """Read the launched step's tokens back and advance its requests. A request that ended after the launch
+        (cancelled, or stopped by the front end while the step ran) is skipped and its token dropped."""
         chunks = pending.chunks
-        sampled = iter(self.runner.sample(chunks, pending.logits))
+        sampled = iter(pending.sampled.to_host() if pending.sampled is not None else ())
+        if self.in_flight is pending:
+            self.in_flight = None
         now = time.monotonic()
         self.num_steps += 1
         outputs: list[StepOutput] = []
         for chunk in chunks:
             request = chunk.request
             samples = chunk.samples
+            token = next(sampled) if samples else None
+            if token is not None:
+                request.num_pending_tokens -= 1
             if request.is_finished:
-                if samples:
-                    next(sampled)
                 continue
-            request.num_computed_tokens += chunk.num_tokens
-            if not samples:
-                self.blocks.cache_full_blocks(request)
+            running = request.status is RequestStatus.RUNNING
+            if token is None:
+                if running:
+                    self.blocks.cache_full_blocks(request)
                 continue
-            token = next(sampled)
             request.output_token_ids.append(token.token_id)
             off_grammar = request.grammar is not None and not request.grammar.accept(token.token_id)
             if request.first_token_time is None:
                 request.first_token_time = now
-            self.blocks.cache_full_blocks(request)
+            if running:
+                self.blocks.cache_full_blocks(request)
             reason = self._check_finished(request, token.token_id)
             if off_grammar and reason is None:
                 # Cannot happen while the sampler masks the row; end the request rather than let it drift.

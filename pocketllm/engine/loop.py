@@ -127,23 +127,29 @@ class EngineLoop:
         self.active.discard(request_id)
 
     def _run_pipelined(self) -> None:
-        """Deliver step N's outputs while the device runs step N+1 (launched first, sampled after).
+        """Keep one step queued on the device: launch step N+1 (scheduled with step N's tokens still pending
+        on the device), then read step N back and deliver its outputs while N+1 runs.
 
-        Commands (submit, abort, shutdown) see every completed output delivered first. A request ended by its
-        sink during the overlap (a stop string) was already part of the launched step: that step's token for
-        it is dropped by ``EngineCore.complete``.
+        Step N is read back before anything else when commands are queued (submit, abort and shutdown see every
+        launched step completed), when nothing more is scheduled, or when the next step's sampling needs step
+        N's tokens on the host (grammars, penalties). A request ended by its sink during the overlap (a stop
+        string) was already part of the launched step: that step's token for it is dropped by
+        ``EngineCore.complete``.
         """
-        delayed: list[StepOutput] = []
+        previous = None
         while True:
-            if delayed and (not self.commands.empty() or not self.core.has_work()):
-                self._deliver_all(delayed)
-                delayed = []
-            if not self._drain(block=not self.core.has_work()):
+            if previous is not None and (not self.commands.empty() or not self.core.has_work()
+                                         or self.core.needs_sync()):
+                self._deliver_all(self.core.complete(previous))
+                previous = None
+            if not self._drain(block=previous is None and not self.core.has_work()):
                 break
             pending = self.core.launch()
-            self._deliver_all(delayed)
-            delayed = self.core.complete(pending) if pending is not None else []
-        self._deliver_all(delayed)
+            if previous is not None:
+                self._deliver_all(self.core.complete(previous))
+            previous = pending
+        if previous is not None:
+            self._deliver_all(self.core.complete(previous))
 
     def _deliver_all(self, outputs: list[StepOutput]) -> None:
         for output in outputs:

@@ -28,8 +28,9 @@ class FinishReason(str, enum.Enum):
 class Request:
     """State the scheduler and runner share for one sequence.
 
-    ``num_computed_tokens`` counts tokens whose KV is in the cache; the rest of ``all_token_ids``
-    (prompt and generated tokens) is still to be prefilled.
+    ``num_computed_tokens`` counts tokens whose KV is in the cache or being written by a launched step; the
+    rest of ``all_token_ids`` (prompt and generated tokens) is still to be prefilled. A launched step that
+    samples adds a *pending* token: sampled on the device, not yet read back to ``output_token_ids``.
     """
 
     request_id: str
@@ -42,6 +43,8 @@ class Request:
     grammar: Any = None
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
+    num_pending_tokens: int = 0   # sampled by a launched step, not yet appended (0 or 1)
+    pending_row: int = -1         # that token's row in the launched step's sampled-token tensor
     num_cached_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
     num_hashed_blocks: int = 0
@@ -65,6 +68,11 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        """Known tokens plus the pending one: where the next chunk of this request ends."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_pending_tokens
 
     @property
     def num_prompt_tokens(self) -> int:

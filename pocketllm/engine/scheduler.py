@@ -16,15 +16,27 @@ logger = logging.getLogger("pocketllm.scheduler")
 
 @dataclass(frozen=True)
 class ScheduledChunk:
-    """``num_tokens`` tokens of ``request`` starting at its ``num_computed_tokens`` run this step."""
+    """Tokens ``start:start + num_tokens`` of ``request`` run this step; ``samples``: the chunk reaches the
+    end of the request's tokens, so a new token is sampled after it."""
 
     request: Request
     num_tokens: int
+    start: int
+    samples: bool
+
+    @classmethod
+    def of(cls, request: Request, num_tokens: int) -> ScheduledChunk:
+        start = request.num_computed_tokens
+        return cls(request, num_tokens, start, start + num_tokens == request.num_scheduled_tokens)
 
     @property
-    def samples(self) -> bool:
-        """Whether this chunk reaches the end of the known tokens, so a new token is sampled."""
-        return self.request.num_computed_tokens + self.num_tokens == self.request.num_tokens
+    def end(self) -> int:
+        return self.start + self.num_tokens
+
+    @property
+    def last_token_pending(self) -> bool:
+        """The chunk's last input is the token the previous step sampled, still only on the device."""
+        return self.end > self.request.num_tokens
 
 
 @dataclass(frozen=True)
@@ -40,6 +52,10 @@ class Scheduler:
     When a running request cannot get a block, the newest running request is preempted: its blocks are
     freed and it goes back to the front of the queue to be recomputed (its generated tokens are kept).
     ``prefill_chunk`` bounds one request's prefill per step (0: whole prompts in one step).
+
+    ``schedule`` may run while the previous step is still on the device: a request's pending token (sampled,
+    not yet read back) is scheduled as its next decode input, unless that token is certain to end the
+    request (its length limit). A preempted request with a pending token waits for it before readmission.
     """
 
     def __init__(self, limits: SchedulerLimits, block_manager: BlockManager, prefill_chunk: int,
@@ -89,9 +105,10 @@ class Scheduler:
         chunks: list[ScheduledChunk] = []
         scheduled: set[str] = set()
         for request in list(self.running):
-            if request.status is not RequestStatus.RUNNING or request.request_id in scheduled:
+            if (request.status is not RequestStatus.RUNNING or request.request_id in scheduled
+                    or self._ends_with_pending(request)):
                 continue
-            n = self._chunk_size(request.num_tokens - request.num_computed_tokens, budget, not chunks)
+            n = self._chunk_size(request.num_scheduled_tokens - request.num_computed_tokens, budget, not chunks)
             if n == 0:
                 continue
             while not self.blocks.can_allocate(request, n):
@@ -103,11 +120,13 @@ class Scheduler:
             if request.status is not RequestStatus.RUNNING:
                 continue
             self.blocks.allocate(request, n)
-            chunks.append(ScheduledChunk(request, n))
+            chunks.append(ScheduledChunk.of(request, n))
             scheduled.add(request.request_id)
             budget -= n
         while self.waiting and budget > 0 and len(self.running) < self.limits.max_num_seqs:
             request = self.waiting[0]
+            if request.num_pending_tokens:
+                break   # preempted while its last step ran: its token arrives with that step's results
             cached = self.blocks.find_cached_prefix(request) if not request.block_table else []
             computed = len(cached) * self.blocks.block_size
             n = self._chunk_size(request.num_tokens - computed, budget, not chunks)
@@ -124,12 +143,20 @@ class Scheduler:
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = time.monotonic()
             self.running.append(request)
-            chunks.append(ScheduledChunk(request, n))
+            chunks.append(ScheduledChunk.of(request, n))
             scheduled.add(request.request_id)
             budget -= n
             logger.debug("admitted %s: %d prompt tokens, %d from prefix cache, chunk %d",
                          request.request_id, request.num_tokens, computed, n)
         return chunks
+
+    def _ends_with_pending(self, request: Request) -> bool:
+        """The pending token reaches the request's token or context limit, so nothing more runs for it."""
+        if not request.num_pending_tokens:
+            return False
+        outputs = len(request.output_token_ids) + request.num_pending_tokens
+        return (outputs >= request.params.max_tokens
+                or request.num_scheduled_tokens >= self.limits.max_model_len)
 
     def finish(self, request: Request, reason: FinishReason) -> None:
         """End a request (running or waiting) and release its blocks."""

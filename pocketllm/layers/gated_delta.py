@@ -264,11 +264,18 @@ class GatedDeltaNet(nn.Module):
 
     def _decode(self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
-        """One token for every sequence, batched; a one-token prompt (context 1) starts from zeros."""
-        slots = meta.state_slots
+        """One token for every sequence, batched; a one-token prompt (context 1) starts from zeros.
+
+        On the kernel path nothing here reads host lists, so the step can be captured in a CUDA graph (the
+        context lengths come from the device copy)."""
+        slots = meta.state_slots.long()
         conv_prev = self.conv_state.index_select(0, slots)
         ssm = self.ssm_state.index_select(0, slots)
-        if any(n == 1 for n in meta.context_lens):
+        if meta.context_lens_gpu is not None:
+            keep = meta.context_lens_gpu > 1
+            conv_prev = torch.where(keep[:, None, None], conv_prev, 0)
+            ssm = torch.where(keep[:, None, None, None], ssm, 0)
+        elif any(n == 1 for n in meta.context_lens):
             keep = torch.tensor([n > 1 for n in meta.context_lens], device=mixed.device)
             conv_prev = torch.where(keep[:, None, None], conv_prev, 0)
             ssm = torch.where(keep[:, None, None, None], ssm, 0)

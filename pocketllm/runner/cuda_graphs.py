@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from pocketllm.runner.attention_metadata import AttentionMetadata
+from pocketllm.runner.pending_inputs import PendingInputs
 
 logger = logging.getLogger("pocketllm.runner")
 
@@ -48,6 +49,8 @@ class HostBatch:
     context_lens: list[int]
     sample_index: list[int]
     tables: list[list[int]]
+    pending: PendingInputs
+    state_slots: list[int]      # hybrid models: each sequence's recurrent-state slot (-1 elsewhere)
 
     @property
     def num_tokens(self) -> int:
@@ -82,14 +85,20 @@ def gather_host_batch(chunks: Sequence, block_size: int) -> HostBatch:
     context_lens: list[int] = []
     sample_index: list[int] = []
     tables: list[list[int]] = []
+    state_slots: list[int] = []
+    pending = PendingInputs()
     total = 0
     for chunk in chunks:
         request = chunk.request
-        start = request.num_computed_tokens
-        count = chunk.num_tokens
-        end = start + count
+        start, count, end = chunk.start, chunk.num_tokens, chunk.end
         table = request.block_table
-        if count == 1:
+        if chunk.last_token_pending:
+            # Only a decode chunk can end with a pending token (a prefill chunk never follows a sampled one).
+            pending.add(len(ids), request.pending_row)
+            ids.append(0)
+            positions.append(start)
+            slots.append(table[start // block_size] * block_size + start % block_size)
+        elif count == 1:
             n_prompt = len(request.prompt_token_ids)
             ids.append(request.prompt_token_ids[start] if start < n_prompt
                        else request.output_token_ids[start - n_prompt])
@@ -107,7 +116,8 @@ def gather_host_batch(chunks: Sequence, block_size: int) -> HostBatch:
         if chunk.samples:
             sample_index.append(total - 1)
         tables.append(table)
-    return HostBatch(ids, positions, slots, query_start, context_lens, sample_index, tables)
+        state_slots.append(request.state_slot)
+    return HostBatch(ids, positions, slots, query_start, context_lens, sample_index, tables, pending, state_slots)
 
 
 def _align(n: int) -> int:
@@ -143,8 +153,11 @@ class _PinnedRing:
 class CudaStepRunner:
     """Runs a step of the model on CUDA through the Triton-kernel metadata, replaying decode graphs."""
 
-    def __init__(self, model: torch.nn.Module, device: torch.device, block_size: int, num_kv_heads: int) -> None:
+    def __init__(self, model: torch.nn.Module, device: torch.device, block_size: int, num_kv_heads: int,
+                 state_padding_slot: int | None = None) -> None:
         self.model = model
+        # Hybrid models: sequences carry a recurrent-state slot; graph padding rows use this scratch slot.
+        self.state_padding_slot = state_padding_slot
         self.device = device
         self.block_size = block_size
         self.num_kv_heads = num_kv_heads
@@ -164,30 +177,35 @@ class CudaStepRunner:
 
         return decode_splits(batch, self.num_kv_heads)
 
-    def forward(self, chunks: Sequence) -> torch.Tensor | None:
-        """Hidden states of the rows that sample this step (None if none does)."""
+    def forward(self, chunks: Sequence, previous_tokens: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Hidden states of the rows that sample this step (None if none does); pending inputs are taken from
+        ``previous_tokens`` on the device."""
         host = gather_host_batch(chunks, self.block_size)
         n = host.num_seqs
         if host.is_plain_decode and n <= self.max_graph_bs and max(len(t) for t in host.tables) <= self.graph_width:
-            return self._replay(host)
-        hidden, meta_index = self._eager(host)
+            return self._replay(host, previous_tokens)
+        hidden, meta_index = self._eager(host, previous_tokens)
         if not host.sample_index:
             return None
         if len(host.sample_index) == host.num_tokens:
             return hidden
         return hidden.index_select(0, meta_index)
 
-    def _eager(self, host: HostBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    def _eager(self, host: HostBatch, previous_tokens: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         t, n, s = host.num_tokens, host.num_seqs, len(host.sample_index)
         width = max(len(tb) for tb in host.tables)
         # Segments start at multiples of 16 elements, so kernels see the same pointer alignment every step
         # (Triton specialises on it; unaligned views would compile extra variants).
-        size = _align(t) * 3 + _align(n) + _align(n + 1) + _align(s) + n * width
+        hybrid = self.state_padding_slot is not None
+        size = _align(t) * 3 + _align(n) * (2 if hybrid else 1) + _align(n + 1) + _align(s) + n * width
         i, buf = self.ring.take(size)
         o = 0
         parts = {}
-        for name, values in (("ids", host.input_ids), ("pos", host.positions), ("slots", host.slots),
-                             ("ctx", host.context_lens), ("qstart", host.query_start), ("sample", host.sample_index)):
+        segments = [("ids", host.input_ids), ("pos", host.positions), ("slots", host.slots),
+                    ("ctx", host.context_lens), ("qstart", host.query_start), ("sample", host.sample_index)]
+        if hybrid:
+            segments.append(("state", host.state_slots))
+        for name, values in segments:
             buf[o:o + len(values)] = values
             parts[name] = (o, len(values))
             o += _align(len(values))
@@ -210,7 +228,9 @@ class CudaStepRunner:
             query_start=host.query_start, context_lens=host.context_lens, block_size=self.block_size,
             context_lens_gpu=view("ctx"), query_start_gpu=view("qstart"),
             max_query_len=max(b - a for a, b in zip(host.query_start, host.query_start[1:])),
-            num_splits=self._splits(n) if decode else 1)
+            num_splits=self._splits(n) if decode else 1,
+            state_slots=view("state") if hybrid else None, state_slots_host=host.state_slots if hybrid else None)
+        host.pending.fill(view("ids"), previous_tokens)
         hidden = self.model(view("ids"), view("pos"), meta)
         return hidden, view("sample")
 
@@ -221,16 +241,21 @@ class CudaStepRunner:
         self.graph_width = -(-max_model_len // self.block_size)
         maxb, seg = max_num_seqs, _align(max_num_seqs)
         self.segment = seg
-        self.static = torch.zeros(4 * seg + maxb * self.graph_width, dtype=torch.int32, device=self.device)
-        ids, pos, slots, ctx = (self.static[k * seg:k * seg + maxb] for k in range(4))
-        tables = self.static[4 * seg:].view(maxb, self.graph_width)
+        self.static = torch.zeros(5 * seg + maxb * self.graph_width, dtype=torch.int32, device=self.device)
+        ids, pos, slots, ctx, state = (self.static[k * seg:k * seg + maxb] for k in range(5))
+        tables = self.static[5 * seg:].view(maxb, self.graph_width)
         slots.fill_(-1)
+        hybrid = self.state_padding_slot is not None
+        if hybrid:
+            state.fill_(self.state_padding_slot)
         self.pool = torch.cuda.graph_pool_handle()
         for bs in reversed(graph_buckets(max_num_seqs)):
             meta = AttentionMetadata(
                 slot_mapping=slots[:bs], block_tables=tables[:bs], query_start=list(range(bs + 1)),
                 context_lens=[0] * bs, block_size=self.block_size, context_lens_gpu=ctx[:bs],
-                query_start_gpu=None, max_query_len=1, num_splits=self._splits(bs))
+                query_start_gpu=None, max_query_len=1, num_splits=self._splits(bs),
+                state_slots=state[:bs] if hybrid else None,
+                state_slots_host=[self.state_padding_slot] * bs if hybrid else None)
             self.model(ids[:bs], pos[:bs], meta)  # compile and warm up outside the capture
             torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()
@@ -245,22 +270,26 @@ class CudaStepRunner:
         logger.info("captured %d decode CUDA graphs (batch sizes %s) in %.1f s", len(self.graphs), self.buckets,
                     time.perf_counter() - started)
 
-    def _replay(self, host: HostBatch) -> torch.Tensor:
+    def _replay(self, host: HostBatch, previous_tokens: torch.Tensor | None) -> torch.Tensor:
         n = host.num_seqs
         bs = next(b for b in self.buckets if b >= n)
         maxb, seg, width = self.max_graph_bs, self.segment, self.graph_width
-        size = 4 * seg + bs * width
-        i, buf = self.ring.take(4 * seg + maxb * width)
+        size = 5 * seg + bs * width
+        i, buf = self.ring.take(5 * seg + maxb * width)
         buf[0:n] = host.input_ids
         buf[seg:seg + n] = host.positions
         buf[2 * seg:2 * seg + n] = host.slots
         buf[3 * seg:3 * seg + n] = host.context_lens
+        padding_slot = self.state_padding_slot if self.state_padding_slot is not None else 0
+        if self.state_padding_slot is not None:
+            buf[4 * seg:4 * seg + n] = host.state_slots
         if bs > n:
-            for k, pad in enumerate((0, 0, -1, 0)):
+            for k, pad in enumerate((0, 0, -1, 0, padding_slot)):
                 buf[k * seg + n:k * seg + bs] = pad
-        tables = buf[4 * seg:4 * seg + maxb * width].reshape(maxb, width)
+        tables = buf[5 * seg:5 * seg + maxb * width].reshape(maxb, width)
         for row, table in enumerate(host.tables):
             tables[row, :len(table)] = table
         self.ring.send(i, size, self.static)
+        host.pending.fill(self.static[:n], previous_tokens)
         self.graphs[bs].replay()
         return self.graph_outputs[bs][:n]

@@ -14,7 +14,8 @@ from pocketllm.kernels import available as kernels_available
 from pocketllm.models.registry import model_class
 from pocketllm.models.weights import init_dummy_weights, load_weights
 from pocketllm.runner.attention_metadata import AttentionMetadata
-from pocketllm.runner.sampler import SampledToken, Sampler, SamplingRow
+from pocketllm.runner.pending_inputs import PendingInputs
+from pocketllm.runner.sampler import SampledToken, Sampler, SampleResult, SamplingRow
 
 logger = logging.getLogger("pocketllm.runner")
 
@@ -58,8 +59,8 @@ class ModelRunner:
         self.num_blocks = 0
         # CUDA with Triton: kernel metadata from one pinned copy per step, decode CUDA graphs (cuda_graphs.py).
         self.cuda_step = None
-        # (Not yet for hybrid models: their CUDA step would also have to carry the state slots.)
-        if device.type == "cuda" and kernels_available(device) and self.attention_layers and not self.state_layers:
+        self.num_state_slots = 0
+        if device.type == "cuda" and kernels_available(device) and self.attention_layers:
             from pocketllm.runner.cuda_graphs import CudaStepRunner
 
             self.cuda_step = CudaStepRunner(self.model, device, block_size, self.attention_layers[0].num_kv_heads)
@@ -144,10 +145,14 @@ class ModelRunner:
                    for layer in self.state_layers for shape, dtype in layer.state_specs(self.dtype).values())
 
     def allocate_state_pool(self, num_slots: int) -> None:
-        """Bind ``[num_slots, *shape]`` zeroed tensors to every state layer (hybrid models)."""
+        """Bind ``[num_slots + 1, *shape]`` zeroed tensors to every state layer (hybrid models); the extra slot
+        is scratch for the padding rows of CUDA-graph replays."""
+        self.num_state_slots = num_slots
         for layer in self.state_layers:
             for name, (shape, dtype) in layer.state_specs(self.dtype).items():
-                setattr(layer, name, torch.zeros((num_slots, *shape), dtype=dtype, device=self.device))
+                setattr(layer, name, torch.zeros((num_slots + 1, *shape), dtype=dtype, device=self.device))
+        if self.cuda_step is not None:
+            self.cuda_step.state_padding_slot = num_slots
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         self.num_blocks = num_blocks
@@ -156,19 +161,23 @@ class ModelRunner:
             attn.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
             attn.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
 
-    def _prepare(self, chunks: list[ScheduledChunk]):
+    def _prepare(self, chunks: list[ScheduledChunk], previous_tokens: torch.Tensor | None):
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
         query_start = [0]
         context_lens: list[int] = []
         sample_index: list[int] = []
+        pending = PendingInputs()
         for chunk in chunks:
             request = chunk.request
-            start = request.num_computed_tokens
-            end = start + chunk.num_tokens
-            tokens = request.all_token_ids
-            input_ids.extend(tokens[start:end])
+            start, end = chunk.start, chunk.end
+            if chunk.last_token_pending:
+                input_ids.extend(request.all_token_ids[start:end - 1])
+                pending.add(len(input_ids), request.pending_row)
+                input_ids.append(0)
+            else:
+                input_ids.extend(request.all_token_ids[start:end])
             positions.extend(range(start, end))
             table = request.block_table
             bs = self.block_size
@@ -189,24 +198,28 @@ class ModelRunner:
             block_tables=torch.tensor(tables, dtype=torch.int64, device=device),
             query_start=query_start, context_lens=context_lens, block_size=self.block_size, **state)
         ids = torch.tensor(input_ids, dtype=torch.int64, device=device)
+        pending.fill(ids, previous_tokens)
         pos = torch.tensor(positions, dtype=torch.int64, device=device)
         return ids, pos, meta, sample_index
 
     @torch.inference_mode()
     def execute(self, chunks: list[ScheduledChunk]) -> list[SampledToken]:
         """Run the chunks; return one sampled token per chunk that reached the end of its sequence."""
-        return self.sample(chunks, self.launch(chunks))
+        result = self.sample_async(chunks, self.launch(chunks))
+        return result.to_host() if result is not None else []
 
     @torch.inference_mode()
-    def launch(self, chunks: list[ScheduledChunk]) -> torch.Tensor | None:
-        """Queue the forward pass; the float32 logits of the sampling rows (None if no chunk samples). On CUDA
-        nothing here waits for the device."""
+    def launch(self, chunks: list[ScheduledChunk], previous_tokens: torch.Tensor | None = None
+               ) -> torch.Tensor | None:
+        """Queue the forward pass; the float32 logits of the sampling rows (None if no chunk samples). A chunk
+        whose last input is still pending takes it from ``previous_tokens`` (the previous step's sampled
+        tokens, on the device). On CUDA nothing here waits for the device."""
         if self.cuda_step is not None:
-            sampled_hidden = self.cuda_step.forward(chunks)
+            sampled_hidden = self.cuda_step.forward(chunks, previous_tokens)
             if sampled_hidden is None:
                 return None
         else:
-            ids, positions, meta, sample_index = self._prepare(chunks)
+            ids, positions, meta, sample_index = self._prepare(chunks, previous_tokens)
             hidden = self.model(ids, positions, meta)
             if not sample_index:
                 return None
@@ -215,11 +228,10 @@ class ModelRunner:
         return self.model.compute_logits(sampled_hidden).float()
 
     @torch.inference_mode()
-    def sample(self, chunks: list[ScheduledChunk], logits: torch.Tensor | None) -> list[SampledToken]:
-        """One token per sampling chunk, from the logits ``launch`` returned."""
+    def sample_async(self, chunks: list[ScheduledChunk], logits: torch.Tensor | None) -> SampleResult | None:
+        """Queue the sampling of one token per sampling chunk from the logits ``launch`` returned."""
         if logits is None:
-            return []
+            return None
         rows = [SamplingRow(c.request.params, c.request.prompt_token_ids, c.request.output_token_ids,
                             c.request.generator, c.request.grammar) for c in chunks if c.samples]
-        return self.sampler(logits, rows)
-
+        return self.sampler.sample_async(logits, rows)

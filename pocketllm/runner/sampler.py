@@ -37,7 +37,7 @@ import torch
 from pocketllm.runner.grammar import apply_bitmask, fill_bitmask
 from pocketllm.sampling_params import SamplingParams
 
-__all__ = ["SampledToken", "Sampler", "SamplingRow"]
+__all__ = ["SampleResult", "SampledToken", "Sampler", "SamplingRow"]
 
 
 @dataclass
@@ -69,6 +69,36 @@ class SampledToken:
     top_logprobs: list[float] = field(default_factory=list)
 
 
+@dataclass
+class SampleResult:
+    """A batch's sampled tokens as device tensors (queued, not yet read); ``to_host`` waits and reads them."""
+
+    tokens: torch.Tensor                        # [B] int64, on the logits' device
+    params: list[SamplingParams]
+    lp_rows: list[int] = field(default_factory=list)           # rows that asked for log-probabilities
+    picked: torch.Tensor | None = None          # [len(lp_rows)] raw log-prob of each such row's token
+    top: tuple[torch.Tensor, torch.Tensor] | None = None       # ([len(lp_rows), k] values, ids)
+
+    def to_host(self) -> list[SampledToken]:
+        """One :class:`SampledToken` per row (one device-to-host transfer per tensor)."""
+        token_list = self.tokens.tolist()
+        picked = self.picked.tolist() if self.picked is not None else []
+        top_vals, top_ids = (self.top[0].tolist(), self.top[1].tolist()) if self.top is not None else ([], [])
+        lp_pos = {row: j for j, row in enumerate(self.lp_rows)}
+        out: list[SampledToken] = []
+        for i, p in enumerate(self.params):
+            token = SampledToken(int(token_list[i]))
+            if p.logprobs is not None:
+                j = lp_pos[i]
+                token.logprob = float(picked[j])
+                n = p.logprobs
+                if n > 0:
+                    token.top_ids = [int(t) for t in top_ids[j][:n]]
+                    token.top_logprobs = [float(v) for v in top_vals[j][:n]]
+            out.append(token)
+        return out
+
+
 def _needs_processing(params: SamplingParams) -> bool:
     return bool(params.logit_bias) or params.needs_penalties
 
@@ -89,16 +119,20 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[SampledToken]:
         """Sample one token per row of ``logits`` (``[B, V]``, any device); ``len(rows) == B``."""
+        return self.sample_async(logits, rows).to_host()
+
+    def sample_async(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SampleResult:
+        """Queue the sampling of one token per row; nothing waits for the device until ``to_host``."""
         batch = len(rows)
-        if batch == 0:
-            return []
         params = [row.params for row in rows]
+        if batch == 0:
+            return SampleResult(torch.empty(0, dtype=torch.long, device=logits.device), params)
         grammar_rows = [i for i, row in enumerate(rows) if row.grammar is not None]
         plain_greedy = not grammar_rows and all(
             p.greedy and p.logprobs is None and not _needs_processing(p) for p in params)
         if plain_greedy:
             # Fast path: one argmax over the raw logits, no copies.
-            return [SampledToken(int(t)) for t in logits.argmax(dim=-1).tolist()]
+            return SampleResult(logits.argmax(dim=-1), params)
 
         device = logits.device
         vocab = logits.shape[-1]
@@ -106,15 +140,13 @@ class Sampler:
         # 1. Raw log-probabilities for the rows that ask (computed before anything touches the logits).
         lp_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
         raw_logprobs: torch.Tensor | None = None
-        top_vals: list[list[float]] = []
-        top_ids: list[list[int]] = []
+        top: tuple[torch.Tensor, torch.Tensor] | None = None
         if lp_rows:
             raw = logits if len(lp_rows) == batch else logits.index_select(0, self._index(lp_rows, device))
             raw_logprobs = torch.log_softmax(raw.float(), dim=-1)
             k = min(max(params[i].logprobs or 0 for i in lp_rows), vocab)
             if k > 0:
-                vals, ids = raw_logprobs.topk(k, dim=-1)
-                top_vals, top_ids = vals.tolist(), ids.tolist()
+                top = raw_logprobs.topk(k, dim=-1)
 
         # 2. Processed logits: grammar mask, bias and penalties on a float32 copy.
         x = logits.float()
@@ -141,25 +173,11 @@ class Sampler:
             tokens = x.argmax(dim=-1)
             tokens[self._index(sample_rows, device)] = self._sample(x, rows, sample_rows)
 
-        # 4. Assemble results (one device->host transfer per tensor).
-        token_list = tokens.tolist()
-        picked: list[float] = []
+        picked = None
         if raw_logprobs is not None:
             chosen = tokens.index_select(0, self._index(lp_rows, device)) if len(lp_rows) < batch else tokens
-            picked = raw_logprobs.gather(1, chosen.unsqueeze(1)).squeeze(1).tolist()
-        lp_pos = {row: j for j, row in enumerate(lp_rows)}
-        out: list[SampledToken] = []
-        for i, p in enumerate(params):
-            token = SampledToken(int(token_list[i]))
-            if p.logprobs is not None:
-                j = lp_pos[i]
-                token.logprob = float(picked[j])
-                n = p.logprobs
-                if n > 0:
-                    token.top_ids = [int(t) for t in top_ids[j][:n]]
-                    token.top_logprobs = [float(v) for v in top_vals[j][:n]]
-            out.append(token)
-        return out
+            picked = raw_logprobs.gather(1, chosen.unsqueeze(1)).squeeze(1)
+        return SampleResult(tokens, params, lp_rows, picked, top)
 
     # ------------------------------------------------------------------------------------------------
     # helpers
