@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, profiles and the three H200 benchmark numbers; logs and JSON under $OUT.
-# Usage (on the GPU machine, repository root): bash scripts/gpu_check.sh [tests|latency|throughput|profile ...]
+# Usage (on the GPU machine, repository root): bash scripts/gpu_check.sh [tests|gemv|profile|latency|throughput|hybrid ...]
 set -u
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 OUT=${OUT:-build/gpu-check}; mkdir -p "$OUT"
@@ -13,7 +13,7 @@ for stage in $stages; do
   start=$(date +%s)
   case $stage in
     tests)
-      timeout 200 $PY -m pytest -m gpu tests/test_kernels_gpu.py -q -p no:cacheprovider > "$OUT/tests.log" 2>&1
+      timeout ${TESTS_TIMEOUT:-260} $PY -m pytest -m gpu tests/test_kernels_gpu.py -q -p no:cacheprovider > "$OUT/tests.log" 2>&1
       echo "gpu tests rc=$? $(tail -1 "$OUT/tests.log")" | tee -a "$OUT/bench.log" ;;
     gemv)
       timeout 90 $PY scripts/bench_gemv.py > "$OUT/gemv.log" 2>&1; cat "$OUT/gemv.log" | tee -a "$OUT/bench.log" ;;
@@ -27,6 +27,14 @@ for stage in $stages; do
       for preset in qwen3-0.6b llama3-8b; do
         timeout 130 $PY -m pocketllm bench latency --model $preset --load-format dummy --peer hf \
           --output-json "$OUT/latency-$preset.json" --plot "$PLOTS/latency-$preset.png" 2>&1 | grep -v Warning | tee -a "$OUT/bench.log"
+      done ;;
+    hybrid)
+      for preset in qwen3.5-9b qwen3.5-35b-a3b; do
+        timeout ${HYBRID_TIMEOUT:-150} $PY -m pocketllm bench latency --model $preset --load-format dummy \
+          --output-json "$OUT/latency-$preset.json" 2>&1 | grep -v Warning | tee -a "$OUT/bench.log"
+        timeout ${HYBRID_TIMEOUT:-150} $PY -m pocketllm bench throughput --model $preset --load-format dummy \
+          --num-requests ${HYBRID_REQUESTS:-64} --max-num-seqs 64 --max-num-batched-tokens 8192 \
+          --output-json "$OUT/throughput-$preset.json" 2>&1 | grep -v Warning | tee -a "$OUT/bench.log"
       done ;;
     throughput)
       timeout ${THROUGHPUT_TIMEOUT:-160} $PY -m pocketllm bench throughput --model qwen3-0.6b --load-format dummy --max-num-seqs 256 \

@@ -103,7 +103,7 @@ def test_store_kv(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("heads,kv_heads,head_dim", [(16, 8, 128), (32, 8, 128), (9, 3, 64), (4, 2, 16)])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(16, 8, 128), (32, 8, 128), (9, 3, 64), (4, 2, 16), (16, 4, 256)])
 @pytest.mark.parametrize("splits", [1, 4])
 def test_paged_decode(dtype, heads, kv_heads, head_dim, splits):
     _need_kernels(dtype, uses_dot=True)
@@ -126,7 +126,7 @@ def test_paged_decode(dtype, heads, kv_heads, head_dim, splits):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("heads,kv_heads,head_dim", [(16, 8, 128), (4, 2, 16)])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(16, 8, 128), (4, 2, 16), (16, 4, 256)])
 def test_paged_prefill_with_cached_prefix(dtype, heads, kv_heads, head_dim):
     _need_kernels(dtype, uses_dot=True)
     from pocketllm.kernels.attention import paged_prefill
