@@ -213,6 +213,67 @@ def test_qkv_prepare(dtype, qk_norm):
     assert torch.equal(flat_v[slots[keep].long()], rv[keep])
 
 
+# ------------------------------------------------------------------------------------------- experts
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens,num_experts,top_k", [(1, 8, 2), (5, 64, 8), (300, 16, 4)])
+def test_fused_experts_match_the_expert_loop(dtype, tokens, num_experts, top_k):
+    _need_kernels(dtype, uses_dot=True)
+    if INTERPRET and tokens > 5:
+        pytest.skip("slow in the interpreter")
+    from pocketllm.kernels.moe import fused_experts
+    from pocketllm.layers.moe import FusedMoE
+
+    torch.manual_seed(0)
+    hidden_size, inter = 128, 96
+    moe = FusedMoE(num_experts, top_k, hidden_size, inter, renormalize=True).to(DEVICE)
+    moe.w13.data = (torch.randn_like(moe.w13) * 0.1).to(dtype)
+    moe.w2.data = (torch.randn_like(moe.w2) * 0.1).to(dtype)
+    hidden = torch.randn(tokens, hidden_size, device=DEVICE).to(dtype)
+    weights, experts = moe.route(torch.randn(tokens, num_experts, device=DEVICE).to(dtype))
+    out = fused_experts(hidden, moe.w13, moe.w2, weights, experts)
+    ref = torch.zeros(tokens, hidden_size, dtype=torch.float64, device=DEVICE)
+    for t in range(tokens):
+        for j in range(top_k):
+            e = int(experts[t, j])
+            gate, up = (moe.w13[e].double() @ hidden[t].double()).chunk(2)
+            ref[t] += float(weights[t, j]) * (moe.w2[e].double() @ (F.silu(gate) * up))
+    assert out.shape == (tokens, hidden_size)
+    assert _rel(moe._loop_experts(hidden, weights, experts), ref) < (1e-4 if dtype == torch.float32 else 2e-2)
+    assert _rel(out, ref) < (1e-4 if dtype == torch.float32 else 2e-2)
+
+
+# ------------------------------------------------------------------------------------------- sampling
+
+def test_gumbel_argmax_draws_from_softmax_over_temperature():
+    _need_kernels()
+    from pocketllm.kernels.sampling import gumbel_argmax
+
+    logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, 3.0, 0.2, -0.5], device=DEVICE)
+    rows, temp = (20000, 0.7) if not INTERPRET else (2000, 0.7)
+    seeds = torch.arange(rows, dtype=torch.int64, device=DEVICE) * 7919 + 1
+    temps = torch.full((rows,), temp, device=DEVICE)
+    tokens = gumbel_argmax(logits.expand(rows, -1).to(torch.bfloat16), temps, seeds)
+    freq = torch.bincount(tokens, minlength=8).float() / rows
+    expected = torch.softmax(logits.to(torch.bfloat16).float() / temp, dim=-1)
+    assert float((freq - expected).abs().max()) < (0.015 if not INTERPRET else 0.05)
+    again = gumbel_argmax(logits.expand(rows, -1).to(torch.bfloat16), temps, seeds)
+    assert torch.equal(tokens, again)                      # the seed alone decides the draw
+
+
+def test_gumbel_argmax_large_vocab_follows_a_dominant_logit():
+    _need_kernels()
+    from pocketllm.kernels.sampling import gumbel_argmax
+
+    vocab = 151936 if not INTERPRET else 5000
+    logits = torch.randn(3, vocab, device=DEVICE).to(torch.bfloat16)
+    peaks = [0, vocab // 2 + 3, vocab - 1]
+    for row, peak in enumerate(peaks):
+        logits[row, peak] = 60.0
+    tokens = gumbel_argmax(logits, torch.ones(3, device=DEVICE), torch.tensor([1, 2, 3], device=DEVICE))
+    assert tokens.tolist() == peaks
+
+
 # ------------------------------------------------------------------------------------------- engine
 
 def _tiny_model(arch: str):
@@ -298,6 +359,31 @@ def test_hybrid_fp32_cuda_equals_cpu(arch, regime):
     _need_cuda()
     expected = _greedy(arch, "cpu", "float32", 24, **REGIMES[regime])
     assert _greedy(arch, "cuda", "float32", 24, **REGIMES[regime]) == expected
+
+
+def test_seeded_sampling_on_cuda_same_alone_and_batched():
+    """A seeded request draws the same tokens alone and among other sampled requests (fused sampling path)."""
+    _need_cuda()
+    from pocketllm.config import EngineArgs
+    from pocketllm.engine.engine_core import EngineCore
+    from pocketllm.sampling_params import SamplingParams
+
+    def run(batch: list[tuple[list[int], SamplingParams]]) -> list[list[int]]:
+        config, weights = _tiny_checkpoint("llama")
+        core = EngineCore(EngineArgs(device="cuda", dtype="bfloat16", num_kv_blocks=256, max_num_seqs=8),
+                          config, weights, frozenset({2}))
+        requests = [core.add_request(f"r{i}", p, params) for i, (p, params) in enumerate(batch)]
+        while core.has_work():
+            core.step()
+        return [list(r.output_token_ids) for r in requests]
+
+    seeded = SamplingParams(max_tokens=16, temperature=0.9, seed=1234, ignore_eos=True)
+    other = SamplingParams(max_tokens=16, temperature=0.7, ignore_eos=True)
+    alone = run([(PROMPTS[1], seeded)])[0]
+    mixed = run([(PROMPTS[0], other), (PROMPTS[1], seeded), (PROMPTS[3], other)])[1]
+    assert alone == mixed
+    different = SamplingParams(max_tokens=16, temperature=0.9, seed=99, ignore_eos=True)
+    assert run([(PROMPTS[1], different)])[0] != alone
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pocketllm.distributed import all_reduce, tp_rank, tp_size
+from pocketllm.kernels import available as kernels_available
 
 
 class FusedMoE(nn.Module):
@@ -57,6 +58,15 @@ class FusedMoE(nn.Module):
 
     def forward(self, hidden: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         weights, experts = self.route(router_logits)
+        if hidden.is_cuda and kernels_available(hidden.device):
+            # Two grouped launches, nothing read back to the host (kernels/moe.py): CUDA-graph safe.
+            from pocketllm.kernels.moe import fused_experts
+
+            return all_reduce(fused_experts(hidden, self.w13, self.w2, weights, experts))
+        return all_reduce(self._loop_experts(hidden, weights, experts))
+
+    def _loop_experts(self, hidden: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """The PyTorch reference: one pass per expert that received tokens (reads the counts on the host)."""
         out = torch.zeros_like(hidden)
         flat_experts = experts.flatten()
         order = torch.argsort(flat_experts, stable=True)
@@ -73,4 +83,4 @@ class FusedMoE(nn.Module):
             y = F.linear(F.silu(gate) * up, self.w2[expert])
             y = y * weights.flatten()[idx, None]
             out.index_add_(0, tokens, y.to(out.dtype))
-        return all_reduce(out)
+        return out

@@ -113,14 +113,10 @@ class ModelRunner:
         return peak + sampler
 
     def capture_cuda_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
-        """CUDA: capture the decode graphs (after the KV cache is allocated); a no-op elsewhere, and for models
-        whose forward synchronises with the host (mixture-of-experts routing)."""
+        """CUDA: capture the decode graphs (after the KV cache is allocated); a no-op elsewhere."""
         if self.cuda_step is None:
             return
         self.choose_kernels()
-        if any(type(m).__name__ == "FusedMoE" for m in self.model.modules()):
-            logger.info("decode CUDA graphs off: the MoE layers read routing counts on the host")
-            return
         with torch.inference_mode():
             self.cuda_step.capture(max_num_seqs, max_model_len)
 
@@ -211,9 +207,9 @@ class ModelRunner:
     @torch.inference_mode()
     def launch(self, chunks: list[ScheduledChunk], previous_tokens: torch.Tensor | None = None
                ) -> torch.Tensor | None:
-        """Queue the forward pass; the float32 logits of the sampling rows (None if no chunk samples). A chunk
-        whose last input is still pending takes it from ``previous_tokens`` (the previous step's sampled
-        tokens, on the device). On CUDA nothing here waits for the device."""
+        """Queue the forward pass; the logits of the sampling rows in the model's dtype (None if no chunk
+        samples). A chunk whose last input is still pending takes it from ``previous_tokens`` (the previous
+        step's sampled tokens, on the device). On CUDA nothing here waits for the device."""
         if self.cuda_step is not None:
             sampled_hidden = self.cuda_step.forward(chunks, previous_tokens)
             if sampled_hidden is None:
@@ -225,7 +221,7 @@ class ModelRunner:
                 return None
             index = torch.tensor(sample_index, dtype=torch.int64, device=self.device)
             sampled_hidden = hidden.index_select(0, index)
-        return self.model.compute_logits(sampled_hidden).float()
+        return self.model.compute_logits(sampled_hidden)
 
     @torch.inference_mode()
     def sample_async(self, chunks: list[ScheduledChunk], logits: torch.Tensor | None) -> SampleResult | None:
@@ -234,4 +230,4 @@ class ModelRunner:
             return None
         rows = [SamplingRow(c.request.params, c.request.prompt_token_ids, c.request.output_token_ids,
                             c.request.generator, c.request.grammar) for c in chunks if c.samples]
-        return self.sampler.sample_async(logits, rows)
+        return self.sampler.sample_async(logits, rows).start_copy()

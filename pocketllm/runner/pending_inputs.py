@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from pocketllm.runner.host_to_device import device_tensor
+
 
 class PendingInputs:
     """Positions in a step's flat input ids that take a token from the previous step's sampled tokens."""
@@ -31,6 +33,6 @@ class PendingInputs:
             input_ids[:n].copy_(previous_tokens)
             return
         device = input_ids.device
-        rows = torch.tensor(self.rows, dtype=torch.int64).to(device, non_blocking=True)
-        positions = torch.tensor(self.positions, dtype=torch.int64).to(device, non_blocking=True)
+        rows = device_tensor(self.rows, torch.int64, device)
+        positions = device_tensor(self.positions, torch.int64, device)
         input_ids.index_copy_(0, positions, previous_tokens.index_select(0, rows).to(input_ids.dtype))

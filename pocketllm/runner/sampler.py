@@ -34,7 +34,9 @@ from typing import Any
 
 import torch
 
+from pocketllm.kernels import available as kernels_available
 from pocketllm.runner.grammar import apply_bitmask, fill_bitmask
+from pocketllm.runner.host_to_device import device_tensor
 from pocketllm.sampling_params import SamplingParams
 
 __all__ = ["SampleResult", "SampledToken", "Sampler", "SamplingRow"]
@@ -78,12 +80,35 @@ class SampleResult:
     lp_rows: list[int] = field(default_factory=list)           # rows that asked for log-probabilities
     picked: torch.Tensor | None = None          # [len(lp_rows)] raw log-prob of each such row's token
     top: tuple[torch.Tensor, torch.Tensor] | None = None       # ([len(lp_rows), k] values, ids)
+    # CUDA: pinned host copies queued right behind the sampling, and the event that marks them done.
+    _host: list[torch.Tensor | None] | None = None
+    _ready: Any = None
+
+    def start_copy(self) -> SampleResult:
+        """CUDA: queue the copies to pinned host memory now, so that ``to_host`` waits only for this step and
+        not for work queued after it (a plain ``tolist`` would wait for the whole stream)."""
+        if not self.tokens.is_cuda:
+            return self
+        tensors = [self.tokens, self.picked, *(self.top or (None, None))]
+        self._host = [None if t is None else torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
+        for host, device in zip(self._host, tensors):
+            if host is not None:
+                host.copy_(device, non_blocking=True)
+        self._ready = torch.cuda.Event()
+        self._ready.record()
+        return self
 
     def to_host(self) -> list[SampledToken]:
-        """One :class:`SampledToken` per row (one device-to-host transfer per tensor)."""
-        token_list = self.tokens.tolist()
-        picked = self.picked.tolist() if self.picked is not None else []
-        top_vals, top_ids = (self.top[0].tolist(), self.top[1].tolist()) if self.top is not None else ([], [])
+        """One :class:`SampledToken` per row (waits for this step's sampling only once ``start_copy`` ran)."""
+        if self._host is not None:
+            self._ready.synchronize()
+            tokens, picked_t, top_vals_t, top_ids_t = self._host
+        else:
+            tokens, picked_t = self.tokens, self.picked
+            top_vals_t, top_ids_t = self.top if self.top is not None else (None, None)
+        token_list = tokens.tolist()
+        picked = picked_t.tolist() if picked_t is not None else []
+        top_vals, top_ids = (top_vals_t.tolist(), top_ids_t.tolist()) if top_vals_t is not None else ([], [])
         lp_pos = {row: j for j, row in enumerate(self.lp_rows)}
         out: list[SampledToken] = []
         for i, p in enumerate(self.params):
@@ -148,18 +173,16 @@ class Sampler:
             if k > 0:
                 top = raw_logprobs.topk(k, dim=-1)
 
-        # 2. Processed logits: grammar mask, bias and penalties on a float32 copy.
-        x = logits.float()
+        # 2. Processed logits: grammar mask, bias and penalties on a float32 copy (made only when needed; the
+        #    logits otherwise stay in the model's dtype).
+        processing = any(_needs_processing(p) for p in params)
+        x = logits.to(torch.float32, copy=True) if grammar_rows or processing else logits
         if grammar_rows:
             matchers = [rows[i].grammar for i in grammar_rows]
             bitmask = fill_bitmask(matchers, math.ceil(matchers[0].vocab_size / 32))
             if bitmask is not None:
-                if x.data_ptr() == logits.data_ptr():
-                    x = x.clone()
                 apply_bitmask(x, bitmask, grammar_rows)
-        if any(_needs_processing(p) for p in params):
-            if x.data_ptr() == logits.data_ptr():
-                x = x.clone()
+        if processing:
             self._apply_logit_bias(x, params)
             self._apply_penalties(x, rows)
 
@@ -197,7 +220,7 @@ class Sampler:
 
     @staticmethod
     def _index(indices: Sequence[int], device: torch.device) -> torch.Tensor:
-        return torch.tensor(indices, dtype=torch.long, device=device)
+        return device_tensor(indices, torch.long, device)
 
     @staticmethod
     def _apply_logit_bias(x: torch.Tensor, params: Sequence[SamplingParams]) -> None:
@@ -216,9 +239,9 @@ class Sampler:
             return
         device = x.device
         x.index_put_(
-            (torch.tensor(r_idx, dtype=torch.long, device=device),
-             torch.tensor(c_idx, dtype=torch.long, device=device)),
-            torch.tensor(vals, dtype=x.dtype, device=device),
+            (device_tensor(r_idx, torch.long, device),
+             device_tensor(c_idx, torch.long, device)),
+            device_tensor(vals, x.dtype, device),
             accumulate=True,
         )
 
@@ -284,7 +307,14 @@ class Sampler:
         params = [rows[i].params for i in sample_rows]
 
         base = x if n == x.shape[0] else x.index_select(0, self._index(sample_rows, device))
-        temps = torch.tensor([p.temperature for p in params], dtype=x.dtype, device=device).unsqueeze(1)
+        if device.type == "cuda" and kernels_available(device) and not any(
+                p.min_p > 0.0 or 0 < p.top_k < vocab or p.top_p < 1.0 for p in params):
+            # Temperature only: one fused pass (kernels/sampling.py), the same distribution.
+            from pocketllm.kernels.sampling import gumbel_argmax
+
+            temps = device_tensor([p.temperature for p in params], torch.float32, device)
+            return gumbel_argmax(base, temps, self._seeds(rows, sample_rows, device))
+        temps = device_tensor([p.temperature for p in params], torch.float32, device).unsqueeze(1)
         s = base / temps  # a fresh tensor: safe to modify in place below
 
         # min_p: drop tokens whose probability is below min_p * max probability, i.e. in log space
@@ -293,8 +323,7 @@ class Sampler:
         if mp_rows:
             idx = self._index(mp_rows, device)
             sub = s.index_select(0, idx)
-            log_min_p = torch.tensor([math.log(params[j].min_p) for j in mp_rows],
-                                     dtype=s.dtype, device=device).unsqueeze(1)
+            log_min_p = device_tensor([math.log(params[j].min_p) for j in mp_rows], s.dtype, device).unsqueeze(1)
             floor = sub.amax(dim=-1, keepdim=True) + log_min_p
             s.index_copy_(0, idx, sub.masked_fill(sub < floor, -math.inf))
 
@@ -328,6 +357,24 @@ class Sampler:
         q.clamp_(min=torch.finfo(torch.float32).tiny).log_()
         return (s - q).argmax(dim=-1)
 
+    def _seeds(self, rows: Sequence[SamplingRow], sample_rows: list[int], device: torch.device) -> torch.Tensor:
+        """One Philox key per sampling row for this step, drawn on the device: rows with their own generator
+        draw one value from it, the others from the shared generator (in row order)."""
+        n = len(sample_rows)
+        high = 1 << 62
+        shared = [j for j, i in enumerate(sample_rows) if rows[i].generator is None]
+        if len(shared) == n:
+            return torch.randint(high, (n,), generator=self.shared_generator(device), device=device)
+        seeds = torch.empty(n, dtype=torch.int64, device=device)
+        if shared:
+            draw = torch.randint(high, (len(shared),), generator=self.shared_generator(device), device=device)
+            seeds.index_copy_(0, self._index(shared, device), draw)
+        for j, i in enumerate(sample_rows):
+            gen = rows[i].generator
+            if gen is not None:
+                seeds[j:j + 1].copy_(torch.randint(high, (1,), generator=gen, device=gen.device))
+        return seeds
+
     @staticmethod
     def _truncate(s: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
         """Mask everything outside each row's top-k tokens and top-p nucleus with ``-inf``.
@@ -338,7 +385,7 @@ class Sampler:
         """
         device = s.device
         vocab = s.shape[-1]
-        k = torch.tensor(top_k, dtype=torch.long, device=device).unsqueeze(1)
+        k = device_tensor(top_k, torch.long, device).unsqueeze(1)
         if all(p >= 1.0 for p in top_p):
             # top-k only: a partial sort of the largest max(k) logits is enough.
             kmax = max(top_k)
@@ -352,7 +399,7 @@ class Sampler:
         vals = vals.masked_fill(pos >= k, -math.inf)
         probs = torch.softmax(vals, dim=-1)
         before = probs.cumsum(dim=-1) - probs  # probability mass strictly ahead of each token
-        p = torch.tensor(top_p, dtype=s.dtype, device=device).unsqueeze(1)
+        p = device_tensor(top_p, s.dtype, device).unsqueeze(1)
         # Keep the smallest prefix whose mass reaches top_p: drop a token once the mass ahead of it
         # already does. The first token has nothing ahead of it and is always kept; rows with
         # top_p == 1 drop nothing.
