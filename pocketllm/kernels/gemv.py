@@ -47,11 +47,23 @@ def _skinny_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_
 MAX_ROWS = 16
 
 
-def skinny_linear(x: torch.Tensor, weight: torch.Tensor, block_n: int = 64, block_k: int = 128,
+def one_row_blocks(n: int) -> tuple[int, int]:
+    """(BLOCK_N, BLOCK_K) for one activation row: about 256 programs or more, each streaming a few whole weight
+    rows, so that a small matrix (a few MB) still spreads over every multiprocessor."""
+    block_n = 4
+    while block_n < 64 and n // (2 * block_n) >= 256:
+        block_n *= 2
+    return block_n, max(128, 4096 // block_n)
+
+
+def skinny_linear(x: torch.Tensor, weight: torch.Tensor, block_n: int | None = None, block_k: int | None = None,
                   num_stages: int = 4) -> torch.Tensor:
     """``x @ weight.T`` for ``x`` [M ≤ 16, K] and ``weight`` [N, K] (row-major), bf16/fp16 (fp32 accumulate)."""
     m, k = x.shape
     n = weight.shape[0]
+    if block_n is None or block_k is None:
+        auto_n, auto_k = one_row_blocks(n) if m == 1 else (64, 128)
+        block_n, block_k = block_n or auto_n, block_k or auto_k
     assert m <= MAX_ROWS and weight.stride(1) == 1
     if x.stride(1) != 1:
         x = x.contiguous()
@@ -77,14 +89,24 @@ def _time(fn, repeats: int = 20) -> float:
 
 def skinny_rows_for(weight: torch.Tensor) -> int:
     """Most rows (1, 2, 4, 8 or 16; 0 = none) up to which the skinny kernel beats ``F.linear`` by 5% on this
-    weight, timed on the weight itself."""
+    weight's shape, timed on the weight (and, for small weights, on copies in turn, so that neither side is
+    timed out of L2 when in a model every layer brings its own weight)."""
     if weight.dtype not in (torch.bfloat16, torch.float16) or weight.dim() != 2 or weight.stride(1) != 1:
         return 0
+    copies = [weight]
+    if weight.numel() * weight.element_size() < (64 << 20):
+        copies += [torch.randn_like(weight) for _ in range(7)]
+    turn = [0]
+
+    def next_weight() -> torch.Tensor:
+        turn[0] += 1
+        return copies[turn[0] % len(copies)]
+
     rows = 0
     for m in (1, 2, 4, 8, 16):
         x = torch.randn(m, weight.shape[1], dtype=weight.dtype, device=weight.device)
-        ours = _time(lambda x=x: skinny_linear(x, weight))
-        theirs = _time(lambda x=x: torch.nn.functional.linear(x, weight))
+        ours = _time(lambda x=x: skinny_linear(x, next_weight()))
+        theirs = _time(lambda x=x: torch.nn.functional.linear(x, next_weight()))
         if ours >= 0.95 * theirs:
             break
         rows = m

@@ -41,8 +41,20 @@ class LinearBase(nn.Module):
             loaded = loaded.narrow(dim, self.tp_rank * size, size)
         param.data.copy_(loaded)
 
+    # CUDA: rows up to which the skinny Triton kernel replaces F.linear (0 = never; the model runner sets it
+    # after timing both on this weight's shape).
+    skinny_rows = 0
+
+    def _product(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if x.dim() == 2 and 0 < x.shape[0] <= self.skinny_rows:
+            from pocketllm.kernels.gemv import skinny_linear
+
+            out = skinny_linear(x, self.weight)
+            return out if bias is None else out + bias
+        return F.linear(x, self.weight, bias)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self._product(x, self.bias)
 
 
 class ReplicatedLinear(LinearBase):
@@ -105,4 +117,4 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = self.bias if self.tp_rank == 0 else None
-        return all_reduce(F.linear(x, self.weight, bias))
+        return all_reduce(self._product(x, bias))

@@ -121,14 +121,23 @@ class ModelRunner:
             self.cuda_step.capture(max_num_seqs, max_model_len)
 
     def choose_kernels(self) -> None:
-        """CUDA: time the skinny LM-head kernel against cuBLAS on this weight and keep the faster."""
-        head = getattr(self.model, "lm_head", None)
-        if self.cuda_step is None or head is None or not hasattr(head, "skinny_rows"):
+        """CUDA: time the skinny Triton kernel against cuBLAS on each distinct weight shape (LM head and the
+        per-layer projections) and keep the faster for each number of rows."""
+        if self.cuda_step is None:
             return
         from pocketllm.kernels.gemv import skinny_rows_for
 
-        head.skinny_rows = skinny_rows_for(head.weight)
-        logger.info("LM head: Triton skinny kernel up to %d rows, cuBLAS beyond", head.skinny_rows)
+        chosen: dict[tuple[int, ...], int] = {}
+        for name, module in self.model.named_modules():
+            weight = getattr(module, "weight", None)
+            if not hasattr(module, "skinny_rows") or weight is None or weight.dim() != 2:
+                continue
+            shape = tuple(weight.shape)
+            if shape not in chosen:
+                chosen[shape] = skinny_rows_for(weight)
+                logger.info("%s %s: Triton skinny kernel up to %d rows, cuBLAS beyond", name, list(shape),
+                            chosen[shape])
+            module.skinny_rows = chosen[shape]
 
     def kv_bytes_per_block(self) -> int:
         element = torch.tensor([], dtype=self.dtype).element_size()
