@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from pocketllm.kernels.gemv import skinny_linear
+from pocketllm.kernels.gemv import skinny_linear, time_in_graph
 
 SHAPES = {  # (N, K): qwen3-0.6b then llama3-8b: qkv, o, gate_up, down, lm_head
     "q06 qkv": (4096, 1024), "q06 o": (1024, 2048), "q06 gate_up": (6144, 1024), "q06 down": (1024, 3072),
@@ -16,22 +16,14 @@ SHAPES = {  # (N, K): qwen3-0.6b then llama3-8b: qkv, o, gate_up, down, lm_head
 
 
 def timed(fn, repeats: int = 50) -> float:
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(repeats):
-        fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / repeats * 1e3  # µs
+    """µs per call, replayed from a CUDA graph (as in a decode step: no host launch cost)."""
+    return time_in_graph(fn, repeats) * 1e3
 
 
 def copy_bandwidth() -> float:
     src = torch.randn(1 << 30, device="cuda")  # 4 GiB
     dst = torch.empty_like(src)
-    us = timed(lambda: dst.copy_(src), 10)
+    us = timed(lambda: dst.copy_(src), 5)
     return 2 * src.numel() * 4 / us / 1e3  # GB/s
 
 

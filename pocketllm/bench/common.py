@@ -111,18 +111,20 @@ def measure_bandwidth(device: torch.device, repeats: int = 10) -> float:
 
 
 def weight_bytes(model: torch.nn.Module) -> int:
-    """Bytes a decode step reads from the weights: every parameter once, except an untied embedding table
-    (one row per token is read from it)."""
+    """Bytes a batch-1 decode step reads from the weights: every parameter once, except an untied embedding
+    table (one row per token is read from it) and routed experts (``top_k`` of ``num_experts`` per layer)."""
     total = 0
     seen = set()
     tied = bool(getattr(model, "tie_word_embeddings", False))
+    experts = {id(p): m.top_k / m.num_experts for m in model.modules() if type(m).__name__ == "FusedMoE"
+               for p in m.parameters()}
     for name, param in model.named_parameters():
         if id(param) in seen:
             continue
         seen.add(id(param))
         if "embed_tokens" in name and not tied:
             continue
-        total += param.numel() * param.element_size()
+        total += int(param.numel() * param.element_size() * experts.get(id(param), 1.0))
     return total
 
 

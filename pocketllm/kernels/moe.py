@@ -19,7 +19,7 @@ import triton.language as tl
 def _grouped_kernel(a_ptr, b_ptr, out_ptr, rows_ptr, block_expert_ptr, scale_ptr, num_pairs, N, K,
                     stride_a, stride_be, stride_bn, stride_out,
                     ROW_DIV: tl.constexpr, SCALE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr):
+                    BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     expert = tl.load(block_expert_ptr + pid_m)
@@ -39,7 +39,7 @@ def _grouped_kernel(a_ptr, b_ptr, out_ptr, rows_ptr, block_expert_ptr, scale_ptr
         a = tl.load(a_ptr + a_row[:, None] * stride_a + (k0 + offs_k)[None, :],
                     mask=valid[:, None] & k_mask[None, :], other=0.0)
         b = tl.load(b_base + (k0 + offs_k)[:, None], mask=k_mask[:, None] & n_mask[None, :], other=0.0)
-        acc = tl.dot(a, b, acc)
+        acc = tl.dot(a, b, acc, input_precision=PRECISION)
     if SCALE:
         acc = acc * tl.load(scale_ptr + pair, mask=valid, other=0.0).to(tl.float32)[:, None]
     out = out_ptr + pair.to(tl.int64)[:, None] * stride_out + offs_n[None, :]
@@ -56,7 +56,8 @@ def _grouped(a: torch.Tensor, weight: torch.Tensor, rows: torch.Tensor, block_ex
     _grouped_kernel[grid](a, weight, out, rows, block_expert, scale if scale is not None else out, num_pairs, n, k,
                           a.stride(0), weight.stride(0), weight.stride(1), out.stride(0),
                           ROW_DIV=row_div, SCALE=scale is not None, BLOCK_M=block_m, BLOCK_N=block_n,
-                          BLOCK_K=block_k, num_warps=4, num_stages=3)
+                          BLOCK_K=block_k, PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
+                          num_warps=4, num_stages=3)
     return out
 
 
