@@ -2,18 +2,38 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 import torch.distributed as dist
+
+_single_rank_depth = 0
+
+
+def _active() -> bool:
+    return _single_rank_depth == 0 and dist.is_available() and dist.is_initialized()
 
 
 def tp_rank() -> int:
     """This process's rank in the tensor-parallel group (0 without distributed)."""
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    return dist.get_rank() if _active() else 0
 
 
 def tp_size() -> int:
     """Number of tensor-parallel ranks (1 without distributed)."""
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    return dist.get_world_size() if _active() else 1
+
+
+@contextmanager
+def single_rank() -> Iterator[None]:
+    """Layers built inside see one rank (full, unsharded shapes), e.g. a meta-device twin of a sharded model."""
+    global _single_rank_depth
+    _single_rank_depth += 1
+    try:
+        yield
+    finally:
+        _single_rank_depth -= 1
 
 
 def all_reduce(x: torch.Tensor) -> torch.Tensor:
@@ -31,3 +51,12 @@ def all_gather_last_dim(x: torch.Tensor) -> torch.Tensor:
     parts = [torch.empty_like(x) for _ in range(size)]
     dist.all_gather(parts, x.contiguous())
     return torch.cat(parts, dim=-1)
+
+
+def min_over_ranks(value: int, device: torch.device) -> int:
+    """The smallest ``value`` any rank holds (e.g. KV blocks, so every rank sizes its cache alike)."""
+    if tp_size() == 1:
+        return value
+    tensor = torch.tensor([value], dtype=torch.int64, device=device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MIN)
+    return int(tensor.item())
