@@ -8,6 +8,7 @@ import time
 
 import pytest
 import torch.distributed as dist
+from conftest import tiny_config
 
 from pocketllm import LLM, SamplingParams
 from pocketllm.config import EngineArgs
@@ -73,11 +74,16 @@ def test_tp2_matches_tp1_greedy(tiny_checkpoint, arch: str) -> None:
     assert sharded == single
 
 
-def test_tp2_dummy_weights_match_tp1(tiny_checkpoint) -> None:
-    """Random weights: each rank keeps its shard of what one rank would draw."""
-    path = tiny_checkpoint("qwen3_moe")
-    single, _ = greedy(engine_args(path, 1, load_format="dummy"))
-    sharded, _ = greedy(engine_args(path, 2, load_format="dummy"))
+def test_tp2_dummy_weights_and_replicated_kv_head_match_tp1(tmp_path) -> None:
+    """Random weights: each rank keeps its shard of what one rank would draw; a single KV head (fewer KV heads
+    than ranks) is replicated on both ranks."""
+    config = tiny_config("qwen3_moe")
+    config.num_key_value_heads = 1
+    config.vocab_size = 4096
+    config.architectures = ["Qwen3MoeForCausalLM"]
+    config.save_pretrained(tmp_path)
+    single, _ = greedy(engine_args(str(tmp_path), 1, load_format="dummy"))
+    sharded, _ = greedy(engine_args(str(tmp_path), 2, load_format="dummy"))
     assert sharded == single
 
 
