@@ -8,6 +8,8 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 
+from pocketllm.errors import EngineDeadError
+
 _single_rank_depth = 0
 
 
@@ -36,10 +38,20 @@ def single_rank() -> Iterator[None]:
         _single_rank_depth -= 1
 
 
+@contextmanager
+def lost_rank_is_fatal() -> Iterator[None]:
+    """A failed collective (a rank died, the group broke) surfaces as ``EngineDeadError``."""
+    try:
+        yield
+    except RuntimeError as exc:  # gloo and NCCL raise RuntimeError subclasses
+        raise EngineDeadError(f"a tensor-parallel rank failed: {exc}") from exc
+
+
 def all_reduce(x: torch.Tensor) -> torch.Tensor:
     """Sum ``x`` over the tensor-parallel group, in place; a no-op on one rank."""
     if tp_size() > 1:
-        dist.all_reduce(x)
+        with lost_rank_is_fatal():
+            dist.all_reduce(x)
     return x
 
 
@@ -49,7 +61,8 @@ def all_gather_last_dim(x: torch.Tensor) -> torch.Tensor:
     if size == 1:
         return x
     parts = [torch.empty_like(x) for _ in range(size)]
-    dist.all_gather(parts, x.contiguous())
+    with lost_rank_is_fatal():
+        dist.all_gather(parts, x.contiguous())
     return torch.cat(parts, dim=-1)
 
 
@@ -58,5 +71,6 @@ def min_over_ranks(value: int, device: torch.device) -> int:
     if tp_size() == 1:
         return value
     tensor = torch.tensor([value], dtype=torch.int64, device=device)
-    dist.all_reduce(tensor, op=dist.ReduceOp.MIN)
+    with lost_rank_is_fatal():
+        dist.all_reduce(tensor, op=dist.ReduceOp.MIN)
     return int(tensor.item())

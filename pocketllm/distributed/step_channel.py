@@ -7,8 +7,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from pocketllm.distributed import lost_rank_is_fatal
 from pocketllm.distributed.group import step_group
-from pocketllm.errors import EngineDeadError
 from pocketllm.runner.attention_metadata import AttentionMetadata
 
 STOP, STEP = 0, 1
@@ -32,10 +32,8 @@ class StepChannel:
         self.device = device
 
     def _broadcast(self, tensor: torch.Tensor) -> None:
-        try:
+        with lost_rank_is_fatal():
             dist.broadcast(tensor, src=0, group=step_group())
-        except RuntimeError as exc:  # gloo/NCCL: a peer is gone or the group broke
-            raise EngineDeadError(f"a tensor-parallel rank failed: {exc}") from exc
 
     def send(self, step: StepInputs) -> None:
         """Rank 0: publish this step's inputs."""
