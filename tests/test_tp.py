@@ -11,9 +11,11 @@ import torch.distributed as dist
 from conftest import tiny_config
 
 from pocketllm import LLM, SamplingParams
+from pocketllm.cli.main import main
 from pocketllm.config import EngineArgs
 from pocketllm.distributed import tp_size
-from pocketllm.errors import EngineDeadError
+from pocketllm.distributed.group import RankInfo
+from pocketllm.errors import EngineDeadError, InvalidRequestError
 
 PROMPTS = [[1, 5, 9, 200, 3000], list(range(100, 141))]   # 5 and 41 tokens
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
@@ -101,3 +103,28 @@ def test_worker_crash_fails_requests_and_is_reaped(tiny_checkpoint) -> None:
     finally:
         llm.shutdown()
     assert not dist.is_initialized()
+
+
+def test_rank_variables_are_checked() -> None:
+    with pytest.raises(InvalidRequestError, match="RANK and WORLD_SIZE"):
+        RankInfo.from_env({}, 2)
+    with pytest.raises(InvalidRequestError, match="tensor_parallel_size is 2"):
+        RankInfo.from_env({"RANK": "0", "WORLD_SIZE": "4"}, 2)
+    with pytest.raises(InvalidRequestError, match="TP_RANK"):
+        RankInfo.from_env({"RANK": "1", "WORLD_SIZE": "2", "TP_RANK": "0", "TP_WORLD": "2"}, 2)
+    info = RankInfo.from_env({"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}, 2)
+    assert (info.rank, info.world_size, info.local_rank, info.init_method) == (1, 2, 1, "env://")
+
+
+def test_lifecycle_options_are_validated() -> None:
+    with pytest.raises(InvalidRequestError, match="tensor_parallel_startup_timeout"):
+        EngineArgs(tensor_parallel_startup_timeout=0)
+    with pytest.raises(InvalidRequestError, match="tensor_parallel_master_port"):
+        EngineArgs(tensor_parallel_master_port=70000)
+
+
+def test_serve_without_supervisor_needs_the_launcher_variables(monkeypatch, capsys) -> None:
+    for name in ("RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    assert main(["serve", "--tensor-parallel-size", "2", "--no-tensor-parallel-supervisor"]) == 2
+    assert "RANK and WORLD_SIZE" in capsys.readouterr().err

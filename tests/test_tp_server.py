@@ -106,7 +106,9 @@ def test_serves_openai_client_and_sigterm_reaps(tiny_checkpoint, tmp_path, rende
 
 
 def test_killed_worker_stops_the_group(tiny_checkpoint, tmp_path, rendezvous) -> None:
-    server = Supervised(tiny_checkpoint("llama"), str(tmp_path / "log"), rendezvous)
+    """(Through a TCP rendezvous at an explicit master address.)"""
+    server = Supervised(tiny_checkpoint("llama"), str(tmp_path / "log"), rendezvous,
+                        "--tensor-parallel-master-addr", "127.0.0.1", "--tensor-parallel-master-port", str(free_port()))
     try:
         pids = server.rank_pids()
         server.wait_ready()

@@ -6,9 +6,10 @@ import logging
 
 from pocketllm.backends.base import EngineCaps
 from pocketllm.config import EngineArgs
+from pocketllm.distributed import tp_size
 from pocketllm.engine.engine_core import EngineCore
 from pocketllm.engine.loop import EngineLoop
-from pocketllm.errors import InvalidRequestError
+from pocketllm.errors import InvalidRequestError, UnsupportedFeatureError
 from pocketllm.loaders.checkpoint import load_checkpoint
 from pocketllm.loaders.default_model import default_model_path
 from pocketllm.runner.grammar import GrammarCompiler, xgrammar_available
@@ -31,6 +32,9 @@ class TorchBackend:
             raise InvalidRequestError(
                 f"backend_options {unknown} are not understood by the torch backend "
                 f"(known: {', '.join(sorted(KNOWN_OPTIONS))})", param="backend_options")
+        if tp_size() > 1:
+            raise UnsupportedFeatureError("this process already runs a tensor-parallel engine; shut it down first "
+                                          "(one engine per process under tensor parallelism)")
         self.args = args
         # Tensor parallelism: this process is rank 0 (it schedules and samples); the worker ranks are started
         # here (or by an external launcher) and joined before the model is built, since layers shard by rank.

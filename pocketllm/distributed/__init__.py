@@ -11,10 +11,17 @@ import torch.distributed as dist
 from pocketllm.errors import EngineDeadError
 
 _single_rank_depth = 0
+_joined = False   # set by group.init_group: a process group someone else made does not shard our layers
+
+
+def set_joined(joined: bool) -> None:
+    """Record that this process has joined (True) or left (False) PocketLLM's tensor-parallel group."""
+    global _joined
+    _joined = joined
 
 
 def _active() -> bool:
-    return _single_rank_depth == 0 and dist.is_available() and dist.is_initialized()
+    return _joined and _single_rank_depth == 0 and dist.is_initialized()
 
 
 def tp_rank() -> int:

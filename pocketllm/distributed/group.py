@@ -10,10 +10,11 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from pocketllm.errors import InvalidRequestError
+from pocketllm.distributed import set_joined
+from pocketllm.errors import InvalidRequestError, UnsupportedFeatureError
 
 # The environment a supervisor (ours or torchrun) gives each rank; ours adds the POCKETLLM_TP_* entries.
-INIT_METHOD_VAR = "POCKETLLM_TP_INIT_METHOD"    # file://<run dir>/rendezvous.store or env:// (MASTER_ADDR/PORT)
+INIT_METHOD_VAR = "POCKETLLM_TP_INIT_METHOD"    # file://<run dir>/rendezvous.store or tcp://ADDR:PORT
 RUN_DIR_VAR = "POCKETLLM_TP_RUN_DIR"            # where ranks leave their started-/ready- marks
 PARENT_PID_VAR = "POCKETLLM_TP_PARENT_PID"      # a rank exits when this process is gone
 
@@ -67,15 +68,23 @@ def init_group(info: RankInfo, device: torch.device, timeout: float) -> torch.de
     """Join the group (``timeout`` seconds bound the rendezvous and every model collective); returns this rank's
     device (``cuda:LOCAL_RANK`` on CUDA)."""
     global _step_group
+    if dist.is_initialized():
+        raise UnsupportedFeatureError("this process already belongs to a torch.distributed process group (another "
+                                      "tensor-parallel engine?): run one tensor-parallel engine per process")
     if device.type == "cuda":
+        if info.local_rank >= torch.cuda.device_count():
+            raise UnsupportedFeatureError(
+                f"tensor-parallel local rank {info.local_rank} needs cuda:{info.local_rank}, but this host has "
+                f"{torch.cuda.device_count()} CUDA device(s)")
         device = torch.device("cuda", info.local_rank)
         torch.cuda.set_device(device)
-    backend = backend_for(device)
     mark(info, "started")
-    dist.init_process_group(backend, init_method=info.init_method, rank=info.rank, world_size=info.world_size,
-                            timeout=datetime.timedelta(seconds=timeout))
-    # Step broadcasts go through their own group, whose wait has no practical bound (see STEP_WAIT).
-    _step_group = dist.new_group(backend=backend, timeout=STEP_WAIT)
+    dist.init_process_group(backend_for(device), init_method=info.init_method, rank=info.rank,
+                            world_size=info.world_size, timeout=datetime.timedelta(seconds=timeout))
+    # Step broadcasts carry host integers: a gloo group on every device (an idle worker then waits on a socket,
+    # not in a device kernel), whose wait has no practical bound (see STEP_WAIT).
+    _step_group = dist.new_group(backend="gloo", timeout=STEP_WAIT)
+    set_joined(True)
     return device
 
 
@@ -94,7 +103,8 @@ def destroy_group() -> None:
     """Leave the group (safe to call when it is already gone)."""
     global _step_group
     _step_group = None
-    if dist.is_available() and dist.is_initialized():
+    set_joined(False)
+    if dist.is_initialized():
         dist.destroy_process_group()
 
 

@@ -1,4 +1,5 @@
-"""Rank 0 → workers: each step's batch as a fixed header plus one flat int64 payload, or a stop message."""
+"""Rank 0 → workers: each step's batch as a fixed header plus one flat int64 payload (both in host memory), or
+a stop message."""
 
 from __future__ import annotations
 
@@ -26,7 +27,8 @@ class StepInputs:
 
 
 class StepChannel:
-    """Broadcasts from rank 0 over the step group; every other rank receives in the same order."""
+    """Broadcasts from rank 0 over the (gloo, host-memory) step group; every other rank receives in the same
+    order and moves the tensors to its ``device``."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -42,29 +44,28 @@ class StepChannel:
         lists = [*meta.query_start, *meta.context_lens, *step.sample_index, *(state or [])]
         header = [STEP, step.input_ids.numel(), meta.num_seqs, meta.block_tables.shape[1], len(step.sample_index),
                   int(state is not None)]
-        self._broadcast(torch.tensor(header, dtype=torch.int64, device=self.device))
-        payload = torch.cat([step.input_ids, step.positions, meta.slot_mapping.to(torch.int64),
-                             meta.block_tables.to(torch.int64).flatten(),
-                             torch.tensor(lists, dtype=torch.int64, device=self.device)])
+        self._broadcast(torch.tensor(header, dtype=torch.int64))
+        tensors = [step.input_ids, step.positions, meta.slot_mapping, meta.block_tables.flatten()]
+        payload = torch.cat([t.to("cpu", torch.int64) for t in tensors] + [torch.tensor(lists, dtype=torch.int64)])
         self._broadcast(payload)
 
     def send_stop(self) -> None:
         """Rank 0: tell the workers to leave their loop."""
-        self._broadcast(torch.tensor([STOP] + [0] * (HEADER - 1), dtype=torch.int64, device=self.device))
+        self._broadcast(torch.tensor([STOP] + [0] * (HEADER - 1), dtype=torch.int64))
 
     def receive(self, block_size: int) -> StepInputs | None:
         """Workers: the next step's inputs, or None when rank 0 says stop."""
-        header = torch.empty(HEADER, dtype=torch.int64, device=self.device)
+        header = torch.empty(HEADER, dtype=torch.int64)
         self._broadcast(header)
         kind, tokens, seqs, width, samples, has_state = header.tolist()
         if kind == STOP:
             return None
         size = 3 * tokens + seqs * width + (seqs + 1) + seqs + samples + (seqs if has_state else 0)
-        payload = torch.empty(size, dtype=torch.int64, device=self.device)
+        payload = torch.empty(size, dtype=torch.int64)
         self._broadcast(payload)
-        ids, positions, slots, tables, rest = payload.split([tokens, tokens, tokens, seqs * width,
-                                                             size - 3 * tokens - seqs * width])
-        host = rest.tolist()
+        on_device = payload[:3 * tokens + seqs * width].to(self.device)
+        ids, positions, slots, tables = on_device.split([tokens, tokens, tokens, seqs * width])
+        host = payload[3 * tokens + seqs * width:].tolist()
         query_start, host = host[:seqs + 1], host[seqs + 1:]
         context_lens, host = host[:seqs], host[seqs:]
         sample_index, state = host[:samples], host[samples:]

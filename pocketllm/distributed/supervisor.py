@@ -20,6 +20,7 @@ from collections.abc import Callable
 
 from pocketllm.config import EngineArgs
 from pocketllm.distributed.group import INIT_METHOD_VAR, PARENT_PID_VAR, RUN_DIR_VAR
+from pocketllm.errors import EngineDeadError
 
 POLL = 0.05
 # After rank 0 exits, the other ranks get this long to leave on their own before they are asked to.
@@ -53,8 +54,10 @@ class RankGroup:
         self.rendezvous: dict[str, str]
         if args.tensor_parallel_master_addr is not None or args.tensor_parallel_master_port is not None:
             port = args.tensor_parallel_master_port or _free_port()
-            self.rendezvous = {INIT_METHOD_VAR: "env://", "MASTER_ADDR": args.tensor_parallel_master_addr or
-                               "127.0.0.1", "MASTER_PORT": str(port)}
+            addr = args.tensor_parallel_master_addr or "127.0.0.1"
+            host = f"[{addr}]" if ":" in addr else addr
+            self.rendezvous = {INIT_METHOD_VAR: f"tcp://{host}:{port}", "MASTER_ADDR": addr,
+                               "MASTER_PORT": str(port)}
         else:
             store = os.path.join(self.run_dir, "rendezvous.store")
             self.rendezvous = {INIT_METHOD_VAR: f"file://{store}"}
@@ -87,8 +90,6 @@ class RankGroup:
 
     def wait_marked(self, what: str, timeout: float) -> None:
         """Block until every rank left ``what``; raise EngineDeadError if one exits or ``timeout`` passes."""
-        from pocketllm.errors import EngineDeadError
-
         deadline = time.monotonic() + timeout
         while not self.marked(what):
             failed = self.exited()
@@ -98,14 +99,20 @@ class RankGroup:
                 raise EngineDeadError(f"tensor-parallel ranks did not start within {timeout:g} s")
             time.sleep(POLL)
 
-    def stop(self) -> None:
-        """Ask rank 0 to stop (SIGTERM), then the others; kill whatever is left at the shutdown timeout."""
+    def stop(self, together: bool = False) -> None:
+        """Ask rank 0 to stop (SIGTERM), then the others (``together``: all at once, e.g. before they loaded);
+        kill whatever is left at the shutdown timeout."""
         deadline = time.monotonic() + self.shutdown_timeout
         leader = self.procs.get(0)
-        if leader is not None and leader.poll() is None:
-            leader.terminate()
+        if together:
+            first = list(self.procs.values())
+        else:   # without rank 0 here (the library is rank 0), the workers first get the grace to leave
+            first = [leader] if leader is not None else []
+        for proc in first:
+            if proc.poll() is None:
+                proc.terminate()
         leader_done: float | None = None
-        asked = False
+        asked = together
         while True:
             alive = [proc for proc in self.procs.values() if proc.poll() is None]
             if not alive:
@@ -153,10 +160,10 @@ def supervise(argv: list[str], args: EngineArgs, report: Callable[[str], None] =
     previous = {sig: signal.signal(sig, lambda number, frame: requested.append(number))
                 for sig in (signal.SIGINT, signal.SIGTERM)}
     status = 1
+    ready = False
     try:
         group.start()
         deadline = time.monotonic() + group.startup_timeout
-        ready = False
         while True:
             if requested:
                 report(f"{signal.Signals(requested[0]).name}: stopping the tensor-parallel group")
@@ -175,7 +182,7 @@ def supervise(argv: list[str], args: EngineArgs, report: Callable[[str], None] =
                     break
             time.sleep(POLL)
     finally:
-        group.stop()
+        group.stop(together=not ready)   # a rank still loading may be waiting for one that already left
         group.remove()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
