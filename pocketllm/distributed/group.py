@@ -61,6 +61,7 @@ class RankInfo:
 
 
 def backend_for(device: torch.device) -> str:
+    """The collective backend of the model's tensors on ``device``."""
     return "nccl" if device.type == "cuda" else "gloo"
 
 

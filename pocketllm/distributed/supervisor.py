@@ -28,12 +28,14 @@ WORKER_GRACE = 1.0
 
 
 def _free_port() -> int:
+    """A TCP port free on this host now."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
 
 
 def _stderr(message: str) -> None:
+    """The supervisor's progress lines (rank pids, readiness, why it stops)."""
     print(f"pocketllm: {message}", file=sys.stderr, flush=True)
 
 

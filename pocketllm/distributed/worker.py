@@ -57,6 +57,7 @@ def serve_steps(runner) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """``python -m pocketllm.distributed.worker ENGINE_ARGS_JSON`` (the rank comes from the environment)."""
     argv = sys.argv[1:] if argv is None else argv
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
