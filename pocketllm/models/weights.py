@@ -8,7 +8,10 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from pocketllm.distributed import single_rank, tp_size
 from pocketllm.errors import CheckpointError
+from pocketllm.layers.gated_delta import GatedDeltaInProj
+from pocketllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear
 
 _EXPERT = re.compile(r"^(layers\.\d+\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
 
@@ -58,15 +61,13 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) 
 
 
 def _is_norm_like(name: str, param: torch.Tensor) -> bool:
+    """Parameters dummy weights set to one (norm scales and other 1-D non-bias vectors)."""
     return name.endswith("norm.weight") or param.dim() == 1 and "bias" not in name
 
 
 def _load_full(owner: nn.Module, twin: nn.Module, param: nn.Parameter, full: torch.Tensor) -> None:
     """Give ``param`` (of ``owner``, a tensor-parallel layer) its shard of ``full``, the tensor the unsharded
     ``twin`` layer holds; fused projections are split into their checkpoint parts first."""
-    from pocketllm.layers.gated_delta import GatedDeltaInProj
-    from pocketllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear
-
     loader = getattr(param, "weight_loader", None)
     if isinstance(owner, QKVParallelLinear):
         q, kv = twin.num_heads * twin.head_dim, twin.num_kv_heads * twin.head_dim
@@ -86,8 +87,6 @@ def _load_full(owner: nn.Module, twin: nn.Module, param: nn.Parameter, full: tor
 
 def _init_dummy_sharded(model: nn.Module, seed: int) -> None:
     """Tensor parallelism: draw the unsharded model's weights exactly as one rank would, keep this rank's shard."""
-    from pocketllm.distributed import single_rank
-
     with single_rank(), torch.device("meta"):
         twin = type(model)(model.config)
     device = next(model.parameters()).device
@@ -116,8 +115,6 @@ def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
     of minutes through the host); they differ from the CPU draw of the same seed. Under tensor parallelism each
     rank keeps its shard of the weights one rank would draw.
     """
-    from pocketllm.distributed import tp_size
-
     if tp_size() > 1:
         _init_dummy_sharded(model, seed)
         return
