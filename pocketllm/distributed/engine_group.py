@@ -56,6 +56,7 @@ class EngineGroup:
         try:
             self.device = init_group(info, device, args.tensor_parallel_startup_timeout)
         except BaseException:
+            destroy_group()
             self._reap()
             raise
 
@@ -80,6 +81,7 @@ class EngineGroup:
         self._reap()
 
     def _reap(self) -> None:
+        """Stop the worker ranks this process started (also at interpreter exit) and remove their run directory."""
         if self.spawned is not None:
             self.spawned.stop()
             self.spawned.remove()
