@@ -56,7 +56,6 @@ class EngineGroup:
         try:
             self.device = init_group(info, device, args.tensor_parallel_startup_timeout)
         except BaseException:
-            destroy_group()
             self._reap()
             raise
 

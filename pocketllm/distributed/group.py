@@ -84,7 +84,11 @@ def init_group(info: RankInfo, device: torch.device, timeout: float) -> torch.de
                             world_size=info.world_size, timeout=datetime.timedelta(seconds=timeout))
     # Step broadcasts carry host integers: a gloo group on every device (an idle worker then waits on a socket,
     # not in a device kernel), whose wait has no practical bound (see STEP_WAIT).
-    _step_group = dist.new_group(backend="gloo", timeout=STEP_WAIT)
+    try:
+        _step_group = dist.new_group(backend="gloo", timeout=STEP_WAIT)
+    except BaseException:
+        dist.destroy_process_group()
+        raise
     set_joined(True)
     return device
 
