@@ -50,6 +50,21 @@ class EngineArgs:
     load_format: str = _opt("auto", "auto | dummy (random weights with the checkpoint's or preset's shapes).")
     seed: int = _opt(0, "Seed of the shared sampling generator (requests without their own seed).")
     tensor_parallel_size: int = _opt(1, "Number of tensor-parallel ranks.")
+    tensor_parallel_supervisor: bool = _opt(
+        True, "With tensor_parallel_size > 1, start, watch and reap the local ranks; off: an external launcher "
+              "(torchrun, a manual script) started them and each process reads RANK/WORLD_SIZE/LOCAL_RANK (and "
+              "MASTER_ADDR/MASTER_PORT) from its environment.")
+    tensor_parallel_startup_timeout: float = _opt(
+        600.0, "Seconds every tensor-parallel rank may take to start and load before the group is stopped.")
+    tensor_parallel_shutdown_timeout: float = _opt(
+        60.0, "Seconds the tensor-parallel ranks may take to exit once asked before they are killed.")
+    tensor_parallel_master_addr: str | None = _opt(
+        None, "Rendezvous over TCP at this address (default: a file store in the private run directory).")
+    tensor_parallel_master_port: int | None = _opt(
+        None, "TCP rendezvous port (default: a free port when a master address is given).")
+    tensor_parallel_rendezvous_dir: str | None = _opt(
+        None, "Parent of the private per-run rendezvous directory (default: the system temp directory); "
+              "never removed.")
     backend_options: dict[str, Any] = field(
         default_factory=dict, metadata={"help": 'Backend-specific knobs as JSON, e.g. {"eos_token_id": 2}.'})
 
@@ -69,6 +84,13 @@ class EngineArgs:
                                       param="gpu_memory_utilization")
         if not self.cpu_kv_cache_gb > 0:
             raise InvalidRequestError("cpu_kv_cache_gb must be positive", param="cpu_kv_cache_gb")
+        for name in ("tensor_parallel_startup_timeout", "tensor_parallel_shutdown_timeout"):
+            if not getattr(self, name) > 0:
+                raise InvalidRequestError(f"{name} must be positive", param=name)
+        port = self.tensor_parallel_master_port
+        if port is not None and (isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536):
+            raise InvalidRequestError(f"tensor_parallel_master_port must be in 1..65535; got {port!r}",
+                                      param="tensor_parallel_master_port")
         if not isinstance(self.backend_options, dict):
             raise InvalidRequestError("backend_options must be a mapping", param="backend_options")
 

@@ -6,6 +6,7 @@ import logging
 
 from pocketllm.backends.base import EngineCaps
 from pocketllm.config import EngineArgs
+from pocketllm.distributed import tp_size
 from pocketllm.engine.engine_core import EngineCore
 from pocketllm.engine.loop import EngineLoop
 from pocketllm.errors import InvalidRequestError, UnsupportedFeatureError
@@ -31,11 +32,28 @@ class TorchBackend:
             raise InvalidRequestError(
                 f"backend_options {unknown} are not understood by the torch backend "
                 f"(known: {', '.join(sorted(KNOWN_OPTIONS))})", param="backend_options")
-        if args.tensor_parallel_size > 1:
-            raise UnsupportedFeatureError(
-                f"tensor_parallel_size={args.tensor_parallel_size} is not supported yet: this build runs one rank; "
-                "use tensor_parallel_size=1")
+        if tp_size() > 1:
+            raise UnsupportedFeatureError("this process already runs a tensor-parallel engine; shut it down first "
+                                          "(one engine per process under tensor parallelism)")
         self.args = args
+        # Tensor parallelism: this process is rank 0 (it schedules and samples); the worker ranks are started
+        # here (or by an external launcher) and joined before the model is built, since layers shard by rank.
+        self.tp = None
+        if args.tensor_parallel_size > 1:
+            from pocketllm.distributed.engine_group import EngineGroup
+            from pocketllm.runner.model_runner import resolve_device
+
+            self.tp = EngineGroup(args, resolve_device(args.device))
+        try:
+            self._build(args)
+            if self.tp is not None:
+                self.tp.loaded()
+        except BaseException:
+            if self.tp is not None:
+                self.tp.close(clean=False)
+            raise
+
+    def _build(self, args: EngineArgs) -> None:
         self.model_path = args.model or default_model_path()
         self.checkpoint = load_checkpoint(self.model_path, args.load_format)
         self.tokenizer = self.checkpoint.tokenizer
@@ -67,7 +85,11 @@ class TorchBackend:
                 "max_model_len": self.core.max_model_len,
                 "block_size": args.block_size,
                 "num_kv_blocks": self.core.blocks.num_blocks,
+                "tensor_parallel_size": args.tensor_parallel_size,
             })
 
     def shutdown(self) -> None:
         self.loop.shutdown()
+        if self.tp is not None:
+            # The stop message is only safe once the engine thread is gone and its last step went through.
+            self.tp.close(clean=not self.loop.thread.is_alive() and self.loop.error is None)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
+import sys
 import threading
 
 from pocketllm.cli.engine_flags import add_engine_flags, engine_args_from
@@ -27,12 +29,36 @@ def add_serve_parser(subparsers) -> None:
     parser.set_defaults(handler=serve_command)
 
 
+def _tensor_parallel_role(args: argparse.Namespace, engine_args) -> int | None:
+    """With tensor_parallel_size > 1: supervise the ranks (the default) or, as a rank a supervisor or launcher
+    started, run a worker (rank > 0); the exit status, or None when this process is rank 0 and serves."""
+    if engine_args.tensor_parallel_size == 1:
+        return None
+    if engine_args.tensor_parallel_supervisor:
+        from pocketllm.distributed.supervisor import supervise
+
+        rerun = getattr(args, "argv", sys.argv[1:])
+        argv = [sys.executable, "-m", "pocketllm", *rerun, "--no-tensor-parallel-supervisor"]
+        return supervise(argv, engine_args)
+    from pocketllm.distributed.group import RankInfo
+
+    if RankInfo.from_env(os.environ, engine_args.tensor_parallel_size).rank == 0:
+        return None
+    from pocketllm.distributed.worker import run_worker
+
+    return run_worker(engine_args)
+
+
 def serve_command(args: argparse.Namespace) -> int:
+    engine_args = engine_args_from(args)
+    status = _tensor_parallel_role(args, engine_args)
+    if status is not None:
+        return status
     import uvicorn
 
     from pocketllm.server.app import ServerConfig, build_app
 
-    config = ServerConfig(engine_args=engine_args_from(args), served_model_name=args.served_model_name,
+    config = ServerConfig(engine_args=engine_args, served_model_name=args.served_model_name,
                           api_key=args.api_key, request_timeout=args.request_timeout)
     app = build_app(config)
     state = app.state.pocketllm

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from pocketllm.config import EngineArgs
+from pocketllm.distributed import min_over_ranks
 from pocketllm.engine.block_manager import BlockManager
 from pocketllm.engine.request import FinishReason, Request, RequestStatus
 from pocketllm.engine.scheduler import Scheduler, SchedulerLimits
@@ -58,7 +59,8 @@ class EngineCore:
             self.runner.allocate_state_pool(args.max_num_seqs)
             logger.info("recurrent state: %d slots of %.1f MiB", args.max_num_seqs,
                         self.runner.state_bytes_per_slot() / (1 << 20))
-        num_blocks = args.num_kv_blocks or self._blocks_from_memory()
+        # Every tensor-parallel rank sizes its cache alike (the smallest of their budgets).
+        num_blocks = min_over_ranks(args.num_kv_blocks or self._blocks_from_memory(), self.device)
         capacity = num_blocks * args.block_size
         context = int(getattr(hf_config, "max_position_embeddings", capacity))
         max_model_len = args.max_model_len or min(context, capacity)
@@ -86,8 +88,9 @@ class EngineCore:
         self.grammar_compiler = None
         self.num_steps = 0
         # CUDA: the engine loop schedules and launches step N+1 before reading step N's tokens back.
-        self.pipelined = (args.async_scheduling == "on"
-                          or (args.async_scheduling == "auto" and self.device.type == "cuda"))
+        # (Not under tensor parallelism: rank 0 broadcasts each step's finished inputs.)
+        self.pipelined = self.runner.tp_size == 1 and (
+            args.async_scheduling == "on" or (args.async_scheduling == "auto" and self.device.type == "cuda"))
         self.in_flight: PendingStep | None = None
         logger.info("KV cache: %d blocks of %d tokens (%.2f GiB), max_model_len %d",
                     num_blocks, args.block_size, num_blocks * self.runner.kv_bytes_per_block() / GiB,

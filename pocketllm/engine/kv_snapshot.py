@@ -103,6 +103,8 @@ def model_identity(core, model_path: str) -> dict[str, Any]:
 
 
 def _check_enabled(core) -> None:
+    if core.runner.tp_size > 1:
+        raise UnsupportedFeatureError("KV snapshots hold one rank's cache: not available with tensor parallelism")
     if not core.blocks.enable_prefix_caching:
         raise UnsupportedFeatureError("KV snapshots need the prefix cache (enable_prefix_caching=True)")
 

@@ -9,6 +9,8 @@ from collections.abc import Iterable
 
 import torch
 
+from pocketllm.distributed import tp_rank, tp_size
+from pocketllm.distributed.step_channel import StepChannel, StepInputs
 from pocketllm.engine.scheduler import ScheduledChunk
 from pocketllm.kernels import available as kernels_available
 from pocketllm.models.registry import model_class
@@ -57,10 +59,14 @@ class ModelRunner:
         # Hybrid models: layers with per-request recurrent state, held in slots (``allocate_state_pool``).
         self.state_layers = [m for m in self.model.modules() if hasattr(m, "state_specs")]
         self.num_blocks = 0
+        # Tensor parallelism: rank 0 broadcasts each step's inputs; the workers run the same forward
+        # (distributed/worker.py). It runs the PyTorch reference path: no kernel metadata, no CUDA graphs.
+        self.tp_size = tp_size()
+        self.step_channel = StepChannel(device) if self.tp_size > 1 and tp_rank() == 0 else None
         # CUDA with Triton: kernel metadata from one pinned copy per step, decode CUDA graphs (cuda_graphs.py).
         self.cuda_step = None
         self.num_state_slots = 0
-        if device.type == "cuda" and kernels_available(device) and self.attention_layers:
+        if device.type == "cuda" and kernels_available(device) and self.attention_layers and self.tp_size == 1:
             from pocketllm.runner.cuda_graphs import CudaStepRunner
 
             self.cuda_step = CudaStepRunner(self.model, device, block_size, self.attention_layers[0].num_kv_heads)
@@ -225,6 +231,8 @@ class ModelRunner:
                 return None
         else:
             ids, positions, meta, sample_index = self._prepare(chunks, previous_tokens)
+            if self.step_channel is not None:
+                self.step_channel.send(StepInputs(ids, positions, meta, sample_index))
             hidden = self.model(ids, positions, meta)
             if not sample_index:
                 return None

@@ -1,0 +1,74 @@
+"""A worker rank (rank > 0): load this rank's shard, then run the forward pass of every step rank 0 broadcasts
+until it says stop. Started by the library (``python -m pocketllm.distributed.worker ARGS_JSON``) or, under
+``pocketllm serve``, by the supervisor or an external launcher."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+from collections.abc import Mapping
+
+import torch
+
+from pocketllm.config import EngineArgs
+from pocketllm.distributed.group import RankInfo, destroy_group, init_group, loaded
+from pocketllm.distributed.step_channel import StepChannel
+from pocketllm.distributed.supervisor import watch_parent
+from pocketllm.errors import InvalidRequestError, PocketLLMError
+
+
+def run_worker(args: EngineArgs, env: Mapping[str, str] | None = None) -> int:
+    """Join the group as the rank ``env`` names and serve steps until rank 0 stops; the exit status."""
+    from pocketllm.engine.engine_core import EngineCore
+    from pocketllm.loaders.checkpoint import load_checkpoint
+    from pocketllm.loaders.default_model import default_model_path
+    from pocketllm.runner.model_runner import resolve_device
+
+    info = RankInfo.from_env(os.environ if env is None else env, args.tensor_parallel_size)
+    if info.rank == 0:
+        raise InvalidRequestError("rank 0 runs the engine, not a worker", param="tensor_parallel_supervisor")
+    watch_parent(info.parent_pid)
+    init_group(info, resolve_device(args.device), args.tensor_parallel_startup_timeout)
+    try:
+        checkpoint = load_checkpoint(args.model or default_model_path(), args.load_format)
+        dummy = args.load_format == "dummy" or checkpoint.format == "dummy"
+        weights = None if dummy else iter(checkpoint.weight_source)
+        # The same construction as rank 0 (weights, recurrent-state pool, KV cache sizing agreed with rank 0);
+        # the scheduler it also builds stays unused here.
+        core = EngineCore(args, checkpoint.hf_config, weights, frozenset())
+        loaded(info)
+        serve_steps(core.runner)
+    finally:
+        destroy_group()
+    return 0
+
+
+@torch.inference_mode()
+def serve_steps(runner) -> None:
+    """Receive → forward → take part in the logits gather, as rank 0's ``ModelRunner.launch`` does."""
+    channel = StepChannel(runner.device)
+    while (step := channel.receive(runner.block_size)) is not None:
+        hidden = runner.model(step.input_ids, step.positions, step.meta)
+        if step.sample_index:
+            index = torch.tensor(step.sample_index, dtype=torch.int64, device=runner.device)
+            runner.model.compute_logits(hidden.index_select(0, index))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m pocketllm.distributed.worker ENGINE_ARGS_JSON`` (the rank comes from the environment)."""
+    argv = sys.argv[1:] if argv is None else argv
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        if len(argv) != 1:
+            raise InvalidRequestError("usage: python -m pocketllm.distributed.worker ENGINE_ARGS_JSON")
+        return run_worker(EngineArgs(**json.loads(argv[0])))
+    except PocketLLMError as exc:
+        print(f"pocketllm worker: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,130 @@
+"""Tensor parallelism from the library on CPU (gloo): TP=2 decodes the same greedy tokens as TP=1, and the
+worker ranks the library starts are reaped."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch.distributed as dist
+from conftest import tiny_config
+
+from pocketllm import LLM, SamplingParams
+from pocketllm.cli.main import main
+from pocketllm.config import EngineArgs
+from pocketllm.distributed import tp_size
+from pocketllm.distributed.group import RankInfo
+from pocketllm.errors import EngineDeadError, InvalidRequestError
+
+PROMPTS = [[1, 5, 9, 200, 3000], list(range(100, 141))]   # 5 and 41 tokens
+GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+
+
+def engine_args(model: str, tp: int, **extra) -> EngineArgs:
+    return EngineArgs(model=model, tensor_parallel_size=tp, device="cpu", dtype="float32", cpu_kv_cache_gb=0.02,
+                      max_model_len=256, tensor_parallel_startup_timeout=120, tensor_parallel_shutdown_timeout=10,
+                      **extra)
+
+
+def gone(pid: int) -> bool:
+    """Whether ``pid`` no longer runs (a zombie counts as gone)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat", encoding="utf-8") as handle:
+            return handle.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
+def wait_gone(pids: list[int], timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if all(gone(pid) for pid in pids):
+            return True
+        time.sleep(0.05)
+    return all(gone(pid) for pid in pids)
+
+
+def worker_pids(llm: LLM) -> list[int]:
+    return [proc.pid for proc in llm._client.backend.tp.spawned.procs.values()]
+
+
+def greedy(args: EngineArgs) -> tuple[list[list[int]], list[int]]:
+    """Token ids of PROMPTS (one batch) and the pids of the worker ranks, which must be gone after shutdown."""
+    llm = LLM(args)
+    try:
+        pids = worker_pids(llm) if args.tensor_parallel_size > 1 else []
+        outputs = llm.generate(PROMPTS, GREEDY)
+    finally:
+        llm.shutdown()
+    assert wait_gone(pids, 10), "a worker rank outlived LLM.shutdown()"
+    assert not dist.is_initialized() and tp_size() == 1
+    return [o.token_ids for o in outputs], pids
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen3_moe"])
+def test_tp2_matches_tp1_greedy(tiny_checkpoint, arch: str) -> None:
+    path = tiny_checkpoint(arch)
+    single, _ = greedy(engine_args(path, 1))
+    sharded, pids = greedy(engine_args(path, 2))
+    assert len(pids) == 1
+    assert all(len(ids) == 16 for ids in single)
+    assert sharded == single
+
+
+def test_tp2_dummy_weights_and_replicated_kv_head_match_tp1(tmp_path) -> None:
+    """Random weights: each rank keeps its shard of what one rank would draw; a single KV head (fewer KV heads
+    than ranks) is replicated on both ranks."""
+    config = tiny_config("qwen3_moe")
+    config.num_key_value_heads = 1
+    config.vocab_size = 4096
+    config.architectures = ["Qwen3MoeForCausalLM"]
+    config.save_pretrained(tmp_path)
+    single, _ = greedy(engine_args(str(tmp_path), 1, load_format="dummy"))
+    sharded, _ = greedy(engine_args(str(tmp_path), 2, load_format="dummy"))
+    assert sharded == single
+
+
+def test_worker_crash_fails_requests_and_is_reaped(tiny_checkpoint) -> None:
+    llm = LLM(engine_args(tiny_checkpoint("llama"), 2))
+    try:
+        [pid] = worker_pids(llm)
+        assert llm.generate(PROMPTS[:1], GREEDY)[0].token_ids
+        os.kill(pid, 9)
+        assert wait_gone([pid], 10)
+        started = time.monotonic()
+        with pytest.raises(EngineDeadError, match="tensor-parallel rank"):
+            llm.generate(PROMPTS[:1], GREEDY)
+        assert time.monotonic() - started < 30
+    finally:
+        llm.shutdown()
+    assert not dist.is_initialized()
+
+
+def test_rank_variables_are_checked() -> None:
+    with pytest.raises(InvalidRequestError, match="RANK and WORLD_SIZE"):
+        RankInfo.from_env({}, 2)
+    with pytest.raises(InvalidRequestError, match="tensor_parallel_size is 2"):
+        RankInfo.from_env({"RANK": "0", "WORLD_SIZE": "4"}, 2)
+    with pytest.raises(InvalidRequestError, match="TP_RANK"):
+        RankInfo.from_env({"RANK": "1", "WORLD_SIZE": "2", "TP_RANK": "0", "TP_WORLD": "2"}, 2)
+    info = RankInfo.from_env({"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}, 2)
+    assert (info.rank, info.world_size, info.local_rank, info.init_method) == (1, 2, 1, "env://")
+
+
+def test_lifecycle_options_are_validated() -> None:
+    with pytest.raises(InvalidRequestError, match="tensor_parallel_startup_timeout"):
+        EngineArgs(tensor_parallel_startup_timeout=0)
+    with pytest.raises(InvalidRequestError, match="tensor_parallel_master_port"):
+        EngineArgs(tensor_parallel_master_port=70000)
+
+
+def test_serve_without_supervisor_needs_the_launcher_variables(monkeypatch, capsys) -> None:
+    for name in ("RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    assert main(["serve", "--tensor-parallel-size", "2", "--no-tensor-parallel-supervisor"]) == 2
+    assert "RANK and WORLD_SIZE" in capsys.readouterr().err
