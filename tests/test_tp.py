@@ -128,3 +128,18 @@ def test_serve_without_supervisor_needs_the_launcher_variables(monkeypatch, caps
         monkeypatch.delenv(name, raising=False)
     assert main(["serve", "--tensor-parallel-size", "2", "--no-tensor-parallel-supervisor"]) == 2
     assert "RANK and WORLD_SIZE" in capsys.readouterr().err
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen3_moe"])
+def test_tp2_nccl_matches_tp1_on_cuda(tiny_checkpoint, arch: str) -> None:
+    """Two GPUs (NCCL, the kernel path without graphs) against one GPU, fp32."""
+    import torch
+
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two CUDA devices")
+    model = tiny_checkpoint(arch)
+    one = engine_args(model, 1).replace(device="cuda", num_kv_blocks=64)
+    two = engine_args(model, 2).replace(device="cuda", num_kv_blocks=64)
+    expected, _ = greedy(one)
+    assert greedy(two)[0] == expected

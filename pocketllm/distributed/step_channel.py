@@ -11,6 +11,8 @@ import torch.distributed as dist
 from pocketllm.distributed import lost_rank_is_fatal
 from pocketllm.distributed.group import step_group
 from pocketllm.runner.attention_metadata import AttentionMetadata
+from pocketllm.runner.cuda_graphs import HostBatch
+from pocketllm.runner.pending_inputs import PendingInputs
 
 STOP, STEP = 0, 1
 HEADER = 6  # kind, tokens, sequences, block-table width, sampling rows, 1 if state slots follow
@@ -48,6 +50,35 @@ class StepChannel:
         tensors = [step.input_ids, step.positions, meta.slot_mapping, meta.block_tables.flatten()]
         payload = torch.cat([t.to("cpu", torch.int64) for t in tensors] + [torch.tensor(lists, dtype=torch.int64)])
         self._broadcast(payload)
+
+    def send_host(self, host: HostBatch) -> None:
+        """Rank 0 on the CUDA kernel path: publish the step's host-side batch (the same wire layout)."""
+        n, width = host.num_seqs, max(len(t) for t in host.tables)
+        header = [STEP, host.num_tokens, n, width, len(host.sample_index), 1]
+        self._broadcast(torch.tensor(header, dtype=torch.int64))
+        tables = [v for t in host.tables for v in (*t, *[0] * (width - len(t)))]
+        payload = [*host.input_ids, *host.positions, *host.slots, *tables, *host.query_start, *host.context_lens,
+                   *host.sample_index, *host.state_slots]
+        self._broadcast(torch.tensor(payload, dtype=torch.int64))
+
+    def receive_host(self) -> HostBatch | None:
+        """Workers on the CUDA kernel path: the next step's host-side batch, or None when rank 0 says stop."""
+        header = torch.empty(HEADER, dtype=torch.int64)
+        self._broadcast(header)
+        kind, tokens, seqs, width, samples, _ = header.tolist()
+        if kind == STOP:
+            return None
+        payload = torch.empty(3 * tokens + seqs * width + (seqs + 1) + seqs + samples + seqs, dtype=torch.int64)
+        self._broadcast(payload)
+        values = payload.tolist()
+        parts, at = [], 0
+        for size in (tokens, tokens, tokens, seqs * width, seqs + 1, seqs, samples, seqs):
+            parts.append(values[at:at + size])
+            at += size
+        ids, positions, slots, flat_tables, query_start, context_lens, sample_index, state = parts
+        tables = [flat_tables[i * width:(i + 1) * width] for i in range(seqs)]
+        return HostBatch(ids, positions, slots, query_start, context_lens, sample_index, tables, PendingInputs(),
+                         state)
 
     def send_stop(self) -> None:
         """Rank 0: tell the workers to leave their loop."""

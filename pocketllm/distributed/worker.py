@@ -49,6 +49,13 @@ def run_worker(args: EngineArgs, env: Mapping[str, str] | None = None) -> int:
 def serve_steps(runner) -> None:
     """Receive → forward → take part in the logits gather, as rank 0's ``ModelRunner.launch`` does."""
     channel = StepChannel(runner.device)
+    if runner.cuda_step is not None:
+        # CUDA kernel path: the same host batch as rank 0, run through the same eager step.
+        while (host := channel.receive_host()) is not None:
+            sampled_hidden = runner.cuda_step.forward_host(host)
+            if sampled_hidden is not None:
+                runner.model.compute_logits(sampled_hidden)
+        return
     while (step := channel.receive(runner.block_size)) is not None:
         hidden = runner.model(step.input_ids, step.positions, step.meta)
         if step.sample_index:

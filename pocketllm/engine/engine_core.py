@@ -89,6 +89,9 @@ class EngineCore:
         self.num_steps = 0
         # CUDA: the engine loop schedules and launches step N+1 before reading step N's tokens back.
         # (Not under tensor parallelism: rank 0 broadcasts each step's finished inputs.)
+        if args.async_scheduling == "on" and self.runner.tp_size > 1:
+            raise UnsupportedFeatureError("async_scheduling='on' is not available with tensor parallelism "
+                                          "(rank 0 sends each step's inputs once they are known); use 'auto'")
         self.pipelined = self.runner.tp_size == 1 and (
             args.async_scheduling == "on" or (args.async_scheduling == "auto" and self.device.type == "cuda"))
         self.in_flight: PendingStep | None = None

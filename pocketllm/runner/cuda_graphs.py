@@ -180,7 +180,10 @@ class CudaStepRunner:
     def forward(self, chunks: Sequence, previous_tokens: torch.Tensor | None = None) -> torch.Tensor | None:
         """Hidden states of the rows that sample this step (None if none does); pending inputs are taken from
         ``previous_tokens`` on the device."""
-        host = gather_host_batch(chunks, self.block_size)
+        return self.forward_host(gather_host_batch(chunks, self.block_size), previous_tokens)
+
+    def forward_host(self, host: HostBatch, previous_tokens: torch.Tensor | None = None) -> torch.Tensor | None:
+        """``forward`` from a batch already gathered (tensor-parallel workers receive it from rank 0)."""
         n = host.num_seqs
         if host.is_plain_decode and n <= self.max_graph_bs and max(len(t) for t in host.tables) <= self.graph_width:
             return self._replay(host, previous_tokens)

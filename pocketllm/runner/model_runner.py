@@ -16,6 +16,7 @@ from pocketllm.kernels import available as kernels_available
 from pocketllm.models.registry import model_class
 from pocketllm.models.weights import init_dummy_weights, load_weights
 from pocketllm.runner.attention_metadata import AttentionMetadata
+from pocketllm.runner.cuda_graphs import gather_host_batch
 from pocketllm.runner.pending_inputs import PendingInputs
 from pocketllm.runner.sampler import SampledToken, Sampler, SampleResult, SamplingRow
 
@@ -60,13 +61,13 @@ class ModelRunner:
         self.state_layers = [m for m in self.model.modules() if hasattr(m, "state_specs")]
         self.num_blocks = 0
         # Tensor parallelism: rank 0 broadcasts each step's inputs; the workers run the same forward
-        # (distributed/worker.py). It runs the PyTorch reference path: no kernel metadata, no CUDA graphs.
+        # (distributed/worker.py), on CUDA through the kernel path without decode graphs.
         self.tp_size = tp_size()
         self.step_channel = StepChannel(device) if self.tp_size > 1 and tp_rank() == 0 else None
         # CUDA with Triton: kernel metadata from one pinned copy per step, decode CUDA graphs (cuda_graphs.py).
         self.cuda_step = None
         self.num_state_slots = 0
-        if device.type == "cuda" and kernels_available(device) and self.attention_layers and self.tp_size == 1:
+        if device.type == "cuda" and kernels_available(device) and self.attention_layers:
             from pocketllm.runner.cuda_graphs import CudaStepRunner
 
             self.cuda_step = CudaStepRunner(self.model, device, block_size, self.attention_layers[0].num_kv_heads)
@@ -119,10 +120,14 @@ class ModelRunner:
         return peak + sampler
 
     def capture_cuda_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
-        """CUDA: capture the decode graphs (after the KV cache is allocated); a no-op elsewhere."""
+        """CUDA: capture the decode graphs (after the KV cache is allocated); a no-op elsewhere, and under
+        tensor parallelism (the step's all-reduces run eagerly)."""
         if self.cuda_step is None:
             return
         self.choose_kernels()
+        if self.tp_size > 1:
+            logger.info("decode CUDA graphs off under tensor parallelism")
+            return
         with torch.inference_mode():
             self.cuda_step.capture(max_num_seqs, max_model_len)
 
@@ -226,7 +231,12 @@ class ModelRunner:
         samples). A chunk whose last input is still pending takes it from ``previous_tokens`` (the previous
         step's sampled tokens, on the device). On CUDA nothing here waits for the device."""
         if self.cuda_step is not None:
-            sampled_hidden = self.cuda_step.forward(chunks, previous_tokens)
+            if self.step_channel is None:
+                sampled_hidden = self.cuda_step.forward(chunks, previous_tokens)
+            else:
+                host = gather_host_batch(chunks, self.block_size)
+                self.step_channel.send_host(host)
+                sampled_hidden = self.cuda_step.forward_host(host)
             if sampled_hidden is None:
                 return None
         else:
