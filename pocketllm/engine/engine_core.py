@@ -50,7 +50,11 @@ class EngineCore:
             raise UnsupportedFeatureError("device 'cuda' was asked for but no CUDA device is available")
         self.dtype = resolve_dtype(args.dtype, self.device)
         self.eos_token_ids = eos_token_ids
-        self.runner = ModelRunner(hf_config, self.device, self.dtype, args.block_size, args.seed)
+        kv_dtype = torch.float8_e4m3fn if args.kv_cache_dtype == "fp8" else None
+        self.runner = ModelRunner(hf_config, self.device, self.dtype, args.block_size, args.seed, kv_dtype)
+        if kv_dtype is not None and self.runner.cuda_step is None:
+            raise UnsupportedFeatureError("kv_cache_dtype='fp8' needs the CUDA kernel path (a CUDA device and "
+                                          "Triton); use kv_cache_dtype='auto'")
         self.runner.load(weights, dummy_seed=args.seed)
         # Hybrid models (recurrent-state layers): one state slot per request that may run, allocated before
         # the KV cache is sized from what memory is left.

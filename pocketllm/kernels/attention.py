@@ -43,8 +43,9 @@ def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, stride_k,
     mask = (offs < ROW) & (slot >= 0)
     k = tl.load(k_ptr + t * stride_k + offs, mask=mask)
     v = tl.load(v_ptr + t * stride_v + offs, mask=mask)
-    tl.store(k_cache_ptr + slot * ROW + offs, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
-    tl.store(v_cache_ptr + slot * ROW + offs, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+    # (through float32: a float8 cache takes a saturating conversion from it)
+    tl.store(k_cache_ptr + slot * ROW + offs, k.to(tl.float32).to(k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_cache_ptr + slot * ROW + offs, v.to(tl.float32).to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -97,8 +98,8 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, lens_ptr, out_pt
         slot = page * BLOCK_SIZE + tok % BLOCK_SIZE
         offs = slot[:, None] * row_stride + kvh * HEAD_DIM + dims[None, :]
         kv_mask = valid[:, None] & dim_mask[None, :]
-        k = tl.load(k_cache_ptr + offs, mask=kv_mask, other=0.0)
-        v = tl.load(v_cache_ptr + offs, mask=kv_mask, other=0.0)
+        k = tl.load(k_cache_ptr + offs, mask=kv_mask, other=0.0).to(q.dtype)   # float8 caches widen here
+        v = tl.load(v_cache_ptr + offs, mask=kv_mask, other=0.0).to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -226,8 +227,8 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, lens_ptr, qstar
         slot = page * BLOCK_SIZE + tok % BLOCK_SIZE
         offs = slot[:, None] * row_stride + kvh * HEAD_DIM + dims[None, :]
         kv_mask = valid[:, None] & dim_mask[None, :]
-        k = tl.load(k_cache_ptr + offs, mask=kv_mask, other=0.0)
-        v = tl.load(v_cache_ptr + offs, mask=kv_mask, other=0.0)
+        k = tl.load(k_cache_ptr + offs, mask=kv_mask, other=0.0).to(q.dtype)   # float8 caches widen here
+        v = tl.load(v_cache_ptr + offs, mask=kv_mask, other=0.0).to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
         causal = valid[None, :] & (tok[None, :] <= q_pos[:, None])
         s = tl.where(causal, s, float("-inf"))

@@ -117,8 +117,8 @@ def _qkv_prep_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, q_out_p
     if is_v:
         dst = v_cache_ptr + slot * kv_row + (head - NUM_HEADS - NUM_KV_HEADS) * HEAD_DIM
         ok = cmask & (slot >= 0)
-        tl.store(dst + cols, x1.to(v_cache_ptr.dtype.element_ty), mask=ok)
-        tl.store(dst + half + cols, x2.to(v_cache_ptr.dtype.element_ty), mask=ok)
+        tl.store(dst + cols, x1.to(tl.float32).to(v_cache_ptr.dtype.element_ty), mask=ok)
+        tl.store(dst + half + cols, x2.to(tl.float32).to(v_cache_ptr.dtype.element_ty), mask=ok)
     else:
         a = x1.to(tl.float32)
         b = x2.to(tl.float32)

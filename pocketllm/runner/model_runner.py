@@ -41,10 +41,11 @@ class ModelRunner:
     """Turns a list of scheduled chunks into one flat forward pass and samples where a chunk ends."""
 
     def __init__(self, hf_config, device: torch.device, dtype: torch.dtype, block_size: int,
-                 seed: int) -> None:
+                 seed: int, kv_dtype: torch.dtype | None = None) -> None:
         self.hf_config = hf_config
         self.device = device
         self.dtype = dtype
+        self.kv_dtype = kv_dtype or dtype
         self.block_size = block_size
         cls = model_class(hf_config)
         with torch.device(device):
@@ -151,7 +152,7 @@ class ModelRunner:
             module.skinny_rows = chosen[shape]
 
     def kv_bytes_per_block(self) -> int:
-        element = torch.tensor([], dtype=self.dtype).element_size()
+        element = torch.tensor([], dtype=self.kv_dtype).element_size()
         per_layer = sum(2 * a.num_kv_heads * a.head_dim for a in self.attention_layers)
         return per_layer * self.block_size * element
 
@@ -174,8 +175,8 @@ class ModelRunner:
         self.num_blocks = num_blocks
         for attn in self.attention_layers:
             shape = (num_blocks, self.block_size, attn.num_kv_heads, attn.head_dim)
-            attn.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
-            attn.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            attn.k_cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
+            attn.v_cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
 
     def _prepare(self, chunks: list[ScheduledChunk], previous_tokens: torch.Tensor | None):
         input_ids: list[int] = []
