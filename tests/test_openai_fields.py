@@ -340,8 +340,10 @@ def test_stream_options():
     assert parse(CHAT, stream_options={"include_usage": True}).stream is False  # satisfied by a full response
     assert parse(COMPLETIONS, stream_options={"include_usage": True}).stream is False
     assert parse(CHAT, stream=True, stream_options={"include_usage": False, "include_obfuscation": False}).stream
+    assert not parse(CHAT, stream_options={"include_usage": True}).include_usage      # no stream, no usage chunk
     for endpoint in (CHAT, COMPLETIONS):
-        refused(endpoint, "stream_options", stream=True, stream_options={"include_usage": True})
+        assert parse(endpoint, stream=True, stream_options={"include_usage": True}).include_usage
+        assert not parse(endpoint, stream=True).include_usage
         refused(endpoint, "stream_options", stream=True, stream_options={"include_obfuscation": True})
 
 

@@ -80,6 +80,25 @@ def test_streaming_equals_non_streaming(client):
     assert reasons[-1] == whole.choices[0].finish_reason
 
 
+def test_stream_include_usage_ends_with_the_usage(client, server):
+    """stream_options.include_usage: the openai client's usage chunk (no choices) equals the full response's."""
+    whole = client.chat.completions.create(model="x", messages=FRANCE, temperature=0, max_tokens=12, n=2)
+    chunks = list(client.chat.completions.create(model="x", messages=FRANCE, temperature=0, max_tokens=12, n=2,
+                                                 stream=True, stream_options={"include_usage": True}))
+    assert all(chunk.usage is None for chunk in chunks[:-1])
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None
+    assert (chunks[-1].usage.prompt_tokens, chunks[-1].usage.completion_tokens) == (
+        whole.usage.prompt_tokens, whole.usage.completion_tokens)
+    from langchain_openai import ChatOpenAI
+
+    llm = ChatOpenAI(base_url=server.url + "/v1", api_key="unused", model="smollm2", temperature=0,
+                     max_tokens=12, stream_usage=True)
+    total = None
+    for part in llm.stream("What is the capital of France?"):
+        total = part if total is None else total + part
+    assert total.usage_metadata is not None and total.usage_metadata["output_tokens"] > 0
+
+
 def test_n_choices_greedy_and_usage(client):
     one = client.chat.completions.create(model="x", messages=FRANCE, temperature=0, max_tokens=16)
     three = client.chat.completions.create(model="x", messages=FRANCE, temperature=0, max_tokens=16, n=3)

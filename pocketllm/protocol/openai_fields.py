@@ -99,11 +99,11 @@ _SHARED: dict[str, FieldRule] = {
     "presence_penalty": _impl("penalty for a token having occurred at all, in -2..2"),
     "logit_bias": _impl("token id -> bias in -100..100 added to the logits"),
     "stream_options": _refused(
-        "streaming options; accepted on a non-streaming response, which reports usage anyway",
-        (None, {}, {"include_usage": False}),
-        "a stream is delta chunks followed by [DONE], and none of them carries usage or obfuscation padding",
-        'Send "stream_options" without include_usage/include_obfuscation true, or ask for a non-streaming '
-        "response, which reports usage"),
+        "streaming options: include_usage true adds a last chunk with the usage and no choices (every other "
+        "chunk carries \"usage\": null); accepted on a non-streaming response, which reports usage anyway",
+        (None, {}, {"include_usage": False}, {"include_usage": True}),
+        "a stream carries no obfuscation padding",
+        'Send "include_obfuscation": false or omit it'),
     "user": _inert("end-user identifier; cannot change the text"),
     "model": _inert("the server serves one model and echoes its configured name"),
     # PocketLLM / vLLM extensions.
@@ -215,6 +215,7 @@ class ParsedRequest:
     chat_options: dict[str, Any]
     request_id: str | None
     drop_thinking: bool | None
+    include_usage: bool = False       # stream_options.include_usage on a stream: a last chunk with the usage
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -400,22 +401,24 @@ def _check_refused_rows(fields: Mapping[str, Any], endpoint: str) -> None:
                 raise _unsupported(name, value, rule.reason, rule.advice)
 
 
-def _stream_options(value: Any, stream: bool) -> None:
+def _stream_options(value: Any, stream: bool) -> bool:
+    """Whether a stream ends with a usage chunk (``include_usage``); padding (``include_obfuscation``) is refused."""
     options = _object("stream_options", value)
+    include_usage = False
     for key, flag in options.items():
         if key not in ("include_usage", "include_obfuscation"):
             raise _unsupported("stream_options", value, f'"{key}" is not a stream option this server knows',
-                               'Send only "include_usage" and "include_obfuscation", each false')
+                               'Send only "include_usage" and "include_obfuscation" (false)')
         if flag is None:
             continue
         if not isinstance(flag, bool):
             raise _invalid("stream_options", value, f"an object whose {key} is true or false")
-        if flag and stream:
-            what = "usage" if key == "include_usage" else "obfuscation padding"
-            raise _unsupported("stream_options", value,
-                               f"a stream is delta chunks followed by [DONE], and none of them carries {what}",
-                               f'Send "{key}": false or omit it'
-                               + ("; a non-streaming response reports usage" if key == "include_usage" else ""))
+        if key == "include_usage":
+            include_usage = flag and stream
+        elif flag and stream:
+            raise _unsupported("stream_options", value, "a stream carries no obfuscation padding",
+                               'Send "include_obfuscation": false or omit it')
+    return include_usage
 
 
 def _stop(value: Any) -> tuple[str, ...]:
@@ -483,12 +486,13 @@ def _sampling(fields: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _common(fields: Mapping[str, Any], endpoint: str) -> tuple[dict[str, Any], int, bool, str | None]:
-    """Sampling kwargs, n, stream and request_id; checks the simple refused and inert rows."""
+def _common(fields: Mapping[str, Any], endpoint: str) -> tuple[dict[str, Any], int, bool, bool, str | None]:
+    """Sampling kwargs, n, stream, include_usage and request_id; checks the simple refused and inert rows."""
     _check_refused_rows(fields, endpoint)
     stream = _boolean("stream", fields["stream"]) if "stream" in fields else False
+    include_usage = False
     if "stream_options" in fields:
-        _stream_options(fields["stream_options"], stream)
+        include_usage = _stream_options(fields["stream_options"], stream)
     sampling = _sampling(fields)
     budget = "max_completion_tokens" if "max_completion_tokens" in fields else "max_tokens"
     if budget in fields:
@@ -504,7 +508,7 @@ def _common(fields: Mapping[str, Any], endpoint: str) -> tuple[dict[str, Any], i
             raise _invalid("request_id", request_id,
                            f"a non-empty string of at most {_MAX_REQUEST_ID} printable characters without "
                            "spaces or '/'")
-    return sampling, n, stream, request_id
+    return sampling, n, stream, include_usage, request_id
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -606,7 +610,7 @@ def parse_chat_request(body: Mapping[str, Any], caps: Any = None) -> ParsedReque
         raise InvalidRequestError('"messages" is required: send the conversation as an array of message '
                                   "objects.", param="messages")
     messages = _messages(fields["messages"])
-    sampling, n, stream, request_id = _common(fields, CHAT)
+    sampling, n, stream, include_usage, request_id = _common(fields, CHAT)
 
     want = False
     if "logprobs" in fields:
@@ -635,7 +639,7 @@ def parse_chat_request(body: Mapping[str, Any], caps: Any = None) -> ParsedReque
     _check_caps(body, sampling, n, caps)
     return ParsedRequest(endpoint=CHAT, messages=messages, prompts=None, sampling=sampling, n=n, stream=stream,
                          want_logprobs=want, chat_options=options, request_id=request_id,
-                         drop_thinking=drop_thinking)
+                         drop_thinking=drop_thinking, include_usage=include_usage)
 
 
 def _prompts(value: Any) -> list[str | list[int]]:
@@ -673,7 +677,7 @@ def parse_completion_request(body: Mapping[str, Any], caps: Any = None) -> Parse
         raise InvalidRequestError('"prompt" is required: send a string, an array of strings, or token ids.',
                                   param="prompt")
     prompts = _prompts(fields["prompt"])
-    sampling, n, stream, request_id = _common(fields, COMPLETIONS)
+    sampling, n, stream, include_usage, request_id = _common(fields, COMPLETIONS)
 
     want = "logprobs" in fields
     if want:
@@ -690,4 +694,4 @@ def parse_completion_request(body: Mapping[str, Any], caps: Any = None) -> Parse
     _check_caps(body, sampling, n, caps)
     return ParsedRequest(endpoint=COMPLETIONS, messages=None, prompts=prompts, sampling=sampling, n=n,
                          stream=stream, want_logprobs=want, chat_options={}, request_id=request_id,
-                         drop_thinking=None)
+                         drop_thinking=None, include_usage=include_usage)

@@ -61,6 +61,9 @@ class _Job:
     chat_output: ChatOutputSpec | None = None
     # tool_choice "required" / a named function: the answer is a JSON list of calls, parsed into tool_calls.
     forced_tool_calls: bool = False
+    # stream_options.include_usage: chunks carry "usage": null and a last chunk the usage of every choice.
+    include_usage: bool = False
+    finished: list[RequestOutput] = field(default_factory=list)
 
 
 def sse(payload: dict | str) -> str:
@@ -146,6 +149,7 @@ class OpenAIServing:
         job.forced_tool_calls = is_forced_tool_choice(parsed.chat_options.get("tool_choice"))
         job.prompt_tokens = sum(len(p) for p in prompts)
         job.chat_output = chat_output
+        job.include_usage = parsed.include_usage
         return job
 
     def cancel(self, request_id: str) -> bool:
@@ -319,9 +323,10 @@ class OpenAIServing:
         try:
             if job.endpoint == "chat":
                 for choice in job.choices:
-                    yield sse({**self._envelope(job, chunk=True), "choices": [
+                    first = {**self._envelope(job, chunk=True), "choices": [
                         {"index": choice.index, "delta": {"role": "assistant", "content": ""},
-                         "logprobs": None, "finish_reason": None}]})
+                         "logprobs": None, "finish_reason": None}]}
+                    yield sse({**first, "usage": None} if job.include_usage else first)
             while open_choices:
                 timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
                 try:
@@ -344,6 +349,9 @@ class OpenAIServing:
             if timed_out:
                 yield sse({"error": {"message": f"the request did not finish within {self.request_timeout} s",
                                      "type": "timeout", "param": None, "code": 504}})
+            if job.include_usage:
+                yield sse({**self._envelope(job, chunk=True), "choices": [],
+                           "usage": self._usage(job, job.finished)})
             yield sse("[DONE]")
         finally:
             for task in tasks:
@@ -354,6 +362,7 @@ class OpenAIServing:
     def _stream_chunk(self, job: _Job, choice: _Choice, event: TokenEvent) -> dict | None:
         if event.output is not None:
             self._record(job, event.output)
+            job.finished.append(event.output)
         if not event.text and not event.reasoning_content and not event.finished:
             return None
         reason = event.finish_reason if event.finished else None
@@ -366,4 +375,7 @@ class OpenAIServing:
             body = {"index": choice.index, "delta": delta, "logprobs": None, "finish_reason": reason}
         else:
             body = {"index": choice.index, "text": event.text, "logprobs": None, "finish_reason": reason}
-        return {**self._envelope(job, chunk=True), "choices": [body]}
+        chunk = {**self._envelope(job, chunk=True), "choices": [body]}
+        if job.include_usage:
+            chunk["usage"] = None
+        return chunk
