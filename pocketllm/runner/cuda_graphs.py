@@ -153,11 +153,11 @@ class _PinnedRing:
 class CudaStepRunner:
     """Runs a step of the model on CUDA through the Triton-kernel metadata, replaying decode graphs."""
 
-    def __init__(self, model: torch.nn.Module, device: torch.device, block_size: int, num_kv_heads: int,
-                 state_padding_slot: int | None = None) -> None:
+    def __init__(self, model: torch.nn.Module, device: torch.device, block_size: int, num_kv_heads: int) -> None:
         self.model = model
-        # Hybrid models: sequences carry a recurrent-state slot; graph padding rows use this scratch slot.
-        self.state_padding_slot = state_padding_slot
+        # Hybrid models: sequences carry a recurrent-state slot; graph padding rows use this scratch slot (set
+        # by the model runner when it allocates the state pool).
+        self.state_padding_slot: int | None = None
         self.device = device
         self.block_size = block_size
         self.num_kv_heads = num_kv_heads
