@@ -16,6 +16,7 @@ BACKENDS = ("auto", "torch", "cpp")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "dummy")
 DEVICES = ("auto", "cpu", "cuda")
+CPU_WEIGHT_FORMATS = ("auto", "float32", "bfloat16", "int4")
 
 
 def _opt(default: Any, help_text: str) -> Any:
@@ -33,6 +34,10 @@ class EngineArgs:
     device: str = _opt("auto", "auto (cuda when available, else cpu) | cpu | cuda.")
     dtype: str = _opt("auto", "Compute dtype: auto (float32 on CPU, bfloat16 on CUDA) | float32 | bfloat16 | "
                               "float16.")
+    cpu_weight_format: str = _opt("auto", "CPU weights of the linear layers and LM head: auto (as --dtype) | "
+                                          "float32 | bfloat16 | int4 (weight-only, groups of 32: a Q4 GGUF keeps "
+                                          "its 4-bit codes). bfloat16 and int4 run bfloat16 activations and change "
+                                          "results slightly (docs/benchmarks.md).")
     max_model_len: int | None = _opt(None, "Longest prompt + output in tokens (default: the checkpoint's "
                                            "context, capped by the KV cache).")
     max_num_seqs: int = _opt(64, "Most requests running at once.")
@@ -77,6 +82,7 @@ class EngineArgs:
         self._choice("load_format", LOAD_FORMATS)
         self._choice("async_scheduling", ("auto", "on", "off"))
         self._choice("kv_cache_dtype", ("auto", "fp8"))
+        self._choice("cpu_weight_format", CPU_WEIGHT_FORMATS)
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "tensor_parallel_size"):
             self._positive(name)
         for name in ("max_model_len", "num_kv_blocks"):

@@ -72,13 +72,21 @@ class ModelRunner:
             from pocketllm.runner.cuda_graphs import CudaStepRunner
 
             self.cuda_step = CudaStepRunner(self.model, device, block_size, self.attention_layers[0].num_kv_heads)
+        # CPU: the flat decode step (cpu_decode.py), set up by ``load``.
+        self.cpu_decode = None
 
-    def load(self, weights: Iterable[tuple[str, torch.Tensor]] | None, dummy_seed: int | None = None) -> None:
-        """Load checkpoint weights, or fill random ones when ``weights`` is None."""
+    def load(self, weights: Iterable[tuple[str, torch.Tensor]] | None, dummy_seed: int | None = None,
+             weight_format: str = "auto") -> None:
+        """Load checkpoint weights, or fill random ones when ``weights`` is None; on CPU, convert the linear
+        layers to ``weight_format`` and set up the decode fast path."""
         if weights is None:
             init_dummy_weights(self.model, dummy_seed or 0)
         else:
             load_weights(self.model, weights)
+        if self.device.type == "cpu":
+            from pocketllm.runner.cpu_decode import setup_cpu
+
+            self.cpu_decode = setup_cpu(self.model, weight_format, self.block_size)
 
     @torch.inference_mode()
     def profile_activation_bytes(self, max_num_batched_tokens: int, max_num_seqs: int) -> int:
@@ -240,6 +248,8 @@ class ModelRunner:
                 sampled_hidden = self.cuda_step.forward_host(host)
             if sampled_hidden is None:
                 return None
+        elif self.cpu_decode is not None and self.cpu_decode.handles(chunks):
+            sampled_hidden = self.cpu_decode.forward(chunks)
         else:
             ids, positions, meta, sample_index = self._prepare(chunks, previous_tokens)
             if self.step_channel is not None:

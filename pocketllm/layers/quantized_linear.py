@@ -1,0 +1,121 @@
+"""CPU weight formats for the linear layers and the LM head: dense bfloat16, or int4 weight-only.
+
+int4 uses torch's packed CPU kernel (``_weight_int4pack_mm_for_cpu``, bfloat16 activations, float
+accumulation): each group of 32 input weights of a row is ``(q - 8) * scale + zero`` with a 4-bit code ``q``
+and a bfloat16 ``scale``/``zero``. A GGUF Q4_0/Q4_1 block is exactly such a group, so quantising the
+dequantised GGUF weights recovers their codes; only the scale and offset are rounded to bfloat16.
+
+That kernel is fast for a few rows (decode) and slow for many (prefill), so each layer also keeps the same
+int4 weights dequantised to dense bfloat16 and uses them above ``INT4_MAX_ROWS`` rows.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+GROUP_SIZE = 32
+INT4_MAX_ROWS = 16
+
+
+def quantize_int4(weight: torch.Tensor, group_size: int = GROUP_SIZE) -> tuple[torch.Tensor, torch.Tensor]:
+    """Asymmetric 4-bit codes ``[N, K]`` (int32, 0..15) and ``[K / group, N, 2]`` bfloat16 (scale, zero)."""
+    rows, cols = weight.shape
+    groups = weight.float().reshape(rows, cols // group_size, group_size)
+    low, high = groups.amin(-1), groups.amax(-1)
+    scale = ((high - low) / 15).to(torch.bfloat16).float()
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    zero = (low + 8 * scale).to(torch.bfloat16).float()
+    codes = torch.round((groups - zero[..., None]) / scale[..., None] + 8).clamp_(0, 15)
+    scales_zeros = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous().to(torch.bfloat16)
+    return codes.reshape(rows, cols).to(torch.int32), scales_zeros
+
+
+def dequantize_int4(codes: torch.Tensor, scales_zeros: torch.Tensor, group_size: int = GROUP_SIZE) -> torch.Tensor:
+    """The float32 weight ``[N, K]`` the int4 kernel multiplies by (the reference for tests)."""
+    rows, cols = codes.shape
+    sz = scales_zeros.float().transpose(0, 1)  # [N, K / group, 2]
+    groups = codes.float().reshape(rows, cols // group_size, group_size)
+    return ((groups - 8) * sz[..., :1] + sz[..., 1:]).reshape(rows, cols)
+
+
+def int4_supported(in_features: int, out_features: int) -> bool:
+    """Whether the packed kernel takes this shape (K a whole number of groups)."""
+    return in_features % GROUP_SIZE == 0 and in_features >= GROUP_SIZE and out_features > 0
+
+
+class CpuLinear(nn.Module):
+    """``x @ W.T (+ b)`` with ``W`` held as bfloat16 or int4; returns bfloat16 (``act_dtype``) outputs.
+
+    ``out_features`` past ``keep`` (padded LM-head rows) are dropped from the result.
+    """
+
+    act_dtype = torch.bfloat16
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, weight_format: str,
+                 keep: int | None = None) -> None:
+        super().__init__()
+        self.weight_format = weight_format
+        self.out_features, self.in_features = weight.shape
+        self.keep = keep if keep is not None and keep < self.out_features else None
+        self.bias = None if bias is None else bias.detach().to(torch.bfloat16)
+        self.packed: torch.Tensor | None = None
+        self.scales_zeros: torch.Tensor | None = None
+        if weight_format == "int4":
+            codes, self.scales_zeros = quantize_int4(weight)
+            self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
+            dense = dequantize_int4(codes, self.scales_zeros)
+        elif weight_format == "bfloat16":
+            dense = weight.detach()
+        else:
+            raise ValueError(f"CpuLinear holds bfloat16 or int4 weights, not {weight_format!r}")
+        self.dense = dense.to(torch.bfloat16).contiguous()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` [..., K] of any float dtype → [..., N] bfloat16."""
+        x = x.to(torch.bfloat16)
+        if self.packed is not None and x.dim() == 2 and x.shape[0] <= INT4_MAX_ROWS:
+            out = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, GROUP_SIZE, self.scales_zeros)
+            if self.bias is not None:
+                out = out + self.bias
+        else:
+            out = F.linear(x, self.dense, self.bias)
+        return out if self.keep is None else out[..., : self.keep]
+
+    def weight_bytes(self) -> int:
+        """Bytes one decode step (a few rows) reads from this layer's weights."""
+        if self.packed is not None:
+            return self.packed.numel() * self.packed.element_size() + self.scales_zeros.numel() * 2
+        return self.dense.numel() * 2
+
+
+class FloatOutput(nn.Module):
+    """Wraps a CpuLinear so that the model's float32 residual stream gets its own dtype back."""
+
+    def __init__(self, inner: CpuLinear) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x).to(x.dtype)
+
+
+def convert_model(model: nn.Module, weight_format: str) -> int:
+    """Replace every linear layer and the LM head of ``model`` by CpuLinear in ``weight_format``; the count."""
+    from pocketllm.layers.embedding import ParallelLMHead
+    from pocketllm.layers.linear import LinearBase
+
+    replaced = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, LinearBase):
+                if not int4_supported(child.weight.shape[1], child.weight.shape[0]) and weight_format == "int4":
+                    continue
+                setattr(parent, name, FloatOutput(CpuLinear(child.weight.data, child.bias, weight_format)))
+                replaced += 1
+            elif isinstance(child, ParallelLMHead):
+                setattr(parent, name, FloatOutput(CpuLinear(child.weight.data, None, weight_format,
+                                                            keep=child.vocab_size)))
+                replaced += 1
+    return replaced

@@ -1,0 +1,177 @@
+"""CPU decode fast path: a decode-only step of a Llama-family model as one flat loop of few ops per layer.
+
+The reference path (``model.forward``) spends most of a small model's CPU decode step in per-op Python and
+dispatch overhead (about sixty ops per layer, cache gathers per layer). This step computes the same layers
+with about twenty ops each: one fused RMSNorm op, rotary embedding as ``x * cos + roll(x) * sin`` with the
+sign folded into ``sin``, the KV store as one ``index_copy_`` per cache, and attention over a view of the
+paged cache when the request's blocks are consecutive (a gather otherwise, with the padding mask built once
+per step, not per layer). The step's host metadata (slots, lengths, rotary rows) is built once per step.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from pocketllm.distributed import tp_size
+from pocketllm.errors import InvalidRequestError
+
+logger = logging.getLogger("pocketllm.runner")
+
+
+def setup_cpu(model: torch.nn.Module, weight_format: str, block_size: int) -> CpuDecodeStep | None:
+    """Convert ``model``'s linear layers to ``weight_format`` (bfloat16, int4; float32/auto: as loaded) and
+    return the decode fast path when the model's layers are ones it computes (else None)."""
+    if weight_format in ("bfloat16", "int4"):
+        if tp_size() != 1:
+            raise InvalidRequestError("cpu_weight_format bfloat16/int4 runs on one rank only",
+                                      param="cpu_weight_format")
+        from pocketllm.layers.quantized_linear import convert_model
+
+        count = convert_model(model, weight_format)
+        logger.info("CPU weights: %d linear layers (LM head included) as %s", count, weight_format)
+    if not CpuDecodeStep.supports(model):
+        logger.info("CPU decode fast path off: %s has layers it does not compute", type(model).__name__)
+        return None
+    return CpuDecodeStep(model, block_size)
+
+
+def _linear(module: torch.nn.Module):
+    """The callable computing ``module``: a CpuLinear directly (skipping its float32 wrapper), else F.linear."""
+    inner = getattr(module, "inner", None)
+    if inner is not None:
+        return inner
+    weight, bias = module.weight, module.bias
+    return lambda x: F.linear(x, weight, bias)
+
+
+class CpuDecodeStep:
+    """Decode-only steps (every chunk one token that samples) of a supported model on CPU."""
+
+    def __init__(self, model: torch.nn.Module, block_size: int) -> None:
+        self.model = model
+        self.block_size = block_size
+        first = model.layers[0].self_attn
+        self.num_heads, self.num_kv_heads, self.head_dim = first.num_heads, first.num_kv_heads, first.head_dim
+        cos = first.rotary_emb.cos_cache
+        half = self.head_dim // 2
+        sign = torch.cat([-torch.ones(half), torch.ones(half)]).to(cos.dtype)
+        self.cos = cos
+        self.sin_signed = first.rotary_emb.sin_cache * sign
+        self.layers = []
+        for layer in model.layers:
+            attn = layer.self_attn
+            self.layers.append((
+                layer.input_layernorm.weight, layer.input_layernorm.eps, _linear(attn.qkv_proj),
+                attn.q_norm, attn.k_norm, attn.attn, _linear(attn.o_proj),
+                layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps,
+                _linear(layer.mlp.gate_up_proj), _linear(layer.mlp.down_proj), layer.mlp.down_proj))
+        self.norm = (model.norm.weight, model.norm.eps)
+        self.intermediate = model.layers[0].mlp.gate_up_proj
+        self.scale = first.attn.scale
+
+    @staticmethod
+    def supports(model: torch.nn.Module) -> bool:
+        """Llama-family decoders (the layers of ``models/llama.py``) on one rank, full-width rotary."""
+        from pocketllm.layers.norm import RMSNorm
+        from pocketllm.models.llama import CausalLM, DecoderLayer, GatedMLP
+
+        if tp_size() != 1 or not isinstance(model, CausalLM) or not isinstance(model.norm, RMSNorm):
+            return False
+        for layer in model.layers:
+            if type(layer) is not DecoderLayer or type(layer.mlp) is not GatedMLP:
+                return False
+            attn = layer.self_attn
+            if attn.rotary_emb.rotary_dim != attn.head_dim or not isinstance(layer.input_layernorm, RMSNorm):
+                return False
+        return True
+
+    @staticmethod
+    def handles(chunks: list[Any]) -> bool:
+        """Every chunk is one new token that samples (a pure decode step)."""
+        return all(c.num_tokens == 1 and c.samples for c in chunks)
+
+    def _metadata(self, chunks: list[Any]) -> tuple:
+        """Token ids, positions, cache slots and the attention context of a decode step (built once)."""
+        bs = self.block_size
+        ids, positions, slots, tables = [], [], [], []
+        for chunk in chunks:
+            request = chunk.request
+            pos = request.num_computed_tokens
+            output = request.output_token_ids
+            ids.append(output[-1] if output else request.prompt_token_ids[-1])
+            positions.append(pos)
+            table = request.block_table
+            slots.append(table[pos // bs] * bs + pos % bs)
+            tables.append(table[: pos // bs + 1])
+        lengths = [p + 1 for p in positions]
+        if len(chunks) == 1:
+            table = tables[0]
+            if table[-1] - table[0] == len(table) - 1 and all(b == table[0] + i for i, b in enumerate(table)):
+                start = table[0] * bs
+                context: Any = ("view", start, start + lengths[0])
+            else:
+                index = torch.tensor([table[p // bs] * bs + p % bs for p in range(lengths[0])])
+                context = ("gather", index, None)
+        else:
+            width = max(lengths)
+            blocks = -(-width // bs)
+            padded = torch.tensor([t + [0] * (blocks - len(t)) for t in tables])
+            index = (padded[:, :, None] * bs + torch.arange(bs)).reshape(len(chunks), -1)[:, :width]
+            mask = torch.arange(width)[None, :] < torch.tensor(lengths)[:, None]
+            bias = torch.zeros(mask.shape).masked_fill_(~mask, float("-inf"))
+            context = ("gather", index.reshape(-1), bias[:, None, None, :])
+        pos = torch.tensor(positions)
+        return (torch.tensor(ids), torch.tensor(slots), self.cos[pos][:, None, :],
+                self.sin_signed[pos][:, None, :], context)
+
+    def forward(self, chunks: list[Any]) -> torch.Tensor:
+        """The hidden states after the final norm, one row per chunk (float32)."""
+        ids, slots, cos, sin, context = self._metadata(chunks)
+        rows = len(chunks)
+        heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
+        group = heads // kv_heads
+        q_width = heads * dim
+        hidden = F.embedding(ids, self.model.embed_tokens.weight)
+        residual = None
+        kind, where, bias = context
+        for (norm1, eps1, qkv_proj, q_norm, k_norm, attn, o_proj, norm2, eps2, gate_up, down,
+             _) in self.layers:
+            residual = hidden if residual is None else residual + hidden
+            x = F.rms_norm(residual, norm1.shape, norm1, eps1)
+            qkv = qkv_proj(x).float()
+            qk = qkv[:, : q_width + kv_heads * dim].view(rows, heads + kv_heads, dim)
+            if q_norm is not None:
+                qk = torch.cat([F.rms_norm(qk[:, :heads], (dim,), q_norm.weight, q_norm.eps),
+                                F.rms_norm(qk[:, heads:], (dim,), k_norm.weight, k_norm.eps)], dim=1)
+            qk = torch.addcmul(qk * cos, qk.roll(dim // 2, -1), sin)
+            q = qk[:, :heads]
+            k = qk[:, heads:]
+            v = qkv[:, q_width + kv_heads * dim:].view(rows, kv_heads, dim)
+            k_flat = attn.k_cache.view(-1, kv_heads, dim)
+            v_flat = attn.v_cache.view(-1, kv_heads, dim)
+            k_flat.index_copy_(0, slots, k.to(k_flat.dtype))
+            v_flat.index_copy_(0, slots, v.to(v_flat.dtype))
+            if kind == "view":
+                keys = k_flat[where:bias]
+                values = v_flat[where:bias]
+            else:
+                keys = k_flat.index_select(0, where)
+                values = v_flat.index_select(0, where)
+            keys = keys.view(rows, -1, kv_heads, dim).transpose(1, 2).to(q.dtype)
+            values = values.view(rows, -1, kv_heads, dim).transpose(1, 2).to(q.dtype)
+            # [rows, kv_heads, group, dim] x [rows, kv_heads, dim, ctx]
+            scores = torch.matmul(q.reshape(rows, kv_heads, group, dim), keys.transpose(2, 3))
+            scores = scores * self.scale if kind == "view" else torch.add(bias, scores, alpha=self.scale)
+            out = torch.matmul(scores.softmax(-1), values).reshape(rows, q_width)
+            hidden = o_proj(out)
+            residual = residual + hidden
+            x = F.rms_norm(residual, norm2.shape, norm2, eps2)
+            gu = gate_up(x)
+            width = gu.shape[-1] // 2
+            hidden = down(F.silu(gu[:, :width]) * gu[:, width:])
+        residual = residual + hidden
+        return F.rms_norm(residual, self.norm[0].shape, self.norm[0], self.norm[1])
