@@ -49,6 +49,7 @@ def hardware() -> dict[str, Any]:
     info: dict[str, Any] = {
         "platform": platform.platform(), "python": sys.version.split()[0], "torch": torch.__version__,
         "cpu": _cpu_name(), "cpu_count": os.cpu_count(), "threads": torch.get_num_threads(),
+        "load_average": load_average(),
     }
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)
@@ -67,6 +68,14 @@ def hardware() -> dict[str, Any]:
     except ImportError:
         pass
     return info
+
+
+def load_average() -> list[float] | None:
+    """The 1/5/15-minute load averages (None where the OS has none): CPU numbers mean little under load."""
+    try:
+        return [round(v, 2) for v in os.getloadavg()]
+    except (AttributeError, OSError):
+        return None
 
 
 def _cpu_name() -> str:
@@ -112,10 +121,15 @@ def measure_bandwidth(device: torch.device, repeats: int = 10) -> float:
 
 def weight_bytes(model: torch.nn.Module) -> int:
     """Bytes a batch-1 decode step reads from the weights: every parameter once, except an untied embedding
-    table (one row per token is read from it) and routed experts (``top_k`` of ``num_experts`` per layer)."""
-    total = 0
+    table (one row per token is read from it) and routed experts (``top_k`` of ``num_experts`` per layer), plus
+    the layers held in a CPU weight format (bfloat16, int4), whose own LM head then replaces the tied table."""
+    from pocketllm.layers.embedding import ParallelLMHead
+    from pocketllm.layers.quantized_linear import CpuLinear
+
+    total = sum(m.weight_bytes() for m in model.modules() if isinstance(m, CpuLinear))
+    own_head = hasattr(model, "lm_head") and not isinstance(model.lm_head, ParallelLMHead)
     seen = set()
-    tied = bool(getattr(model, "tie_word_embeddings", False))
+    tied = bool(getattr(model, "tie_word_embeddings", False)) and not own_head
     experts = {id(p): m.top_k / m.num_experts for m in model.modules() if type(m).__name__ == "FusedMoE"
                for p in m.parameters()}
     for name, param in model.named_parameters():

@@ -3,7 +3,8 @@
 Reports time to first token, decode tokens/s, the step time split into device-busy time and exposed host
 time (CUDA: kernel time from the PyTorch profiler), and the achieved weight bandwidth (weight bytes × decode
 tokens/s) against the memory bandwidth measured on the same device with a large copy. ``--peer hf`` times
-HF transformers' ``generate`` on the same prompt and prints the ratio.
+HF transformers' ``generate`` on the same prompt and prints the ratio; ``--peer llama.cpp`` does the same with
+llama.cpp on the same GGUF (``bench/llamacpp_peer.py``).
 """
 
 from __future__ import annotations
@@ -148,6 +149,18 @@ def run(args: argparse.Namespace, engine_args) -> dict[str, Any]:
         bars["hf transformers"] = peer["decode_tokens_per_s"]
         print(f"hf transformers: TTFT {peer['ttft_s'] * 1000:.1f} ms, decode {peer['decode_tokens_per_s']:,.1f} "
               f"tok/s; pocketllm / hf = {peer['ratio_pocketllm_over_peer']:.1f}x")
+    if args.peer == "llama.cpp":
+        from pocketllm.bench import llamacpp_peer
+
+        peer = llamacpp_peer.run_latency(engine_args, prompt, args.output_len, args.num_iters, args.warmup_iters)
+        rate = peer["decode_tokens_per_s"]
+        peer["ratio_pocketllm_over_peer"] = decode / rate if rate else None
+        peer["ttft_ratio_pocketllm_over_peer"] = ttft / peer["ttft_s"] if peer["ttft_s"] else None
+        result["peer"] = {"llama.cpp": peer}
+        bars["llama.cpp"] = rate
+        print(f"llama.cpp: TTFT {peer['ttft_s'] * 1000:.1f} ms, decode {rate:,.1f} tok/s; pocketllm / llama.cpp = "
+              f"{peer['ratio_pocketllm_over_peer']:.2f}x decode, {peer['ttft_ratio_pocketllm_over_peer']:.2f}x TTFT "
+              f"(load average {common.load_average()})")
     result["plot"] = common.bar_plot(
         common.plot_path(args, args.output_json), f"batch-1 decode, prompt {args.input_len}, output {args.output_len}",
         bars, "tokens/s", f"{result['hardware'].get('gpu', result['hardware']['cpu'])}; "

@@ -2,7 +2,8 @@
 
 The default shape is the nano-vllm benchmark: 256 requests, prompt and output lengths uniform in
 [100, 1024], random token ids, temperature 0.6, EOS ignored. ``--peer hf`` runs the same requests through
-HF transformers' continuous batching in the same process and prints the ratio.
+HF transformers' continuous batching in the same process and prints the ratio; ``--peer llama.cpp`` runs them
+through llama.cpp on the same GGUF, one request after another (``bench/llamacpp_peer.py``).
 """
 
 from __future__ import annotations
@@ -149,6 +150,19 @@ def run(args: argparse.Namespace, engine_args) -> dict[str, Any]:
         print(f"hf transformers: {peer['num_requests']} requests, {peer['output_tokens']} output tokens in "
               f"{peer['elapsed_s']:.2f} s: {peer['output_tokens_per_s']:,.0f} output tok/s "
               f"({peer['mode']}); pocketllm / hf = {ratio:.1f}x")
+    if args.peer == "llama.cpp":
+        from pocketllm.bench import llamacpp_peer
+
+        subset = workload.head(args.peer_num_requests) if args.peer_num_requests else workload
+        common.release_memory()
+        peer = llamacpp_peer.run_throughput(engine_args, subset, args.temperature)
+        ratio = ours["output_tokens_per_s"] / peer["output_tokens_per_s"] if peer["output_tokens_per_s"] else None
+        peer["ratio_pocketllm_over_peer"] = ratio
+        result["peer"] = {"llama.cpp": peer}
+        bars["llama.cpp serial"] = peer["output_tokens_per_s"]
+        print(f"llama.cpp (serial): {peer['num_requests']} requests, {peer['output_tokens']} output tokens in "
+              f"{peer['elapsed_s']:.2f} s: {peer['output_tokens_per_s']:,.1f} output tok/s; pocketllm / llama.cpp = "
+              f"{ratio:.2f}x (load average {common.load_average()})")
     result["plot"] = common.bar_plot(
         common.plot_path(args, args.output_json),
         f"throughput, {args.num_requests} requests, in {input_range} out {output_range}", bars, "output tokens/s",

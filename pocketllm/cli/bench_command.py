@@ -14,8 +14,9 @@ def _common(parser: argparse.ArgumentParser, peer: bool) -> None:
                                                      "matplotlib, the 'bench' extra).")
     parser.add_argument("--verbose", action="store_true", help="Log engine decisions at DEBUG.")
     if peer:
-        parser.add_argument("--peer", choices=["hf"], default=None,
-                            help="Also run HF transformers on the same workload and print the ratio.")
+        parser.add_argument("--peer", choices=["hf", "llama.cpp"], default=None,
+                            help="Also run HF transformers, or llama.cpp on the same GGUF (the 'llamacpp' extra), "
+                                 "on the same workload and print the ratio.")
 
 
 def add_bench_parser(subparsers) -> None:

@@ -11,7 +11,7 @@ per step, not per layer). The step's host metadata (slots, lengths, rotary rows)
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -37,6 +37,19 @@ def setup_cpu(model: torch.nn.Module, weight_format: str, block_size: int) -> Cp
         logger.info("CPU decode fast path off: %s has layers it does not compute", type(model).__name__)
         return None
     return CpuDecodeStep(model, block_size)
+
+
+class DecodeBatch(NamedTuple):
+    """A decode step's inputs, built once: the context is the cache rows ``span`` (one request whose blocks
+    are consecutive) or the gathered rows ``index`` ([rows * width]), with ``bias`` masking the padding."""
+
+    ids: torch.Tensor
+    slots: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+    span: tuple[int, int] | None
+    index: torch.Tensor | None
+    bias: torch.Tensor | None
 
 
 def _linear(module: torch.nn.Module):
@@ -94,7 +107,7 @@ class CpuDecodeStep:
         """Every chunk is one new token that samples (a pure decode step)."""
         return all(c.num_tokens == 1 and c.samples for c in chunks)
 
-    def _metadata(self, chunks: list[Any]) -> tuple:
+    def _metadata(self, chunks: list[Any]) -> DecodeBatch:
         """Token ids, positions, cache slots and the attention context of a decode step (built once)."""
         bs = self.block_size
         ids, positions, slots, tables = [], [], [], []
@@ -108,36 +121,34 @@ class CpuDecodeStep:
             slots.append(table[pos // bs] * bs + pos % bs)
             tables.append(table[: pos // bs + 1])
         lengths = [p + 1 for p in positions]
+        span, index, bias = None, None, None
         if len(chunks) == 1:
             table = tables[0]
-            if table[-1] - table[0] == len(table) - 1 and all(b == table[0] + i for i, b in enumerate(table)):
-                start = table[0] * bs
-                context: Any = ("view", start, start + lengths[0])
+            if all(b == table[0] + i for i, b in enumerate(table)):
+                span = (table[0] * bs, table[0] * bs + lengths[0])
             else:
                 index = torch.tensor([table[p // bs] * bs + p % bs for p in range(lengths[0])])
-                context = ("gather", index, None)
         else:
             width = max(lengths)
             blocks = -(-width // bs)
             padded = torch.tensor([t + [0] * (blocks - len(t)) for t in tables])
-            index = (padded[:, :, None] * bs + torch.arange(bs)).reshape(len(chunks), -1)[:, :width]
+            index = (padded[:, :, None] * bs + torch.arange(bs)).reshape(len(chunks), -1)[:, :width].reshape(-1)
             mask = torch.arange(width)[None, :] < torch.tensor(lengths)[:, None]
-            bias = torch.zeros(mask.shape).masked_fill_(~mask, float("-inf"))
-            context = ("gather", index.reshape(-1), bias[:, None, None, :])
+            bias = torch.zeros(mask.shape).masked_fill_(~mask, float("-inf"))[:, None, None, :]
         pos = torch.tensor(positions)
-        return (torch.tensor(ids), torch.tensor(slots), self.cos[pos][:, None, :],
-                self.sin_signed[pos][:, None, :], context)
+        return DecodeBatch(torch.tensor(ids), torch.tensor(slots), self.cos[pos][:, None, :],
+                           self.sin_signed[pos][:, None, :], span, index, bias)
 
     def forward(self, chunks: list[Any]) -> torch.Tensor:
         """The hidden states after the final norm, one row per chunk (float32)."""
-        ids, slots, cos, sin, context = self._metadata(chunks)
+        batch = self._metadata(chunks)
+        slots, cos, sin, span, index, bias = batch.slots, batch.cos, batch.sin, batch.span, batch.index, batch.bias
         rows = len(chunks)
         heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
         group = heads // kv_heads
         q_width = heads * dim
-        hidden = F.embedding(ids, self.model.embed_tokens.weight)
+        hidden = F.embedding(batch.ids, self.model.embed_tokens.weight)
         residual = None
-        kind, where, bias = context
         for (norm1, eps1, qkv_proj, q_norm, k_norm, attn, o_proj, norm2, eps2, gate_up, down,
              _) in self.layers:
             residual = hidden if residual is None else residual + hidden
@@ -155,17 +166,15 @@ class CpuDecodeStep:
             v_flat = attn.v_cache.view(-1, kv_heads, dim)
             k_flat.index_copy_(0, slots, k.to(k_flat.dtype))
             v_flat.index_copy_(0, slots, v.to(v_flat.dtype))
-            if kind == "view":
-                keys = k_flat[where:bias]
-                values = v_flat[where:bias]
+            if span is not None:
+                keys, values = k_flat[span[0]:span[1]], v_flat[span[0]:span[1]]
             else:
-                keys = k_flat.index_select(0, where)
-                values = v_flat.index_select(0, where)
+                keys, values = k_flat.index_select(0, index), v_flat.index_select(0, index)
             keys = keys.view(rows, -1, kv_heads, dim).transpose(1, 2).to(q.dtype)
             values = values.view(rows, -1, kv_heads, dim).transpose(1, 2).to(q.dtype)
             # [rows, kv_heads, group, dim] x [rows, kv_heads, dim, ctx]
             scores = torch.matmul(q.reshape(rows, kv_heads, group, dim), keys.transpose(2, 3))
-            scores = scores * self.scale if kind == "view" else torch.add(bias, scores, alpha=self.scale)
+            scores = scores * self.scale if bias is None else torch.add(bias, scores, alpha=self.scale)
             out = torch.matmul(scores.softmax(-1), values).reshape(rows, q_width)
             hidden = o_proj(out)
             residual = residual + hidden

@@ -1,0 +1,109 @@
+"""The CPU decode fast path and the CPU weight formats, against the reference path and dequantised weights."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pocketllm.api import LLM
+from pocketllm.config import EngineArgs
+from pocketllm.errors import InvalidRequestError
+from pocketllm.layers.quantized_linear import CpuLinear, dequantize_int4, quantize_int4
+from pocketllm.sampling_params import SamplingParams
+
+
+def test_int4_recovers_a_q4_1_grid_exactly() -> None:
+    """Weights on a 4-bit grid (a Q4_1 block) keep their codes; the kernel's bfloat16 zero point
+    (``low + 8 * scale``) is the only rounding."""
+    torch.manual_seed(0)
+    rows, cols = 24, 64
+    scale = torch.rand(rows, cols // 32, 1).add(0.1).to(torch.bfloat16).float()
+    low = torch.randn(rows, cols // 32, 1).to(torch.bfloat16).float()
+    codes = torch.randint(0, 16, (rows, cols // 32, 32)).float()
+    codes[..., 0], codes[..., 1] = 0, 15  # each group spans the whole grid, as a quantiser leaves it
+    weight = (codes * scale + low).reshape(rows, cols)
+    got_codes, scales_zeros = quantize_int4(weight)
+    assert torch.equal(got_codes.reshape(codes.shape).float(), codes)
+    zero_rounding = (low.abs() + 8 * scale) * 2.0 ** -8
+    error = (dequantize_int4(got_codes, scales_zeros) - weight).reshape(codes.shape).abs()
+    assert bool((error <= zero_rounding).all())
+
+
+@pytest.mark.parametrize("rows", [1, 3, 40])
+@pytest.mark.parametrize("bias", [False, True])
+def test_int4_linear_matches_dequantised_matmul(rows: int, bias: bool) -> None:
+    torch.manual_seed(1)
+    weight, x = torch.randn(48, 96), torch.randn(rows, 96)
+    b = torch.randn(48) if bias else None
+    layer = CpuLinear(weight, b, "int4")
+    reference = F.linear(x.bfloat16().float(), dequantize_int4(*quantize_int4(weight)),
+                         None if b is None else b.bfloat16().float())
+    torch.testing.assert_close(layer(x).float(), reference, rtol=2e-2, atol=5e-2)
+    assert (dequantize_int4(*quantize_int4(weight)) - weight).abs().max() < 0.1 * weight.abs().max()
+
+
+def test_bfloat16_linear_and_padded_rows() -> None:
+    torch.manual_seed(2)
+    weight, x = torch.randn(40, 64), torch.randn(2, 64)
+    layer = CpuLinear(weight, None, "bfloat16", keep=33)
+    out = layer(x)
+    assert out.dtype == torch.bfloat16 and out.shape == (2, 33)
+    torch.testing.assert_close(out.float(), F.linear(x.bfloat16(), weight.bfloat16())[:, :33].float())
+
+
+def test_unknown_cpu_weight_format_is_refused() -> None:
+    with pytest.raises(InvalidRequestError, match="cpu_weight_format"):
+        EngineArgs(cpu_weight_format="int3")
+
+
+def _chunk(ids: list[int], table: list[int]) -> SimpleNamespace:
+    """A decode chunk: the last of ``ids`` is the new token, the rest are cached."""
+    request = SimpleNamespace(prompt_token_ids=ids[:1], output_token_ids=ids[1:], all_token_ids=ids,
+                              num_computed_tokens=len(ids) - 1, block_table=table)
+    return SimpleNamespace(request=request, num_tokens=1, samples=True)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_fast_decode_step_equals_reference_forward(arch: str, tiny_checkpoint) -> None:
+    """One request over consecutive blocks (cache view), one over scattered blocks (gather), and a batch of
+    three of different lengths (gather with padding): hidden states equal the model's own forward pass."""
+    with LLM(EngineArgs(model=tiny_checkpoint(arch), device="cpu", num_kv_blocks=32, block_size=4)) as llm:
+        runner = llm._client.backend.core.runner
+        assert runner.cpu_decode is not None
+        torch.manual_seed(3)
+        for layer in runner.attention_layers:
+            layer.k_cache.normal_()
+            layer.v_cache.normal_()
+        batches = [
+            [_chunk(list(range(10, 21)), [4, 5, 6])],
+            [_chunk(list(range(30, 44)), [9, 2, 7, 12])],
+            [_chunk(list(range(50, 57)), [13, 14]), _chunk(list(range(60, 78)), [20, 3, 15, 16, 17]),
+             _chunk([70, 71], [25])],
+        ]
+        with torch.inference_mode():
+            for chunks in batches:
+                ids, positions, meta, _ = runner._prepare(chunks)
+                reference = runner.model(ids, positions, meta)
+                fast = runner.cpu_decode.forward(chunks)
+                torch.testing.assert_close(fast, reference, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("fmt", ["auto", "int4"])
+def test_greedy_tokens_equal_with_and_without_the_fast_path(fmt: str, tiny_checkpoint) -> None:
+    """Whole generations, three requests at once: the fast path changes no greedy token (float32), and with
+    int4 weights it runs end to end (prefill on the dense copy, decode on the packed kernel)."""
+    prompts = [[1, 400, 401, 402], [1, 500], [1, 600, 601, 602, 603, 604, 605, 606, 607]]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    results = []
+    for fast in (True, False):
+        with LLM(EngineArgs(model=tiny_checkpoint("llama"), device="cpu", num_kv_blocks=64,
+                            cpu_weight_format=fmt)) as llm:
+            if not fast:
+                llm._client.backend.core.runner.cpu_decode = None
+            results.append([out.token_ids for out in llm.generate(prompts, params)])
+    assert all(len(tokens) == 12 for tokens in results[0])
+    if fmt == "auto":
+        assert results[0] == results[1]
