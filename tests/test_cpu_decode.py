@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from pocketllm.api import LLM
 from pocketllm.config import EngineArgs
 from pocketllm.errors import InvalidRequestError
-from pocketllm.layers.quantized_linear import CpuLinear, dequantize_int4, quantize_int4
+from pocketllm.layers.quantized_linear import CpuLinear, Int4LMHead, dequantize_int4, quantize_int4
 from pocketllm.sampling_params import SamplingParams
 
 
@@ -52,6 +52,21 @@ def test_bfloat16_linear_and_padded_rows() -> None:
     out = layer(x)
     assert out.dtype == torch.bfloat16 and out.shape == (2, 33)
     torch.testing.assert_close(out.float(), F.linear(x.bfloat16(), weight.bfloat16())[:, :33].float())
+
+
+def test_int4_lm_head_rescores_its_top_candidates_exactly() -> None:
+    """The top logits (and so the argmax) are the float head's; many rows use the float head throughout."""
+    torch.manual_seed(4)
+    weight, x = torch.randn(304, 64) * 0.1, torch.randn(3, 64)
+    head = Int4LMHead(weight, vocab_size=290)
+    exact = F.linear(x, weight)[:, :290]
+    logits = head(x)
+    assert logits.shape == (3, 290) and logits.dtype == torch.float32
+    top = exact.topk(8, dim=-1).indices
+    torch.testing.assert_close(logits.gather(1, top), exact.gather(1, top), rtol=1e-5, atol=1e-5)
+    assert torch.equal(logits.argmax(-1), exact.argmax(-1))
+    many = torch.randn(40, 64)
+    torch.testing.assert_close(head(many), F.linear(many, weight)[:, :290])
 
 
 def test_unknown_cpu_weight_format_is_refused() -> None:

@@ -41,8 +41,8 @@ def dequantize_int4(codes: torch.Tensor, scales_zeros: torch.Tensor, group_size:
 
 
 def int4_supported(in_features: int, out_features: int) -> bool:
-    """Whether the packed kernel takes this shape (K a whole number of groups)."""
-    return in_features % GROUP_SIZE == 0 and in_features >= GROUP_SIZE and out_features > 0
+    """Whether the packed kernel takes this shape (K a whole number of groups, N a multiple of 16)."""
+    return in_features % GROUP_SIZE == 0 and in_features >= GROUP_SIZE and out_features % 16 == 0
 
 
 class CpuLinear(nn.Module):
@@ -54,7 +54,7 @@ class CpuLinear(nn.Module):
     act_dtype = torch.bfloat16
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, weight_format: str,
-                 keep: int | None = None) -> None:
+                 keep: int | None = None, dense: bool = True) -> None:
         super().__init__()
         self.weight_format = weight_format
         self.out_features, self.in_features = weight.shape
@@ -65,17 +65,18 @@ class CpuLinear(nn.Module):
         if weight_format == "int4":
             codes, self.scales_zeros = quantize_int4(weight)
             self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
-            dense = dequantize_int4(codes, self.scales_zeros)
+            full = dequantize_int4(codes, self.scales_zeros) if dense else None
         elif weight_format == "bfloat16":
-            dense = weight.detach()
+            full = weight.detach()
         else:
             raise ValueError(f"CpuLinear holds bfloat16 or int4 weights, not {weight_format!r}")
-        self.dense = dense.to(torch.bfloat16).contiguous()
+        # The same weights dense, for many rows (prefill); None: the caller never passes many rows.
+        self.dense = None if full is None else full.to(torch.bfloat16).contiguous()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` [..., K] of any float dtype → [..., N] bfloat16."""
         x = x.to(torch.bfloat16)
-        if self.packed is not None and x.dim() == 2 and x.shape[0] <= INT4_MAX_ROWS:
+        if self.packed is not None and (self.dense is None or x.dim() == 2 and x.shape[0] <= INT4_MAX_ROWS):
             out = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, GROUP_SIZE, self.scales_zeros)
             if self.bias is not None:
                 out = out + self.bias
@@ -88,6 +89,33 @@ class CpuLinear(nn.Module):
         if self.packed is not None:
             return self.packed.numel() * self.packed.element_size() + self.scales_zeros.numel() * 2
         return self.dense.numel() * 2
+
+
+class Int4LMHead(nn.Module):
+    """LM head in int4 whose ``rescore`` highest logits per row are recomputed from the float weight.
+
+    The int4 codes of an 8-bit GGUF head (Q8_0) lose precision that decides close calls; recomputing the top
+    candidates exactly keeps the argmax, and so greedy output, that of the float head whenever the true best
+    token is among them. Logits outside the top ``rescore`` keep their int4 value (float32 out). Many rows
+    at once (prefill of many sequences) use the float weight throughout.
+    """
+
+    rescore = 64
+
+    def __init__(self, weight: torch.Tensor, vocab_size: int) -> None:
+        super().__init__()
+        self.exact = weight.detach()
+        self.vocab_size = vocab_size
+        self.inner = CpuLinear(weight, None, "int4", keep=vocab_size, dense=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() != 2 or x.shape[0] > INT4_MAX_ROWS:
+            return F.linear(x.to(self.exact.dtype), self.exact)[..., : self.vocab_size].float()
+        logits = self.inner(x).float()
+        top = logits.topk(min(self.rescore, self.vocab_size), dim=-1).indices
+        rows = self.exact.index_select(0, top.reshape(-1)).view(*top.shape, -1)
+        exact = torch.bmm(rows, x.to(rows.dtype).unsqueeze(-1)).squeeze(-1)
+        return logits.scatter_(1, top, exact.float())
 
 
 class FloatOutput(nn.Module):
@@ -115,7 +143,10 @@ def convert_model(model: nn.Module, weight_format: str) -> int:
                 setattr(parent, name, FloatOutput(CpuLinear(child.weight.data, child.bias, weight_format)))
                 replaced += 1
             elif isinstance(child, ParallelLMHead):
-                setattr(parent, name, FloatOutput(CpuLinear(child.weight.data, None, weight_format,
-                                                            keep=child.vocab_size)))
+                if weight_format == "int4" and int4_supported(child.weight.shape[1], child.weight.shape[0]):
+                    setattr(parent, name, Int4LMHead(child.weight.data, child.vocab_size))
+                else:
+                    setattr(parent, name, FloatOutput(CpuLinear(child.weight.data, None, "bfloat16",
+                                                                keep=child.vocab_size)))
                 replaced += 1
     return replaced
