@@ -55,7 +55,7 @@ def test_bfloat16_linear_and_padded_rows() -> None:
 
 
 def test_int4_lm_head_rescores_its_top_candidates_exactly() -> None:
-    """The top logits (and so the argmax) are the float head's; many rows use the float head throughout."""
+    """The top logits (and so the argmax) are the float head's; many rows use it in bfloat16 throughout."""
     torch.manual_seed(4)
     weight, x = torch.randn(304, 64) * 0.1, torch.randn(3, 64)
     head = Int4LMHead(weight, vocab_size=290)
@@ -66,7 +66,7 @@ def test_int4_lm_head_rescores_its_top_candidates_exactly() -> None:
     torch.testing.assert_close(logits.gather(1, top), exact.gather(1, top), rtol=1e-5, atol=1e-5)
     assert torch.equal(logits.argmax(-1), exact.argmax(-1))
     many = torch.randn(40, 64)
-    torch.testing.assert_close(head(many), F.linear(many, weight)[:, :290])
+    torch.testing.assert_close(head(many), F.linear(many.bfloat16(), weight.bfloat16())[:, :290].float())
 
 
 def test_unknown_cpu_weight_format_is_refused() -> None:
