@@ -100,6 +100,8 @@ def run(args: argparse.Namespace, engine_args) -> dict[str, Any]:
 
     if engine_args.max_model_len is None:
         engine_args = engine_args.replace(max_model_len=args.input_len + args.output_len + 8)
+    # Every run sends the same prompt: with prefix caching on, TTFT would time a cache hit, not a prefill.
+    engine_args = engine_args.replace(enable_prefix_caching=False)
     device = resolve_device(engine_args.device)
 
     def ours_run():
