@@ -67,3 +67,34 @@ def test_bench_serve(tiny_checkpoint, tmp_path):
     for name in ("ttft_s", "tpot_s", "itl_s", "e2e_s"):
         assert result[name]["p50"] is not None and result[name]["p99"] >= result[name]["p50"]
     assert result["requests_per_s"] > 0 and result["output_tokens_per_s"] > 0
+
+
+def test_bench_latency_with_llama_cpp_peer(smollm2_gguf, tmp_path, capsys):
+    pytest.importorskip("llama_cpp")
+    out = tmp_path / "latency.json"
+    assert main(["bench", "latency", "--model", smollm2_gguf, "--input-len", "8", "--output-len", "4",
+                 "--num-iters", "1", "--warmup-iters", "0", "--peak-bandwidth-gbs", "10", "--peer", "llama.cpp",
+                 "--cpu-weight-format", "int4", "--output-json", str(out), *SMALL_ENGINE]) == 0
+    peer = _read(out)["peer"]["llama.cpp"]
+    assert peer["runs"][0]["tokens"] == 4 and peer["decode_tokens_per_s"] > 0 and peer["ttft_s"] > 0
+    assert peer["ratio_pocketllm_over_peer"] > 0 and peer["ttft_ratio_pocketllm_over_peer"] > 0
+    assert "pocketllm / llama.cpp" in capsys.readouterr().out
+
+
+def test_bench_throughput_with_llama_cpp_peer(smollm2_gguf, tmp_path, capsys):
+    pytest.importorskip("llama_cpp")
+    out = tmp_path / "throughput.json"
+    assert main(["bench", "throughput", "--model", smollm2_gguf, "--num-requests", "2", "--min-len", "3",
+                 "--max-len", "5", "--warmup-requests", "0", "--peer", "llama.cpp", "--output-json", str(out),
+                 *SMALL_ENGINE]) == 0
+    result = _read(out)
+    peer = result["peer"]["llama.cpp"]
+    assert peer["num_requests"] == 2 and peer["output_tokens"] == result["pocketllm"]["output_tokens"]
+    assert "llama.cpp (serial)" in capsys.readouterr().out
+
+
+def test_llama_cpp_peer_needs_a_gguf(tiny_checkpoint, tmp_path):
+    with pytest.raises(SystemExit, match="GGUF"):
+        main(["bench", "latency", "--model", tiny_checkpoint("llama"), "--input-len", "4", "--output-len", "2",
+              "--num-iters", "1", "--warmup-iters", "0", "--peak-bandwidth-gbs", "10", "--peer", "llama.cpp",
+              *SMALL_ENGINE])

@@ -29,12 +29,13 @@ def gguf_path(engine_args) -> str:
 
 def load(engine_args, n_ctx: int) -> Any:
     """A ``llama_cpp.Llama`` over the engine's GGUF with torch's thread count."""
+    path = gguf_path(engine_args)
     try:
         from llama_cpp import Llama
     except ImportError:
         raise SystemExit(f"pocketllm bench: --peer llama.cpp needs llama-cpp-python ({INSTALL_HINT})") from None
     threads = torch.get_num_threads()
-    return Llama(model_path=gguf_path(engine_args), n_ctx=n_ctx, n_batch=512, n_threads=threads,
+    return Llama(model_path=path, n_ctx=n_ctx, n_batch=512, n_threads=threads,
                  n_threads_batch=threads, seed=0, verbose=False)
 
 
