@@ -104,8 +104,9 @@ class CpuDecodeStep:
 
     @staticmethod
     def handles(chunks: list[Any]) -> bool:
-        """Every chunk is one new token that samples (a pure decode step)."""
-        return all(c.num_tokens == 1 and c.samples for c in chunks)
+        """Every chunk is one known new token that samples (a pure decode step; a token still pending from an
+        asynchronously scheduled step goes through the reference path)."""
+        return all(c.num_tokens == 1 and c.samples and not c.last_token_pending for c in chunks)
 
     def _metadata(self, chunks: list[Any]) -> DecodeBatch:
         """Token ids, positions, cache slots and the attention context of a decode step (built once)."""
@@ -113,9 +114,9 @@ class CpuDecodeStep:
         ids, positions, slots, tables = [], [], [], []
         for chunk in chunks:
             request = chunk.request
-            pos = request.num_computed_tokens
+            pos = chunk.start
             output = request.output_token_ids
-            ids.append(output[-1] if output else request.prompt_token_ids[-1])
+            ids.append(output[-1] if output else request.prompt_token_ids[-1])  # pos is the last known token
             positions.append(pos)
             table = request.block_table
             slots.append(table[pos // bs] * bs + pos % bs)
