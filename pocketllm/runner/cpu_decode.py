@@ -81,9 +81,8 @@ class CpuDecodeStep:
                 layer.input_layernorm.weight, layer.input_layernorm.eps, _linear(attn.qkv_proj),
                 attn.q_norm, attn.k_norm, attn.attn, _linear(attn.o_proj),
                 layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps,
-                _linear(layer.mlp.gate_up_proj), _linear(layer.mlp.down_proj), layer.mlp.down_proj))
+                _linear(layer.mlp.gate_up_proj), _linear(layer.mlp.down_proj)))
         self.norm = (model.norm.weight, model.norm.eps)
-        self.intermediate = model.layers[0].mlp.gate_up_proj
         self.scale = first.attn.scale
 
     @staticmethod
@@ -150,8 +149,7 @@ class CpuDecodeStep:
         q_width = heads * dim
         hidden = F.embedding(batch.ids, self.model.embed_tokens.weight)
         residual = None
-        for (norm1, eps1, qkv_proj, q_norm, k_norm, attn, o_proj, norm2, eps2, gate_up, down,
-             _) in self.layers:
+        for norm1, eps1, qkv_proj, q_norm, k_norm, attn, o_proj, norm2, eps2, gate_up, down in self.layers:
             residual = hidden if residual is None else residual + hidden
             x = F.rms_norm(residual, norm1.shape, norm1, eps1)
             qkv = qkv_proj(x).float()
