@@ -139,30 +139,24 @@ def run(args: argparse.Namespace, engine_args) -> dict[str, Any]:
           f"output tokens in {ours['elapsed_s']:.2f} s: {ours['output_tokens_per_s']:,.0f} output tok/s, "
           f"{ours['total_tokens_per_s']:,.0f} total tok/s, {ours['requests_per_s']:.2f} req/s")
     bars = {"pocketllm": ours["output_tokens_per_s"]}
-    if args.peer == "hf":
+    if args.peer is not None:
         subset = workload.head(args.peer_num_requests) if args.peer_num_requests else workload
         common.release_memory()
-        peer = run_hf(engine_args, subset, args.temperature)
-        ratio = ours["output_tokens_per_s"] / peer["output_tokens_per_s"] if peer["output_tokens_per_s"] else None
-        peer["ratio_pocketllm_over_peer"] = ratio
-        result["peer"] = {"hf": peer}
-        bars["hf transformers"] = peer["output_tokens_per_s"]
-        print(f"hf transformers: {peer['num_requests']} requests, {peer['output_tokens']} output tokens in "
-              f"{peer['elapsed_s']:.2f} s: {peer['output_tokens_per_s']:,.0f} output tok/s "
-              f"({peer['mode']}); pocketllm / hf = {ratio:.1f}x")
-    if args.peer == "llama.cpp":
-        from pocketllm.bench import llamacpp_peer
+        if args.peer == "hf":
+            peer, label = run_hf(engine_args, subset, args.temperature), "hf transformers"
+        else:
+            from pocketllm.bench import llamacpp_peer
 
-        subset = workload.head(args.peer_num_requests) if args.peer_num_requests else workload
-        common.release_memory()
-        peer = llamacpp_peer.run_throughput(engine_args, subset, args.temperature)
+            peer, label = llamacpp_peer.run_throughput(engine_args, subset, args.temperature), "llama.cpp serial"
         ratio = ours["output_tokens_per_s"] / peer["output_tokens_per_s"] if peer["output_tokens_per_s"] else None
         peer["ratio_pocketllm_over_peer"] = ratio
-        result["peer"] = {"llama.cpp": peer}
-        bars["llama.cpp serial"] = peer["output_tokens_per_s"]
-        print(f"llama.cpp (serial): {peer['num_requests']} requests, {peer['output_tokens']} output tokens in "
-              f"{peer['elapsed_s']:.2f} s: {peer['output_tokens_per_s']:,.1f} output tok/s; pocketllm / llama.cpp = "
-              f"{ratio:.2f}x (load average {common.load_average()})")
+        result["peer"] = {args.peer: peer}
+        bars[label] = peer["output_tokens_per_s"]
+        detail = f"({peer['mode']})" if args.peer == "hf" else f"(load average {common.load_average()})"
+        shown = "llama.cpp (serial)" if args.peer == "llama.cpp" else label
+        print(f"{shown}: {peer['num_requests']} requests, {peer['output_tokens']} output tokens in "
+              f"{peer['elapsed_s']:.2f} s: {peer['output_tokens_per_s']:,.1f} output tok/s {detail}; "
+              f"pocketllm / {args.peer} = {ratio:.2f}x")
     result["plot"] = common.bar_plot(
         common.plot_path(args, args.output_json),
         f"throughput, {args.num_requests} requests, in {input_range} out {output_range}", bars, "output tokens/s",
