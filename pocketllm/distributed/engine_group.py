@@ -54,7 +54,7 @@ class EngineGroup:
             watch_parent(info.parent_pid)
         self.info = info
         try:
-            self.device = init_group(info, device, args.tensor_parallel_startup_timeout)
+            init_group(info, device, args.tensor_parallel_startup_timeout)
         except BaseException:
             self._reap()
             raise
@@ -70,7 +70,7 @@ class EngineGroup:
         self.closed = True
         if clean:
             try:
-                StepChannel(self.device).send_stop()
+                StepChannel().send_stop()
             except Exception as exc:  # a worker already gone: it is reaped below
                 logger.warning("could not send the stop message to the tensor-parallel workers: %s", exc)
         try:

@@ -48,19 +48,14 @@ def run_worker(args: EngineArgs, env: Mapping[str, str] | None = None) -> int:
 @torch.inference_mode()
 def serve_steps(runner) -> None:
     """Receive → forward → take part in the logits gather, as rank 0's ``ModelRunner.launch`` does."""
-    channel = StepChannel(runner.device)
-    if runner.cuda_step is not None:
-        # CUDA kernel path: the same host batch as rank 0, run through the same eager step.
-        while (host := channel.receive_host()) is not None:
-            sampled_hidden = runner.cuda_step.forward_host(host)
-            if sampled_hidden is not None:
-                runner.model.compute_logits(sampled_hidden)
-        return
-    while (step := channel.receive(runner.block_size)) is not None:
-        hidden = runner.model(step.input_ids, step.positions, step.meta)
-        if step.sample_index:
-            index = torch.tensor(step.sample_index, dtype=torch.int64, device=runner.device)
-            runner.model.compute_logits(hidden.index_select(0, index))
+    channel = StepChannel()
+    while (host := channel.receive()) is not None:
+        if runner.cuda_step is not None:
+            sampled_hidden = runner.cuda_step.forward(host)
+        else:
+            sampled_hidden = runner.forward_reference(host)
+        if sampled_hidden is not None:
+            runner.model.compute_logits(sampled_hidden)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -16,14 +16,12 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from pocketllm.runner.attention_metadata import AttentionMetadata
-from pocketllm.runner.pending_inputs import PendingInputs
+from pocketllm.runner.host_batch import HostBatch
 
 logger = logging.getLogger("pocketllm.runner")
 
@@ -36,88 +34,6 @@ def graph_buckets(max_num_seqs: int) -> list[int]:
     if not sizes or sizes[-1] != max_num_seqs:
         sizes.append(max_num_seqs)
     return sizes
-
-
-@dataclass
-class HostBatch:
-    """A step's inputs on the host (plain lists; turned into one int32 array by the staging code)."""
-
-    input_ids: list[int]
-    positions: list[int]
-    slots: list[int]
-    query_start: list[int]
-    context_lens: list[int]
-    sample_index: list[int]
-    tables: list[list[int]]
-    pending: PendingInputs
-    state_slots: list[int]      # hybrid models: each sequence's recurrent-state slot (-1 elsewhere)
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.input_ids)
-
-    @property
-    def num_seqs(self) -> int:
-        return len(self.context_lens)
-
-    @property
-    def is_plain_decode(self) -> bool:
-        """One token per sequence and every sequence samples: the shape decode graphs are captured for."""
-        return self.num_tokens == self.num_seqs and len(self.sample_index) == self.num_seqs
-
-
-def _token_slice(request, start: int, end: int) -> list[int]:
-    prompt = request.prompt_token_ids
-    n = len(prompt)
-    if end <= n:
-        return prompt[start:end]
-    if start >= n:
-        return request.output_token_ids[start - n:end - n]
-    return prompt[start:] + request.output_token_ids[:end - n]
-
-
-def gather_host_batch(chunks: Sequence, block_size: int) -> HostBatch:
-    """The step's integer inputs, read off the scheduled chunks without copying whole token histories."""
-    ids: list[int] = []
-    positions: list[int] = []
-    slots: list[int] = []
-    query_start = [0]
-    context_lens: list[int] = []
-    sample_index: list[int] = []
-    tables: list[list[int]] = []
-    state_slots: list[int] = []
-    pending = PendingInputs()
-    total = 0
-    for chunk in chunks:
-        request = chunk.request
-        start, count, end = chunk.start, chunk.num_tokens, chunk.end
-        table = request.block_table
-        if chunk.last_token_pending:
-            # Only a decode chunk can end with a pending token (a prefill chunk never follows a sampled one).
-            pending.add(len(ids), request.pending_row)
-            ids.append(0)
-            positions.append(start)
-            slots.append(table[start // block_size] * block_size + start % block_size)
-        elif count == 1:
-            n_prompt = len(request.prompt_token_ids)
-            ids.append(request.prompt_token_ids[start] if start < n_prompt
-                       else request.output_token_ids[start - n_prompt])
-            positions.append(start)
-            slots.append(table[start // block_size] * block_size + start % block_size)
-        else:
-            ids.extend(_token_slice(request, start, end))
-            positions.extend(range(start, end))
-            pos = np.arange(start, end)
-            slots.extend((np.asarray(table, dtype=np.int64)[pos // block_size] * block_size
-                          + pos % block_size).tolist())
-        total += count
-        query_start.append(total)
-        context_lens.append(end)
-        if chunk.samples:
-            sample_index.append(total - 1)
-        tables.append(table)
-        state_slots.append(request.state_slot)
-    return HostBatch(ids, positions, slots, query_start, context_lens, sample_index, tables, pending, state_slots)
 
 
 def _align(n: int) -> int:
@@ -177,13 +93,9 @@ class CudaStepRunner:
 
         return decode_splits(batch, self.num_kv_heads)
 
-    def forward(self, chunks: Sequence, previous_tokens: torch.Tensor | None = None) -> torch.Tensor | None:
+    def forward(self, host: HostBatch, previous_tokens: torch.Tensor | None = None) -> torch.Tensor | None:
         """Hidden states of the rows that sample this step (None if none does); pending inputs are taken from
         ``previous_tokens`` on the device."""
-        return self.forward_host(gather_host_batch(chunks, self.block_size), previous_tokens)
-
-    def forward_host(self, host: HostBatch, previous_tokens: torch.Tensor | None = None) -> torch.Tensor | None:
-        """``forward`` from a batch already gathered (tensor-parallel workers receive it from rank 0)."""
         n = host.num_seqs
         if host.is_plain_decode and n <= self.max_graph_bs and max(len(t) for t in host.tables) <= self.graph_width:
             return self._replay(host, previous_tokens)

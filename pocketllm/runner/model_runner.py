@@ -10,14 +10,13 @@ from collections.abc import Iterable
 import torch
 
 from pocketllm.distributed import tp_rank, tp_size
-from pocketllm.distributed.step_channel import StepChannel, StepInputs
+from pocketllm.distributed.step_channel import StepChannel
 from pocketllm.engine.scheduler import ScheduledChunk
 from pocketllm.kernels import available as kernels_available
 from pocketllm.models.registry import model_class
 from pocketllm.models.weights import init_dummy_weights, load_weights
 from pocketllm.runner.attention_metadata import AttentionMetadata
-from pocketllm.runner.cuda_graphs import gather_host_batch
-from pocketllm.runner.pending_inputs import PendingInputs
+from pocketllm.runner.host_batch import HostBatch, gather_host_batch
 from pocketllm.runner.sampler import SampledToken, Sampler, SampleResult, SamplingRow
 
 logger = logging.getLogger("pocketllm.runner")
@@ -64,7 +63,7 @@ class ModelRunner:
         # Tensor parallelism: rank 0 broadcasts each step's inputs; the workers run the same forward
         # (distributed/worker.py), on CUDA through the kernel path without decode graphs.
         self.tp_size = tp_size()
-        self.step_channel = StepChannel(device) if self.tp_size > 1 and tp_rank() == 0 else None
+        self.step_channel = StepChannel() if self.tp_size > 1 and tp_rank() == 0 else None
         # CUDA with Triton: kernel metadata from one pinned copy per step, decode CUDA graphs (cuda_graphs.py).
         self.cuda_step = None
         self.num_state_slots = 0
@@ -186,46 +185,32 @@ class ModelRunner:
             attn.k_cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
             attn.v_cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
 
-    def _prepare(self, chunks: list[ScheduledChunk], previous_tokens: torch.Tensor | None):
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        query_start = [0]
-        context_lens: list[int] = []
-        sample_index: list[int] = []
-        pending = PendingInputs()
-        for chunk in chunks:
-            request = chunk.request
-            start, end = chunk.start, chunk.end
-            if chunk.last_token_pending:
-                input_ids.extend(request.all_token_ids[start:end - 1])
-                pending.add(len(input_ids), request.pending_row)
-                input_ids.append(0)
-            else:
-                input_ids.extend(request.all_token_ids[start:end])
-            positions.extend(range(start, end))
-            table = request.block_table
-            bs = self.block_size
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
-            query_start.append(query_start[-1] + chunk.num_tokens)
-            context_lens.append(end)
-            if chunk.samples:
-                sample_index.append(query_start[-1] - 1)
-        width = max(len(c.request.block_table) for c in chunks)
-        tables = [c.request.block_table + [0] * (width - len(c.request.block_table)) for c in chunks]
+    def _tensors(self, host: HostBatch, previous_tokens: torch.Tensor | None
+                 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """The reference path's device tensors of a host batch (block tables padded with 0)."""
         device = self.device
+        width = max(len(t) for t in host.tables)
+        tables = [t + [0] * (width - len(t)) for t in host.tables]
         state = {}
         if self.state_layers:
-            host = [c.request.state_slot for c in chunks]
-            state = {"state_slots": torch.tensor(host, dtype=torch.int64, device=device), "state_slots_host": host}
+            state = {"state_slots": torch.tensor(host.state_slots, dtype=torch.int64, device=device),
+                     "state_slots_host": host.state_slots}
         meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+            slot_mapping=torch.tensor(host.slots, dtype=torch.int64, device=device),
             block_tables=torch.tensor(tables, dtype=torch.int64, device=device),
-            query_start=query_start, context_lens=context_lens, block_size=self.block_size, **state)
-        ids = torch.tensor(input_ids, dtype=torch.int64, device=device)
-        pending.fill(ids, previous_tokens)
-        pos = torch.tensor(positions, dtype=torch.int64, device=device)
-        return ids, pos, meta, sample_index
+            query_start=host.query_start, context_lens=host.context_lens, block_size=self.block_size, **state)
+        ids = torch.tensor(host.input_ids, dtype=torch.int64, device=device)
+        host.pending.fill(ids, previous_tokens)
+        return ids, torch.tensor(host.positions, dtype=torch.int64, device=device), meta
+
+    def forward_reference(self, host: HostBatch, previous_tokens: torch.Tensor | None = None
+                          ) -> torch.Tensor | None:
+        """The PyTorch reference forward of a host batch: hidden states of its sampling rows (None if none)."""
+        ids, positions, meta = self._tensors(host, previous_tokens)
+        hidden = self.model(ids, positions, meta)
+        if not host.sample_index:
+            return None
+        return hidden.index_select(0, torch.tensor(host.sample_index, dtype=torch.int64, device=self.device))
 
     @torch.inference_mode()
     def execute(self, chunks: list[ScheduledChunk]) -> list[SampledToken]:
@@ -239,26 +224,18 @@ class ModelRunner:
         """Queue the forward pass; the logits of the sampling rows in the model's dtype (None if no chunk
         samples). A chunk whose last input is still pending takes it from ``previous_tokens`` (the previous
         step's sampled tokens, on the device). On CUDA nothing here waits for the device."""
-        if self.cuda_step is not None:
-            if self.step_channel is None:
-                sampled_hidden = self.cuda_step.forward(chunks, previous_tokens)
-            else:
-                host = gather_host_batch(chunks, self.block_size)
-                self.step_channel.send_host(host)
-                sampled_hidden = self.cuda_step.forward_host(host)
-            if sampled_hidden is None:
-                return None
-        elif self.cpu_decode is not None and self.cpu_decode.handles(chunks):
+        if self.cpu_decode is not None and self.cpu_decode.handles(chunks):
             sampled_hidden = self.cpu_decode.forward(chunks)
         else:
-            ids, positions, meta, sample_index = self._prepare(chunks, previous_tokens)
+            host = gather_host_batch(chunks, self.block_size)
             if self.step_channel is not None:
-                self.step_channel.send(StepInputs(ids, positions, meta, sample_index))
-            hidden = self.model(ids, positions, meta)
-            if not sample_index:
-                return None
-            index = torch.tensor(sample_index, dtype=torch.int64, device=self.device)
-            sampled_hidden = hidden.index_select(0, index)
+                self.step_channel.send(host)
+            if self.cuda_step is not None:
+                sampled_hidden = self.cuda_step.forward(host, previous_tokens)
+            else:
+                sampled_hidden = self.forward_reference(host, previous_tokens)
+        if sampled_hidden is None:
+            return None
         return self.model.compute_logits(sampled_hidden)
 
     @torch.inference_mode()
