@@ -21,7 +21,7 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from pocketllm.protocol.tool_parsers.base import ParsedToolCalls, ToolCall, ToolParser, tool_schemas
+from pocketllm.protocol.tool_parsers.base import ParsedToolCalls, ToolCall, ToolParser
 
 DSML = "｜DSML｜"
 BOS = "<｜begin▁of▁sentence｜>"
@@ -72,14 +72,11 @@ class DsmlToolParser(ToolParser):
     opener = CALLS_OPEN
 
     def parse(self, text: str, tools: Sequence[Mapping[str, Any]] | None = None) -> ParsedToolCalls | None:
+        """As the base parser, except that prose holding DSML markup is never a plain answer before calls."""
         start = text.find(CALLS_OPEN)
-        if start < 0 or has_special_string(text[:start]):
+        if start >= 0 and has_special_string(text[:start]):
             return None
-        calls = self.parse_block(text[start:], tool_schemas(tools))
-        if not calls:
-            return None
-        prose = text[:start].rstrip()
-        return ParsedToolCalls(prose or None, tuple(calls))
+        return super().parse(text, tools)
 
     def parse_block(self, block: str, schemas: Mapping[str, Mapping[str, Any]]) -> list[ToolCall] | None:
         if not block.startswith(CALLS_OPEN + "\n"):
