@@ -9,6 +9,7 @@ from collections.abc import Iterable
 
 from pocketllm.api import LLM
 from pocketllm.cli.engine_flags import add_engine_flags, add_sampling_flags, engine_args_from, sampling_params_from
+from pocketllm.cli.line_input import read_line
 from pocketllm.outputs import TokenEvent, Usage
 from pocketllm.sampling_params import SamplingParams
 
@@ -102,12 +103,8 @@ def chat_command(args: argparse.Namespace) -> int:
         turns: list[dict[str, str]] = []
         print("Type a message; /exit to leave.", file=sys.stderr)
         while True:
-            try:
-                line = input("> ")
-            except (EOFError, KeyboardInterrupt):
-                print(file=sys.stderr)
-                return 0
-            if line.strip() in ("/exit", "/quit"):
+            line = read_line()
+            if line is None:
                 return 0
             if not line.strip():
                 continue

@@ -7,6 +7,7 @@ import json
 import sys
 from typing import Any
 
+from pocketllm.cli.line_input import read_line
 from pocketllm.errors import InvalidRequestError
 
 
@@ -131,12 +132,8 @@ def run_connect(address: str, token: str, session: str | None) -> int:
                 elif "error" in notice:
                     print(f"error: {notice['error']}", file=sys.stderr)
             client.notices.clear()
-            try:
-                line = input("> ")
-            except (EOFError, KeyboardInterrupt):
-                print(file=sys.stderr)
-                return 0
-            if line.strip() in ("/exit", "/quit"):
+            line = read_line()
+            if line is None:
                 return 0
             if line.strip():
                 _turn(client, next(ids), sid, line)
