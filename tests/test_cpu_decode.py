@@ -13,6 +13,7 @@ from pocketllm.config import EngineArgs
 from pocketllm.engine.scheduler import ScheduledChunk
 from pocketllm.errors import InvalidRequestError
 from pocketllm.layers.quantized_linear import CpuLinear, Int4LMHead, dequantize_int4, quantize_int4
+from pocketllm.runner.host_batch import gather_host_batch
 from pocketllm.sampling_params import SamplingParams
 
 
@@ -78,7 +79,7 @@ def test_unknown_cpu_weight_format_is_refused() -> None:
 def _chunk(ids: list[int], table: list[int]) -> SimpleNamespace:
     """A decode chunk: the last of ``ids`` is the new token, the rest are cached."""
     request = SimpleNamespace(prompt_token_ids=ids[:1], output_token_ids=ids[1:], all_token_ids=ids,
-                              num_computed_tokens=len(ids) - 1, num_tokens=len(ids), block_table=table)
+                              num_computed_tokens=len(ids) - 1, num_tokens=len(ids), block_table=table, state_slot=-1)
     return ScheduledChunk(request, 1, len(ids) - 1, True)
 
 
@@ -101,8 +102,7 @@ def test_fast_decode_step_equals_reference_forward(arch: str, tiny_checkpoint) -
         ]
         with torch.inference_mode():
             for chunks in batches:
-                ids, positions, meta, _ = runner._prepare(chunks, None)
-                reference = runner.model(ids, positions, meta)
+                reference = runner.forward_reference(gather_host_batch(chunks, runner.block_size))
                 fast = runner.cpu_decode.forward(chunks)
                 torch.testing.assert_close(fast, reference, rtol=1e-4, atol=1e-4)
 
