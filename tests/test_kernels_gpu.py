@@ -452,3 +452,37 @@ def test_skinny_linear(rows, shape):
     out = skinny_linear(x, weight)
     assert out.shape == (rows, shape[0])
     assert _rel(out, x.double() @ weight.double().T) < TOL[dtype]
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+def test_skinny_silu_mul_linear(rows):
+    dtype = torch.float32 if INTERPRET else torch.bfloat16
+    _need_kernels(dtype, uses_dot=rows > 1)
+    from pocketllm.kernels.gemv import skinny_silu_mul_linear
+
+    weight = torch.randn(300, 192, dtype=dtype, device=DEVICE)
+    gate_up = torch.randn(rows, 2 * 192, dtype=dtype, device=DEVICE)
+    gate, up = gate_up.double().chunk(2, dim=-1)
+    ref = (F.silu(gate) * up).to(dtype).double() @ weight.double().T
+    assert _rel(skinny_silu_mul_linear(gate_up, weight), ref) < TOL[dtype]
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize("with_residual", [True, False])
+@pytest.mark.parametrize("offset", [False, True])
+def test_skinny_rms_norm_linear(rows, with_residual, offset):
+    dtype = torch.float32 if INTERPRET else torch.bfloat16
+    _need_kernels(dtype, uses_dot=rows > 1)
+    from pocketllm.kernels.gemv import skinny_rms_norm_linear
+    from pocketllm.layers.norm import OffsetRMSNorm, RMSNorm
+
+    norm = (OffsetRMSNorm if offset else RMSNorm)(320, 1e-6).to(DEVICE)
+    norm.weight.data = (torch.rand(320, device=DEVICE) - 0.5).to(dtype)
+    weight = torch.randn(200, 320, dtype=dtype, device=DEVICE)
+    x = torch.randn(rows, 320, dtype=dtype, device=DEVICE)
+    residual = torch.randn(rows, 320, dtype=dtype, device=DEVICE) if with_residual else None
+    out, summed = skinny_rms_norm_linear(x, residual, norm.weight, norm.eps, weight, offset)
+    expected_sum = x + residual if with_residual else x
+    torch.testing.assert_close(summed, expected_sum)
+    ref = norm._norm(expected_sum).double() @ weight.double().T
+    assert _rel(out, ref) < TOL[dtype]

@@ -24,7 +24,7 @@ def _warps(width: int) -> int:
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, stride_x, stride_r, stride_o, n_cols, eps,
-                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+                     HAS_RESIDUAL: tl.constexpr, OFFSET: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -36,13 +36,16 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, stride_x, stri
     xf = x.to(tl.float32)
     var = tl.sum(xf * xf, 0) / n_cols
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    if OFFSET:
+        w = w + 1.0
     y = xf * tl.rsqrt(var + eps) * w
     tl.store(out_ptr + row * stride_o + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
-             residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """``norm(x)``, or with ``residual`` ``(norm(x + residual), x + residual)``; last dimension normalised."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
+             offset: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """``norm(x)``, or with ``residual`` ``(norm(x + residual), x + residual)``; last dimension normalised.
+    ``offset`` scales by ``1 + weight`` (zero-centred norm weights)."""
     shape = x.shape
     n = shape[-1]
     x2 = x.reshape(-1, n)
@@ -54,7 +57,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     if residual is None:
         if rows:
             _rms_norm_kernel[(rows,)](x2, x2, weight, out2, out2, x2.stride(0), 0, out2.stride(0), n, eps,
-                                      HAS_RESIDUAL=False, BLOCK=_pow2(n), num_warps=_warps(n))
+                                      HAS_RESIDUAL=False, OFFSET=offset, BLOCK=_pow2(n), num_warps=_warps(n))
         return out
     r2 = residual.reshape(-1, n)
     if r2.stride(-1) != 1:
@@ -62,7 +65,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     summed = torch.empty(shape, dtype=x.dtype, device=x.device)
     if rows:
         _rms_norm_kernel[(rows,)](x2, r2, weight, out2, summed.view(-1, n), x2.stride(0), r2.stride(0),
-                                  out2.stride(0), n, eps, HAS_RESIDUAL=True, BLOCK=_pow2(n), num_warps=_warps(n))
+                                  out2.stride(0), n, eps, HAS_RESIDUAL=True, OFFSET=offset, BLOCK=_pow2(n),
+                                  num_warps=_warps(n))
     return out, summed
 
 

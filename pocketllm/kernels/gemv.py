@@ -14,33 +14,86 @@ import triton.language as tl
 
 
 @triton.jit
-def _skinny_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _input_tile(x_ptr, res_ptr, nw_ptr, res_out_ptr, rows, m_mask, k0, K, stride_xm, stride_rm, rstd, pid, eps,
+                PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, NORM_OFFSET: tl.constexpr,
+                BLOCK_K: tl.constexpr):
+    """The [rows, BLOCK_K] tile of the product's input at column ``k0``, after the prologue, in float32
+    (values rounded to the input dtype where the unfused reference rounds)."""
+    rk = k0 + tl.arange(0, BLOCK_K)
+    k_mask = rk < K
+    mask = m_mask[:, None] & k_mask[None, :]
+    offs = rows[:, None] * stride_xm + rk[None, :]
+    if PROLOGUE == 1:  # silu(gate) * up, the input holding [gate | up]
+        gate = tl.load(x_ptr + offs, mask=mask, other=0.0)
+        up = tl.load(x_ptr + offs + K, mask=mask, other=0.0).to(tl.float32)
+        g = gate.to(tl.float32)
+        x = (g / (1.0 + tl.exp(-g)) * up).to(gate.dtype).to(tl.float32)
+    elif PROLOGUE == 2:  # RMSNorm of (x + residual), the sum written out once by program 0
+        h = tl.load(x_ptr + offs, mask=mask, other=0.0)
+        if HAS_RESIDUAL:
+            r = tl.load(res_ptr + rows[:, None] * stride_rm + rk[None, :], mask=mask, other=0.0)
+            h = (h.to(tl.float32) + r.to(tl.float32)).to(h.dtype)
+            if pid == 0:
+                tl.store(res_out_ptr + rows[:, None] * K + rk[None, :], h, mask=mask)
+        w = tl.load(nw_ptr + rk, mask=k_mask, other=0.0).to(tl.float32)
+        if NORM_OFFSET:
+            w = w + 1.0
+        x = (h.to(tl.float32) * rstd[:, None] * w[None, :]).to(h.dtype).to(tl.float32)
+    else:
+        x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    return x
+
+
+@triton.jit
+def _inverse_rms(x_ptr, res_ptr, rows, m_mask, K, stride_xm, stride_rm, eps, HAS_RESIDUAL: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """``1 / rms(x + residual)`` per row (the sum rounded to the input dtype first, as the reference does)."""
+    squares = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        rk = k0 + tl.arange(0, BLOCK_K)
+        mask = m_mask[:, None] & (rk < K)[None, :]
+        h = tl.load(x_ptr + rows[:, None] * stride_xm + rk[None, :], mask=mask, other=0.0)
+        if HAS_RESIDUAL:
+            r = tl.load(res_ptr + rows[:, None] * stride_rm + rk[None, :], mask=mask, other=0.0)
+            h = (h.to(tl.float32) + r.to(tl.float32)).to(h.dtype)
+        hf = h.to(tl.float32)
+        squares += hf * hf
+    return tl.rsqrt(tl.sum(squares, 1) / K + eps)
+
+
+@triton.jit
+def _skinny_kernel(x_ptr, w_ptr, out_ptr, res_ptr, nw_ptr, res_out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
+                   stride_rm, eps, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, NORM_OFFSET: tl.constexpr):
     pid = tl.program_id(0)
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
     n_mask = rn < N
     w_rows = w_ptr + rn.to(tl.int64)[:, None] * stride_wn
+    rows = tl.arange(0, BLOCK_M)
+    m_mask = rows < M
+    if PROLOGUE == 2:
+        rstd = _inverse_rms(x_ptr, res_ptr, rows, m_mask, K, stride_xm, stride_rm, eps, HAS_RESIDUAL, BLOCK_M,
+                            BLOCK_K)
+    else:
+        rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
     if BLOCK_M == 1:
         acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
-            k_mask = (k0 + rk) < K
-            x = tl.load(x_ptr + k0 + rk, mask=k_mask, other=0.0).to(tl.float32)
-            w = tl.load(w_rows + (k0 + rk)[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-            acc += w.to(tl.float32) * x[None, :]
+            x = _input_tile(x_ptr, res_ptr, nw_ptr, res_out_ptr, rows, m_mask, k0, K, stride_xm, stride_rm, rstd,
+                            pid, eps, PROLOGUE, HAS_RESIDUAL, NORM_OFFSET, BLOCK_K)
+            w = tl.load(w_rows + (k0 + rk)[None, :], mask=n_mask[:, None] & ((k0 + rk) < K)[None, :], other=0.0)
+            acc += w.to(tl.float32) * x
         out = tl.sum(acc, 1)
         tl.store(out_ptr + rn, out.to(out_ptr.dtype.element_ty), mask=n_mask)
     else:
-        rm = tl.arange(0, BLOCK_M)
-        m_mask = rm < M
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
-            k_mask = (k0 + rk) < K
-            x = tl.load(x_ptr + rm[:, None] * stride_xm + (k0 + rk)[None, :], mask=m_mask[:, None] & k_mask[None, :],
-                        other=0.0)
-            w = tl.load(w_rows + (k0 + rk)[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-            acc += tl.dot(x, tl.trans(w))
-        tl.store(out_ptr + rm[:, None] * stride_om + rn[None, :], acc.to(out_ptr.dtype.element_ty),
+            x = _input_tile(x_ptr, res_ptr, nw_ptr, res_out_ptr, rows, m_mask, k0, K, stride_xm, stride_rm, rstd,
+                            pid, eps, PROLOGUE, HAS_RESIDUAL, NORM_OFFSET, BLOCK_K)
+            w = tl.load(w_rows + (k0 + rk)[None, :], mask=n_mask[:, None] & ((k0 + rk) < K)[None, :], other=0.0)
+            acc += tl.dot(x.to(w.dtype), tl.trans(w))
+        tl.store(out_ptr + rows[:, None] * stride_om + rn[None, :], acc.to(out_ptr.dtype.element_ty),
                  mask=m_mask[:, None] & n_mask[None, :])
 
 
@@ -56,23 +109,55 @@ def one_row_blocks(n: int) -> tuple[int, int]:
     return block_n, max(128, 4096 // block_n)
 
 
-def skinny_linear(x: torch.Tensor, weight: torch.Tensor, block_n: int | None = None, block_k: int | None = None,
-                  num_stages: int = 4) -> torch.Tensor:
-    """``x @ weight.T`` for ``x`` [M ≤ 16, K] and ``weight`` [N, K] (row-major), bf16/fp16 (fp32 accumulate)."""
-    m, k = x.shape
-    n = weight.shape[0]
+NO_PROLOGUE, SILU_MUL, RMS_NORM = 0, 1, 2
+
+
+def _launch(x: torch.Tensor, weight: torch.Tensor, prologue: int, residual: torch.Tensor | None = None,
+            norm_weight: torch.Tensor | None = None, eps: float = 0.0, norm_offset: bool = False,
+            block_n: int | None = None, block_k: int | None = None, num_stages: int = 4,
+            ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    m = x.shape[0]
+    n, k = weight.shape
     if block_n is None or block_k is None:
         auto_n, auto_k = one_row_blocks(n) if m == 1 else (64, 128)
         block_n, block_k = block_n or auto_n, block_k or auto_k
-    assert m <= MAX_ROWS and weight.stride(1) == 1
+    if not 0 < m <= MAX_ROWS or weight.stride(1) != 1:
+        raise ValueError(f"skinny product needs 1..{MAX_ROWS} rows and a row-major weight")
     if x.stride(1) != 1:
         x = x.contiguous()
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    block_m = 1 if m == 1 else 16
-    _skinny_kernel[(triton.cdiv(n, block_n),)](x, weight, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0),
-                                               BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4,
-                                               num_stages=num_stages)
-    return out
+    res_out = None
+    if residual is not None:
+        residual = residual if residual.stride(1) == 1 else residual.contiguous()
+        res_out = torch.empty(m, k, dtype=x.dtype, device=x.device)
+    _skinny_kernel[(triton.cdiv(n, block_n),)](
+        x, weight, out, x if residual is None else residual, x if norm_weight is None else norm_weight,
+        out if res_out is None else res_out, m, n, k, x.stride(0), weight.stride(0), out.stride(0),
+        0 if residual is None else residual.stride(0), eps,
+        BLOCK_M=1 if m == 1 else 16, BLOCK_N=block_n, BLOCK_K=block_k, PROLOGUE=prologue,
+        HAS_RESIDUAL=residual is not None, NORM_OFFSET=norm_offset, num_warps=4, num_stages=num_stages)
+    return out, res_out
+
+
+def skinny_linear(x: torch.Tensor, weight: torch.Tensor, block_n: int | None = None, block_k: int | None = None,
+                  num_stages: int = 4) -> torch.Tensor:
+    """``x @ weight.T`` for ``x`` [M ≤ 16, K] and ``weight`` [N, K] (row-major), bf16/fp16 (fp32 accumulate)."""
+    return _launch(x, weight, NO_PROLOGUE, block_n=block_n, block_k=block_k, num_stages=num_stages)[0]
+
+
+def skinny_silu_mul_linear(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``(silu(gate) * up) @ weight.T`` for ``gate_up`` [M ≤ 16, 2K] holding [gate | up]: the activation is
+    computed while loading the product's input, so it costs no launch of its own."""
+    return _launch(gate_up, weight, SILU_MUL)[0]
+
+
+def skinny_rms_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+                           weight: torch.Tensor, norm_offset: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(rms_norm(x + residual) @ weight.T, x + residual)`` in one launch (without ``residual``: of ``x``,
+    which is then returned as the residual). Each program recomputes the row's RMS; program 0 writes the sum.
+    ``norm_offset`` scales by ``1 + norm_weight`` (the zero-centred norms of Qwen3.5 and Gemma)."""
+    out, summed = _launch(x, weight, RMS_NORM, residual, norm_weight, eps, norm_offset)
+    return out, x if summed is None else summed
 
 
 def time_in_graph(fn, repeats: int = 20) -> float:
@@ -94,12 +179,9 @@ def time_in_graph(fn, repeats: int = 20) -> float:
     return start.elapsed_time(end) / (3 * repeats)
 
 
-def skinny_rows_for(weight: torch.Tensor) -> int:
-    """Most rows (1, 2, 4, 8 or 16; 0 = none) up to which the skinny kernel beats ``F.linear`` by 5% on this
-    weight's shape, timed on the weight (and, for small weights, on copies in turn, so that neither side is
-    timed out of L2 when in a model every layer brings its own weight)."""
-    if weight.dtype not in (torch.bfloat16, torch.float16) or weight.dim() != 2 or weight.stride(1) != 1:
-        return 0
+def _rotating(weight: torch.Tensor):
+    """A function returning the weight or one of 7 random copies in turn (for weights under 64 MB), so that
+    small weights are not timed out of L2 when in a model every layer brings its own weight."""
     copies = [weight]
     if weight.numel() * weight.element_size() < (64 << 20):
         copies += [torch.randn_like(weight) for _ in range(7)]
@@ -109,12 +191,59 @@ def skinny_rows_for(weight: torch.Tensor) -> int:
         turn[0] += 1
         return copies[turn[0] % len(copies)]
 
+    return next_weight
+
+
+def _times_skinny(weight: torch.Tensor) -> bool:
+    return weight.dtype in (torch.bfloat16, torch.float16) and weight.dim() == 2 and weight.stride(1) == 1
+
+
+def skinny_rows_for(weight: torch.Tensor) -> int:
+    """Most rows (1, 2, 4, 8 or 16; 0 = none) up to which the skinny kernel beats ``F.linear`` by 5% on this
+    weight's shape, timed on the weight (and copies of it in turn)."""
+    if not _times_skinny(weight):
+        return 0
+    next_weight = _rotating(weight)
     rows = 0
     for m in (1, 2, 4, 8, 16):
         x = torch.randn(m, weight.shape[1], dtype=weight.dtype, device=weight.device)
         ours = time_in_graph(lambda x=x: skinny_linear(x, next_weight()))
         theirs = time_in_graph(lambda x=x: torch.nn.functional.linear(x, next_weight()))
         if ours >= 0.95 * theirs:
+            break
+        rows = m
+    return rows
+
+
+def fused_rows_for(weight: torch.Tensor, prologue: int, plain_rows: int) -> int:
+    """Most rows up to which the product with its prologue (``SILU_MUL`` or ``RMS_NORM``) fused in one launch
+    beats the prologue's own kernel followed by the product the layer would otherwise run (skinny up to
+    ``plain_rows`` rows, cuBLAS beyond)."""
+    if not _times_skinny(weight):
+        return 0
+    from pocketllm.kernels.fused import rms_norm, silu_and_mul
+
+    next_weight = _rotating(weight)
+    k = weight.shape[1]
+    norm_weight = torch.rand(k, dtype=weight.dtype, device=weight.device) + 0.5
+
+    def product(x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] <= plain_rows:
+            return skinny_linear(x, next_weight())
+        return torch.nn.functional.linear(x, next_weight())
+
+    rows = 0
+    for m in (1, 2, 4, 8, 16):
+        x = torch.randn(m, 2 * k if prologue == SILU_MUL else k, dtype=weight.dtype, device=weight.device)
+        residual = torch.randn(m, k, dtype=weight.dtype, device=weight.device)
+        if prologue == SILU_MUL:
+            ours = time_in_graph(lambda x=x: skinny_silu_mul_linear(x, next_weight()))
+            theirs = time_in_graph(lambda x=x: product(silu_and_mul(x)))
+        else:
+            ours = time_in_graph(lambda x=x, r=residual: skinny_rms_norm_linear(x, r, norm_weight, 1e-6,
+                                                                                 next_weight()))
+            theirs = time_in_graph(lambda x=x, r=residual: product(rms_norm(x, norm_weight, 1e-6, r)[0]))
+        if ours >= theirs:
             break
         rows = m
     return rows

@@ -7,6 +7,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from pocketllm.distributed import all_reduce, tp_rank, tp_size
+from pocketllm.layers.activation import silu_and_mul
+from pocketllm.layers.norm import RMSNorm
 
 
 def _divide(numerator: int, denominator: int) -> int:
@@ -41,9 +43,12 @@ class LinearBase(nn.Module):
             loaded = loaded.narrow(dim, self.tp_rank * size, size)
         param.data.copy_(loaded)
 
-    # CUDA: rows up to which the skinny Triton kernel replaces F.linear (0 = never; the model runner sets it
-    # after timing both on this weight's shape).
+    # CUDA, set by the model runner after timing on this weight's shape: rows up to which the skinny Triton
+    # kernel replaces F.linear, and rows up to which the layer's input prologue (``prologue``: "rms_norm" or
+    # "silu_mul", declared by the model) runs fused into that kernel. 0 = never.
     skinny_rows = 0
+    fused_rows = 0
+    prologue: str | None = None
 
     def _product(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if x.dim() == 2 and 0 < x.shape[0] <= self.skinny_rows:
@@ -53,8 +58,44 @@ class LinearBase(nn.Module):
             return out if bias is None else out + bias
         return F.linear(x, self.weight, bias)
 
+    def _bias(self) -> torch.Tensor | None:
+        return self.bias
+
+    def _finish(self, out: torch.Tensor) -> torch.Tensor:
+        """What follows the product (a row-parallel layer sums the ranks' partial outputs)."""
+        return out
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._product(x, self.bias)
+        return self._finish(self._product(x, self._bias()))
+
+    def _fuses(self, x: torch.Tensor) -> bool:
+        return x.dim() == 2 and 0 < x.shape[0] <= self.fused_rows
+
+    def _fused_bias(self, out: torch.Tensor) -> torch.Tensor:
+        bias = self._bias()
+        return out if bias is None else out + bias
+
+    def forward_silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """``forward(silu(gate) * up)`` for ``gate_up`` [..., 2 * in_features] holding [gate | up]."""
+        if self._fuses(gate_up):
+            from pocketllm.kernels.gemv import skinny_silu_mul_linear
+
+            return self._finish(self._fused_bias(skinny_silu_mul_linear(gate_up, self.weight)))
+        return self.forward(silu_and_mul(gate_up))
+
+    def forward_normed(self, x: torch.Tensor, residual: torch.Tensor | None,
+                       norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(forward(norm(x + residual)), x + residual)``; without ``residual`` the norm is of ``x``, which is
+        returned as the residual."""
+        if self._fuses(x):
+            from pocketllm.kernels.gemv import skinny_rms_norm_linear
+
+            out, residual = skinny_rms_norm_linear(x, residual, norm.weight, norm.eps, self.weight, norm.offset)
+            return self._finish(self._fused_bias(out)), residual
+        if residual is None:
+            return self.forward(norm(x)), x
+        hidden, residual = norm(x, residual)
+        return self.forward(hidden), residual
 
 
 class ReplicatedLinear(LinearBase):
@@ -115,6 +156,8 @@ class RowParallelLinear(LinearBase):
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__(_divide(in_features, tp_size()), out_features, bias, tp_dim=1)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        bias = self.bias if self.tp_rank == 0 else None
-        return all_reduce(self._product(x, bias))
+    def _bias(self) -> torch.Tensor | None:
+        return self.bias if self.tp_rank == 0 else None
+
+    def _finish(self, out: torch.Tensor) -> torch.Tensor:
+        return all_reduce(out)

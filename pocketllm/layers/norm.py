@@ -11,46 +11,37 @@ from pocketllm.kernels import kernels_enabled
 class RMSNorm(nn.Module):
     """``x / rms(x) * weight``, computed in float32; with ``residual`` returns (normed, x + residual)."""
 
+    offset = False  # True: the weight is stored around zero and scales by ``1 + weight``
+
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
         super().__init__()
         self.eps = eps
-        self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
+        initial = torch.zeros(hidden_size) if self.offset else torch.ones(hidden_size)
+        self.weight = nn.Parameter(initial, requires_grad=False)
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (x * self.weight.float()).to(dtype) if dtype != torch.float32 else x * self.weight
+        normed = x.float()
+        normed = normed * torch.rsqrt(normed.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.offset:
+            return (normed * (1.0 + self.weight.float())).to(dtype)
+        return (normed * self.weight.float()).to(dtype) if dtype != torch.float32 else normed * self.weight
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         if x.is_cuda and kernels_enabled():
             from pocketllm.kernels.fused import rms_norm
 
-            return rms_norm(x, self.weight, self.eps, residual)
+            return rms_norm(x, self.weight, self.eps, residual, self.offset)
         if residual is None:
             return self._norm(x)
         x = x + residual
         return self._norm(x), x
 
 
-class OffsetRMSNorm(nn.Module):
+class OffsetRMSNorm(RMSNorm):
     """RMSNorm whose checkpoint weight is stored around zero: ``x / rms(x) * (1 + weight)`` (Qwen3.5, Gemma).
 
     The offset is added in float32 at run time, so a bfloat16 weight keeps its precision.
     """
 
-    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.zeros(hidden_size), requires_grad=False)
-
-    def _norm(self, x: torch.Tensor) -> torch.Tensor:
-        normed = x.float()
-        normed = normed * torch.rsqrt(normed.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (normed * (1.0 + self.weight.float())).to(x.dtype)
-
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        if residual is None:
-            return self._norm(x)
-        x = x + residual
-        return self._norm(x), x
+    offset = True

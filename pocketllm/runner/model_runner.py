@@ -141,12 +141,15 @@ class ModelRunner:
 
     def choose_kernels(self) -> None:
         """CUDA: time the skinny Triton kernel against cuBLAS on each distinct weight shape (LM head and the
-        per-layer projections) and keep the faster for each number of rows."""
+        per-layer projections) and keep the faster for each number of rows; likewise, for projections that
+        declare an input prologue (a norm or SiLU·mul before them), the fused kernel against the two launches."""
         if self.cuda_step is None:
             return
-        from pocketllm.kernels.gemv import skinny_rows_for
+        from pocketllm.kernels.gemv import RMS_NORM, SILU_MUL, fused_rows_for, skinny_rows_for
 
+        prologues = {"rms_norm": RMS_NORM, "silu_mul": SILU_MUL}
         chosen: dict[tuple[int, ...], int] = {}
+        fused: dict[tuple[str | int, ...], int] = {}
         for name, module in self.model.named_modules():
             weight = getattr(module, "weight", None)
             if not hasattr(module, "skinny_rows") or weight is None or weight.dim() != 2:
@@ -157,6 +160,15 @@ class ModelRunner:
                 logger.info("%s %s: Triton skinny kernel up to %d rows, cuBLAS beyond", name, list(shape),
                             chosen[shape])
             module.skinny_rows = chosen[shape]
+            prologue = getattr(module, "prologue", None)
+            if prologue is None:
+                continue
+            key = (prologue, *shape)
+            if key not in fused:
+                fused[key] = fused_rows_for(weight, prologues[prologue], chosen[shape])
+                logger.info("%s %s: %s fused into the product up to %d rows", name, list(shape), prologue,
+                            fused[key])
+            module.fused_rows = fused[key]
 
     def kv_bytes_per_block(self) -> int:
         element = torch.tensor([], dtype=self.kv_dtype).element_size()
