@@ -104,7 +104,7 @@ def test_store_kv(dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(16, 8, 128), (32, 8, 128), (9, 3, 64), (4, 2, 16), (16, 4, 256)])
-@pytest.mark.parametrize("splits", [1, 4])
+@pytest.mark.parametrize("splits", [1, 4, 16])
 def test_paged_decode(dtype, heads, kv_heads, head_dim, splits):
     _need_kernels(dtype, uses_dot=True)
     from pocketllm.kernels.attention import paged_decode
@@ -117,7 +117,10 @@ def test_paged_decode(dtype, heads, kv_heads, head_dim, splits):
     q = torch.randn(len(lens), heads, head_dim, dtype=dtype, device=DEVICE)
     ctx = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
     out = torch.full_like(q, float("nan"))
-    paged_decode(q, k_cache, v_cache, tables, ctx, head_dim ** -0.5, splits, out=out)
+    counters = torch.zeros(len(lens) * kv_heads, dtype=torch.int32, device=DEVICE)
+    for _ in range(2):  # the split counters are left at zero for the next launch
+        paged_decode(q, k_cache, v_cache, tables, ctx, head_dim ** -0.5, splits, out=out, counters=counters)
+        assert not counters.any()
     live = [i for i, n in enumerate(lens) if n > 0]
     ref = _ref_attention(q[live], k_cache, v_cache, tables[live], [lens[i] for i in live], [1] * len(live),
                          head_dim ** -0.5)

@@ -7,8 +7,9 @@ through the block table one tile (``BLOCK_N`` tokens, several pages) at a time, 
 
 Decode packs the ``G = num_heads / num_kv_heads`` query heads sharing a KV head into the rows of one
 tile, so every key and value is read once per sequence; a sequence's context is split into ``num_splits``
-pieces handled by separate programs and merged by a second small kernel (log-sum-exp weights). The
-number of splits depends only on the batch size, which keeps the launch shape fixed for CUDA graphs.
+pieces handled by separate programs; the last of them to finish (an atomic counter per sequence and KV
+head) merges the pieces with log-sum-exp weights in the same launch. The number of splits depends only on
+the batch size, which keeps the launch shape fixed for CUDA graphs.
 
 Index arithmetic that can exceed 2**31 (slot times row stride) is done in int64. Padding rows of a
 CUDA-graph batch carry ``slot = -1`` (nothing stored) and ``context_len = 0`` (zeros out).
@@ -64,7 +65,7 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 # ------------------------------------------------------------------------------------------------ decode
 
 @triton.jit
-def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, lens_ptr, out_ptr, part_ptr, lse_ptr,
+def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, lens_ptr, out_ptr, part_ptr, lse_ptr, count_ptr,
                    stride_qt, stride_ot, stride_table, scale, num_splits,
                    NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
                    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
@@ -110,39 +111,41 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, lens_ptr, out_pt
         m_i = m_new
 
     out_mask = row_mask[:, None] & dim_mask[None, :]
+    out_rows = out_ptr + seq.to(tl.int64) * stride_ot + heads[:, None] * HEAD_DIM + dims[None, :]
     if not SPLIT:
         safe_l = tl.where(l_i > 0, l_i, 1.0)
-        out = acc / safe_l[:, None]
-        tl.store(out_ptr + seq.to(tl.int64) * stride_ot + heads[:, None] * HEAD_DIM + dims[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=out_mask)
+        tl.store(out_rows, (acc / safe_l[:, None]).to(out_ptr.dtype.element_ty), mask=out_mask)
     else:
         # partials [B, H, S, D] and log2-sum-exp [B, H, S]; an empty split has lse -inf.
-        part_row = (seq * NUM_KV_HEADS * GROUP + heads).to(tl.int64) * num_splits + split
+        first_row = (seq * NUM_KV_HEADS * GROUP + heads).to(tl.int64) * num_splits
         safe_l = tl.where(l_i > 0, l_i, 1.0)
-        tl.store(part_ptr + part_row[:, None] * HEAD_DIM + dims[None, :], acc / safe_l[:, None], mask=out_mask)
-        lse = tl.where(l_i > 0, m_i + tl.log2(safe_l), float("-inf"))
-        tl.store(lse_ptr + part_row, lse, mask=row_mask)
-
-
-@triton.jit
-def _merge_kernel(part_ptr, lse_ptr, out_ptr, stride_ot, num_splits, NUM_HEADS: tl.constexpr,
-                  HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, S_PAD: tl.constexpr):
-    seq = tl.program_id(0)
-    head = tl.program_id(1)
-    splits = tl.arange(0, S_PAD)
-    dims = tl.arange(0, D_PAD)
-    base = (seq * NUM_HEADS + head).to(tl.int64) * num_splits
-    lse = tl.load(lse_ptr + base + splits, mask=splits < num_splits, other=float("-inf"))
-    top = tl.max(lse, 0)
-    top = tl.where(top == float("-inf"), 0.0, top)
-    w = tl.exp2(lse - top)
-    total = tl.sum(w, 0)
-    w = w / tl.where(total > 0, total, 1.0)
-    part = tl.load(part_ptr + (base + splits)[:, None] * HEAD_DIM + dims[None, :],
-                   mask=(splits < num_splits)[:, None] & (dims < HEAD_DIM)[None, :], other=0.0)
-    out = tl.sum(part * w[:, None], 0)
-    tl.store(out_ptr + seq.to(tl.int64) * stride_ot + head * HEAD_DIM + dims, out.to(out_ptr.dtype.element_ty),
-             mask=dims < HEAD_DIM)
+        tl.store(part_ptr + (first_row + split)[:, None] * HEAD_DIM + dims[None, :], acc / safe_l[:, None],
+                 mask=out_mask)
+        tl.store(lse_ptr + first_row + split, tl.where(l_i > 0, m_i + tl.log2(safe_l), float("-inf")),
+                 mask=row_mask)
+        # The last split of this (sequence, KV head) to finish merges all of them, then resets the counter for
+        # the next launch (or graph replay): no second kernel.
+        tl.debug_barrier()
+        counter = count_ptr + seq * NUM_KV_HEADS + kvh
+        if tl.atomic_add(counter, 1, sem="acq_rel") == num_splits - 1:
+            top = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
+            total = tl.zeros([GROUP_PAD], dtype=tl.float32)
+            merged = tl.zeros([GROUP_PAD, D_PAD], dtype=tl.float32)
+            for other in range(num_splits):
+                lse = tl.load(lse_ptr + first_row + other, mask=row_mask, other=float("-inf"),
+                              cache_modifier=".cg")
+                part = tl.load(part_ptr + (first_row + other)[:, None] * HEAD_DIM + dims[None, :], mask=out_mask,
+                               other=0.0, cache_modifier=".cg")
+                new_top = tl.maximum(top, lse)
+                base = tl.where(new_top == float("-inf"), 0.0, new_top)
+                scale_old = tl.exp2(top - base)
+                weight = tl.exp2(lse - base)
+                merged = merged * scale_old[:, None] + part * weight[:, None]
+                total = total * scale_old + weight
+                top = new_top
+            merged = merged / tl.where(total > 0, total, 1.0)[:, None]
+            tl.store(out_rows, merged.to(out_ptr.dtype.element_ty), mask=out_mask)
+            tl.atomic_xchg(counter, 0)
 
 
 @functools.cache
@@ -157,9 +160,13 @@ def decode_splits(batch: int, num_kv_heads: int, max_splits: int = 16) -> int:
 
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                 context_lens: torch.Tensor, scale: float, num_splits: int,
-                 out: torch.Tensor | None = None) -> torch.Tensor:
-    """One query token per sequence: ``q`` [B, H, D] (heads contiguous) → [B, H, D]."""
+                 context_lens: torch.Tensor, scale: float, num_splits: int, out: torch.Tensor | None = None,
+                 counters: torch.Tensor | None = None) -> torch.Tensor:
+    """One query token per sequence: ``q`` [B, H, D] (heads contiguous) → [B, H, D].
+
+    With ``num_splits`` > 1, ``counters`` (int32, at least B × KV heads, zero; left zero) count the finished
+    splits of each (sequence, KV head), so that the last one merges the partial results in the same launch;
+    without it a zeroed buffer is allocated."""
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     block_size = k_cache.shape[1]
@@ -172,17 +179,18 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     if num_splits > 1:
         part = torch.empty(batch, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
         lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device)
+        if counters is None:
+            counters = torch.zeros(batch * num_kv_heads, dtype=torch.int32, device=q.device)
+        elif counters.numel() < batch * num_kv_heads:
+            raise ValueError("split counters smaller than batch × KV heads")
     else:
-        part = lse = out
+        part = lse = counters = out
     _decode_kernel[(batch, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, block_tables, context_lens, out, part, lse,
+        q, k_cache, v_cache, block_tables, context_lens, out, part, lse, counters,
         q.stride(0), out.stride(0), block_tables.stride(0), scale, num_splits,
         NUM_KV_HEADS=num_kv_heads, GROUP=group, GROUP_PAD=max(16, _pow2(group)), HEAD_DIM=head_dim,
         D_PAD=d_pad, BLOCK_SIZE=block_size, BLOCK_N=block_n, SPLIT=num_splits > 1,
         PRECISION=_dot_precision(q.dtype), num_warps=4, num_stages=2)
-    if num_splits > 1:
-        _merge_kernel[(batch, num_heads)](part, lse, out, out.stride(0), num_splits, NUM_HEADS=num_heads,
-                                          HEAD_DIM=head_dim, D_PAD=d_pad, S_PAD=_pow2(num_splits), num_warps=1)
     return out
 
 

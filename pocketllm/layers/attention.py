@@ -61,7 +61,7 @@ class Attention(nn.Module):
 
         if meta.is_decode_only:
             out = paged_decode(q, self.k_cache, self.v_cache, meta.block_tables, meta.context_lens_gpu,
-                               self.scale, meta.num_splits)
+                               self.scale, meta.num_splits, counters=meta.split_counters)
         else:
             out = paged_prefill(q, self.k_cache, self.v_cache, meta.block_tables, meta.context_lens_gpu,
                                 meta.query_start_gpu, meta.max_query_len, self.scale)

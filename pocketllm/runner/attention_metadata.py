@@ -28,6 +28,7 @@ class AttentionMetadata:
     query_start_gpu: torch.Tensor | None = None     # [num_seqs + 1] int32
     max_query_len: int = 0
     num_splits: int = 1                             # decode: context splits per sequence
+    split_counters: torch.Tensor | None = None      # decode, num_splits > 1: int32 ≥ num_seqs × KV heads, zero
     # Hybrid (recurrent-state) models only; None otherwise: each sequence's slot in the state pool.
     state_slots: torch.Tensor | None = None         # [num_seqs] int64
     state_slots_host: list[int] | None = None       # host copy

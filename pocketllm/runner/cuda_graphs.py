@@ -78,6 +78,8 @@ class CudaStepRunner:
         self.block_size = block_size
         self.num_kv_heads = num_kv_heads
         self.ring = _PinnedRing()
+        # Split-KV decode: finished-split counters per (sequence, KV head), zero between launches.
+        self.split_counters = torch.zeros(0, dtype=torch.int32, device=device)
         self.eager_buffer = torch.empty(1 << 16, dtype=torch.int32, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.graph_outputs: dict[int, torch.Tensor] = {}
@@ -92,6 +94,11 @@ class CudaStepRunner:
         from pocketllm.kernels.attention import decode_splits
 
         return decode_splits(batch, self.num_kv_heads)
+
+    def _counters(self, batch: int) -> torch.Tensor:
+        if self.split_counters.numel() < batch * self.num_kv_heads:
+            self.split_counters = torch.zeros(batch * self.num_kv_heads, dtype=torch.int32, device=self.device)
+        return self.split_counters
 
     def forward(self, host: HostBatch, previous_tokens: torch.Tensor | None = None) -> torch.Tensor | None:
         """Hidden states of the rows that sample this step (None if none does); pending inputs are taken from
@@ -143,7 +150,7 @@ class CudaStepRunner:
             query_start=host.query_start, context_lens=host.context_lens, block_size=self.block_size,
             context_lens_gpu=view("ctx"), query_start_gpu=view("qstart"),
             max_query_len=max(b - a for a, b in zip(host.query_start, host.query_start[1:])),
-            num_splits=self._splits(n) if decode else 1,
+            num_splits=self._splits(n) if decode else 1, split_counters=self._counters(n) if decode else None,
             state_slots=view("state") if hybrid else None, state_slots_host=host.state_slots if hybrid else None)
         host.pending.fill(view("ids"), previous_tokens)
         hidden = self.model(view("ids"), view("pos"), meta)
@@ -164,11 +171,12 @@ class CudaStepRunner:
         if hybrid:
             state.fill_(self.state_padding_slot)
         self.pool = torch.cuda.graph_pool_handle()
+        counters = self._counters(maxb)   # the graphs' metadata keeps this buffer alive
         for bs in reversed(graph_buckets(max_num_seqs)):
             meta = AttentionMetadata(
                 slot_mapping=slots[:bs], block_tables=tables[:bs], query_start=list(range(bs + 1)),
                 context_lens=[0] * bs, block_size=self.block_size, context_lens_gpu=ctx[:bs],
-                query_start_gpu=None, max_query_len=1, num_splits=self._splits(bs),
+                query_start_gpu=None, max_query_len=1, num_splits=self._splits(bs), split_counters=counters,
                 state_slots=state[:bs] if hybrid else None,
                 state_slots_host=[self.state_padding_slot] * bs if hybrid else None)
             self.model(ids[:bs], pos[:bs], meta)  # compile and warm up outside the capture

@@ -70,7 +70,8 @@ class ModelRunner:
         if device.type == "cuda" and kernels_available(device) and self.attention_layers:
             from pocketllm.runner.cuda_graphs import CudaStepRunner
 
-            self.cuda_step = CudaStepRunner(self.model, device, block_size, self.attention_layers[0].num_kv_heads)
+            self.cuda_step = CudaStepRunner(self.model, device, block_size,
+                                            max(layer.num_kv_heads for layer in self.attention_layers))
         # CPU: the flat decode step (cpu_decode.py), set up by ``load``.
         self.cpu_decode = None
 
