@@ -32,6 +32,7 @@ def _conv_step_kernel(x_ptr, stride_x, w_ptr, conv_ptr, stride_cs, stride_ck, sl
     row = tl.program_id(0).to(tl.int64)
     part = tl.program_id(1)
     is_v = part >= 2 * key_heads
+    is_qk = part < 2 * key_heads
     is_q = part < key_heads
     start = tl.where(is_v, 2 * key_heads * dk + (part - 2 * key_heads) * dv, part * dk)
     width = tl.where(is_v, dv, dk)
@@ -58,7 +59,7 @@ def _conv_step_kernel(x_ptr, stride_x, w_ptr, conv_ptr, stride_cs, stride_ck, sl
     # the reference rounds the conv output and the SiLU output to the model dtype
     y = acc.to(x.dtype).to(tl.float32)
     y = (y / (1.0 + tl.exp(-y))).to(x.dtype).to(tl.float32)
-    if not is_v:
+    if is_qk:
         y = y * tl.rsqrt(tl.sum(y * y, 0) + 1e-6)
         y = tl.where(is_q, y * q_scale, y)
     tl.store(out_ptr + row * conv_dim + cols, y, mask=mask)
