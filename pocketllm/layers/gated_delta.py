@@ -14,6 +14,10 @@ system solved in one batched triangular solve, and only the chunk-to-chunk state
 Per-request states live in slots of a pool bound by the model runner: ``conv_state`` [slots, K-1, channels]
 (the last K-1 conv inputs) and ``ssm_state`` [slots, value_heads, key_dim, value_dim] (float32). A sequence
 whose chunk starts at position 0 starts from zeros, whatever the slot held before.
+
+This module is the reference (CPU, and CUDA without the fast paths). On CUDA ``gated_delta_backend`` picks the
+fast paths: a two-launch Triton decode step (``kernels/gated_delta.py``) and fla's chunked prefill
+(``kernels/gated_delta_fla.py``, optional package); the rule is documented in ``layers/gated_delta_backend.py``.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pocketllm.distributed import tp_rank, tp_size
+from pocketllm.layers.gated_delta_backend import gated_delta_backend
 from pocketllm.layers.linear import ColumnParallelLinear, RowParallelLinear
 from pocketllm.runner.attention_metadata import AttentionMetadata
 
@@ -221,12 +226,23 @@ class GatedDeltaNet(nn.Module):
     def forward(self, hidden: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         proj = self.in_proj(hidden)
         mixed, z, b, a = proj.split([self.conv_dim, self.value_dim, self.num_v_heads, self.num_v_heads], dim=-1)
-        beta = b.float().sigmoid()
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
         if meta.state_slots is None:
             raise RuntimeError("GatedDeltaNet needs per-sequence state slots in the attention metadata")
+        backend = gated_delta_backend(hidden, meta)
+        if backend.decode == "triton":
+            from pocketllm.kernels.gated_delta import gated_delta_decode
+
+            core = gated_delta_decode(mixed, a, b, self.conv1d.weight, self.A_log, self.dt_bias, self.conv_state,
+                                      self.ssm_state, meta.state_slots, meta.context_lens_gpu, self.num_k_heads,
+                                      self.num_v_heads, self.head_k_dim, self.head_v_dim, z=z,
+                                      norm_weight=self.norm.weight, eps=self.norm.eps)
+            return self.out_proj(core)
+        beta = b.float().sigmoid()
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
         if meta.is_decode_only:
             core = self._decode(mixed, g, beta, meta)
+        elif backend.prefill == "fla":
+            core = self._prefill_fla(mixed, g, beta, meta)
         else:
             core = torch.cat([self._sequence(mixed, g, beta, meta, i) for i in range(meta.num_seqs)], dim=0)
         core = self.norm(core.to(hidden.dtype), z.reshape(-1, self.num_v_heads, self.head_v_dim))
@@ -243,14 +259,21 @@ class GatedDeltaNet(nn.Module):
             q, k = q.repeat_interleave(groups, dim=1), k.repeat_interleave(groups, dim=1)
         return q * self.head_k_dim ** -0.5, k, v.float().reshape(tokens, self.num_v_heads, self.head_v_dim)
 
-    def _sequence(self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, meta: AttentionMetadata,
-                  i: int) -> torch.Tensor:
+    def _conv_sequence(self, mixed: torch.Tensor, meta: AttentionMetadata, i: int) -> tuple[torch.Tensor, bool]:
+        """Sequence ``i``'s conv output [L, conv_dim] (its conv-state slot updated) and whether it starts fresh."""
         start, end = meta.query_start[i], meta.query_start[i + 1]
         slot = meta.state_slots_host[i]
         fresh = meta.context_lens[i] == end - start
         conv_prev = torch.zeros_like(self.conv_state[slot]) if fresh else self.conv_state[slot]
         conv_out, conv_next = causal_conv1d(mixed[start:end], self.conv1d.weight, conv_prev)
         self.conv_state[slot] = conv_next.to(self.conv_state.dtype)
+        return conv_out, fresh
+
+    def _sequence(self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, meta: AttentionMetadata,
+                  i: int) -> torch.Tensor:
+        start, end = meta.query_start[i], meta.query_start[i + 1]
+        slot = meta.state_slots_host[i]
+        conv_out, fresh = self._conv_sequence(mixed, meta, i)
         q, k, v = self._heads(conv_out)
         state = torch.zeros_like(self.ssm_state[slot]) if fresh else self.ssm_state[slot]
         gs, bs = g[start:end].t(), beta[start:end].t()               # [Hv, L]
@@ -261,6 +284,28 @@ class GatedDeltaNet(nn.Module):
             out, state = chunk_gated_delta_rule(qh, kh, vh, gs, bs, state, self.chunk_size)
         self.ssm_state[slot] = state
         return out.transpose(0, 1)                                   # [L, Hv, Dv]
+
+    def _prefill_fla(self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                     meta: AttentionMetadata) -> torch.Tensor:
+        """Every sequence of the batch in one varlen call of fla's chunked kernels, each from its slot's state
+        (zeros when fresh); the convs run per sequence as on the reference path."""
+        from pocketllm.kernels.gated_delta_fla import fla_chunk_prefill
+
+        convs = [self._conv_sequence(mixed, meta, i) for i in range(meta.num_seqs)]
+        conv_out = torch.cat([c for c, _ in convs], dim=0)
+        q, k, v = F.silu(conv_out).split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        tokens = conv_out.shape[0]
+        slots = meta.state_slots.long()
+        keep = torch.tensor([not fresh for _, fresh in convs], device=mixed.device)
+        state = torch.where(keep[:, None, None, None], self.ssm_state.index_select(0, slots), 0)
+        cu = meta.query_start_gpu if meta.query_start_gpu is not None else torch.tensor(meta.query_start,
+                                                                                        device=mixed.device)
+        out, state = fla_chunk_prefill(q.reshape(tokens, self.num_k_heads, self.head_k_dim),
+                                       k.reshape(tokens, self.num_k_heads, self.head_k_dim),
+                                       v.reshape(tokens, self.num_v_heads, self.head_v_dim), g, beta, state, cu,
+                                       meta.query_start, self.head_k_dim ** -0.5)
+        self.ssm_state.index_copy_(0, slots, state.to(self.ssm_state.dtype))
+        return out
 
     def _decode(self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:

@@ -1,0 +1,59 @@
+"""Which implementation runs the Gated DeltaNet rule: the rule, in one place.
+
+Decode (one token per sequence, the CUDA kernel path): our Triton step (``kernels/gated_delta.py``: conv update,
+SiLU, L2 norms, delta rule and gated RMSNorm in two launches, CUDA-graph safe) whenever Triton serves the
+device; else the PyTorch reference.
+
+Prefill (any batch with a sequence of more than one new token): fla's chunked kernels (``kernels/
+gated_delta_fla.py``, one varlen call for the whole batch) on CUDA when ``fla`` imports and the model runs in
+bf16/fp16; else the PyTorch chunked reference, one sequence at a time. float32 models stay on the reference
+because fla's float32 matmuls may run in TF32, and the float32 CUDA path is held to the CPU path's tokens.
+
+``POCKETLLM_GDN_DECODE`` (``auto`` | ``triton`` | ``torch``) and ``POCKETLLM_GDN_PREFILL`` (``auto`` | ``fla`` |
+``torch``) override the choice for measurements; a backend that cannot run is never chosen.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import NamedTuple
+
+import torch
+
+from pocketllm.kernels import available as kernels_available
+from pocketllm.runner.attention_metadata import AttentionMetadata
+
+
+class GatedDeltaBackend(NamedTuple):
+    decode: str   # "triton" | "torch"
+    prefill: str  # "fla" | "torch"
+
+
+def _override(name: str) -> str:
+    value = os.environ.get(name, "auto").strip().lower() or "auto"
+    return value
+
+
+@functools.cache
+def _choose(device: torch.device, dtype: torch.dtype, uses_kernels: bool) -> GatedDeltaBackend:
+    on_cuda = device.type == "cuda"
+    decode = "torch"
+    if on_cuda and uses_kernels and kernels_available(device) and _override("POCKETLLM_GDN_DECODE") != "torch":
+        decode = "triton"
+    prefill = "torch"
+    wanted = _override("POCKETLLM_GDN_PREFILL")
+    if on_cuda and wanted != "torch":
+        from pocketllm.kernels.gated_delta_fla import fla_available
+
+        if fla_available() and (wanted == "fla" or dtype in (torch.bfloat16, torch.float16)):
+            prefill = "fla"
+    return GatedDeltaBackend(decode, prefill)
+
+
+def gated_delta_backend(hidden: torch.Tensor, meta: AttentionMetadata) -> GatedDeltaBackend:
+    """The backends for this forward pass (decode only matters when every sequence brings one token)."""
+    choice = _choose(hidden.device, hidden.dtype, meta.uses_kernels)
+    if not meta.is_decode_only and choice.decode != "torch":
+        choice = choice._replace(decode="torch")
+    return choice
