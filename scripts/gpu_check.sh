@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, profiles and the three H200 benchmark numbers; logs and JSON under $OUT.
-# Usage (on the GPU machine, repository root): bash scripts/gpu_check.sh [tests|gemv|profile|latency|throughput|hybrid ...]
+# Usage (on the GPU machine, repository root): bash scripts/gpu_check.sh [tests|gdn|gemv|profile|latency|throughput|hybrid ...]
+# fla-core (optional, for Qwen3.5 prefill) is picked up from PYTHONPATH if installed or unpacked there.
 set -u
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 OUT=${OUT:-build/gpu-check}; mkdir -p "$OUT"
@@ -13,8 +14,10 @@ for stage in $stages; do
   start=$(date +%s)
   case $stage in
     tests)
-      timeout ${TESTS_TIMEOUT:-260} $PY -m pytest -m gpu tests/test_kernels_gpu.py -q -p no:cacheprovider > "$OUT/tests.log" 2>&1
+      timeout ${TESTS_TIMEOUT:-260} $PY -m pytest -m gpu tests/test_kernels_gpu.py tests/test_gated_delta_gpu.py -q -p no:cacheprovider > "$OUT/tests.log" 2>&1
       echo "gpu tests rc=$? $(tail -1 "$OUT/tests.log")" | tee -a "$OUT/bench.log" ;;
+    gdn)
+      timeout 100 $PY scripts/bench_gated_delta.py > "$OUT/gdn.log" 2>&1; cat "$OUT/gdn.log" | tee -a "$OUT/bench.log" ;;
     gemv)
       timeout 90 $PY scripts/bench_gemv.py > "$OUT/gemv.log" 2>&1; cat "$OUT/gemv.log" | tee -a "$OUT/bench.log" ;;
     profile)
