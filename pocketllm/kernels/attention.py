@@ -69,7 +69,7 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, lens_ptr, out_pt
                    stride_qt, stride_ot, stride_table, scale, num_splits,
                    NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
                    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                   BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr):
+                   BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, S_PAD: tl.constexpr, PRECISION: tl.constexpr):
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -128,23 +128,19 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, lens_ptr, out_pt
         tl.debug_barrier()
         counter = count_ptr + seq * NUM_KV_HEADS + kvh
         if tl.atomic_add(counter, 1, sem="acq_rel") == num_splits - 1:
-            top = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
-            total = tl.zeros([GROUP_PAD], dtype=tl.float32)
-            merged = tl.zeros([GROUP_PAD, D_PAD], dtype=tl.float32)
-            for other in range(num_splits):
-                lse = tl.load(lse_ptr + first_row + other, mask=row_mask, other=float("-inf"),
-                              cache_modifier=".cg")
-                part = tl.load(part_ptr + (first_row + other)[:, None] * HEAD_DIM + dims[None, :], mask=out_mask,
-                               other=0.0, cache_modifier=".cg")
-                new_top = tl.maximum(top, lse)
-                base = tl.where(new_top == float("-inf"), 0.0, new_top)
-                scale_old = tl.exp2(top - base)
-                weight = tl.exp2(lse - base)
-                merged = merged * scale_old[:, None] + part * weight[:, None]
-                total = total * scale_old + weight
-                top = new_top
-            merged = merged / tl.where(total > 0, total, 1.0)[:, None]
-            tl.store(out_rows, merged.to(out_ptr.dtype.element_ty), mask=out_mask)
+            splits = tl.arange(0, S_PAD)
+            split_mask = splits < num_splits
+            for g in tl.static_range(GROUP):   # every split of a head in one load: no serial chain of loads
+                first = (seq * NUM_KV_HEADS * GROUP + kvh * GROUP + g).to(tl.int64) * num_splits
+                lse = tl.load(lse_ptr + first + splits, mask=split_mask, other=float("-inf"), cache_modifier=".cg")
+                part = tl.load(part_ptr + (first + splits)[:, None] * HEAD_DIM + dims[None, :],
+                               mask=split_mask[:, None] & dim_mask[None, :], other=0.0, cache_modifier=".cg")
+                top = tl.max(lse, 0)
+                weight = tl.exp2(lse - tl.where(top == float("-inf"), 0.0, top))
+                total = tl.sum(weight, 0)
+                merged = tl.sum(part * (weight / tl.where(total > 0, total, 1.0))[:, None], 0)
+                tl.store(out_ptr + seq.to(tl.int64) * stride_ot + (kvh * GROUP + g) * HEAD_DIM + dims,
+                         merged.to(out_ptr.dtype.element_ty), mask=dim_mask)
             tl.atomic_xchg(counter, 0)
 
 
@@ -189,7 +185,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         q, k_cache, v_cache, block_tables, context_lens, out, part, lse, counters,
         q.stride(0), out.stride(0), block_tables.stride(0), scale, num_splits,
         NUM_KV_HEADS=num_kv_heads, GROUP=group, GROUP_PAD=max(16, _pow2(group)), HEAD_DIM=head_dim,
-        D_PAD=d_pad, BLOCK_SIZE=block_size, BLOCK_N=block_n, SPLIT=num_splits > 1,
+        D_PAD=d_pad, BLOCK_SIZE=block_size, BLOCK_N=block_n, SPLIT=num_splits > 1, S_PAD=_pow2(num_splits),
         PRECISION=_dot_precision(q.dtype), num_warps=4, num_stages=2)
     return out
 
