@@ -8,9 +8,26 @@ LM head of Qwen3-0.6B; this kernel streams the weight in [BLOCK_N, BLOCK_K] tile
 
 from __future__ import annotations
 
+import functools
+import os
+
 import torch
 import triton
 import triton.language as tl
+
+try:
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # an older Triton: no programmatic dependent launch
+    gdc_launch_dependents = gdc_wait = None
+
+
+@functools.cache
+def pdl_enabled(device_index: int) -> bool:
+    """Whether skinny products launch as programmatic dependents (Hopper or later, a Triton that has it, and
+    ``POCKETLLM_PDL`` not 0): each then streams its first weight tile while the previous kernel finishes."""
+    if gdc_wait is None or os.environ.get("TRITON_INTERPRET") == "1" or os.environ.get("POCKETLLM_PDL") == "0":
+        return False
+    return torch.cuda.get_device_capability(device_index)[0] >= 9
 
 
 @triton.jit
@@ -64,7 +81,8 @@ def _inverse_rms(x_ptr, res_ptr, rows, m_mask, K, stride_xm, stride_rm, eps, HAS
 @triton.jit
 def _skinny_kernel(x_ptr, w_ptr, out_ptr, res_ptr, nw_ptr, res_out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
                    stride_rm, eps, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, NORM_OFFSET: tl.constexpr):
+                   PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, NORM_OFFSET: tl.constexpr,
+                   PDL: tl.constexpr):
     pid = tl.program_id(0)
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
@@ -72,14 +90,22 @@ def _skinny_kernel(x_ptr, w_ptr, out_ptr, res_ptr, nw_ptr, res_out_ptr, M, N, K,
     w_rows = w_ptr + rn.to(tl.int64)[:, None] * stride_wn
     rows = tl.arange(0, BLOCK_M)
     m_mask = rows < M
+    w_first = tl.load(w_rows + rk[None, :], mask=n_mask[:, None] & (rk < K)[None, :], other=0.0)
+    if PDL:
+        # Up to here only the weight was read, which no earlier kernel writes: launched as a programmatic
+        # dependent, that overlaps the previous kernel's tail. Its output is read only after the wait.
+        gdc_wait()
+        gdc_launch_dependents()
     if PROLOGUE == 2:
         rstd = _inverse_rms(x_ptr, res_ptr, rows, m_mask, K, stride_xm, stride_rm, eps, HAS_RESIDUAL, BLOCK_M,
                             BLOCK_K)
     else:
         rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
+    x = _input_tile(x_ptr, res_ptr, nw_ptr, res_out_ptr, rows, m_mask, 0, K, stride_xm, stride_rm, rstd, pid, eps,
+                    PROLOGUE, HAS_RESIDUAL, NORM_OFFSET, BLOCK_K)
     if BLOCK_M == 1:
-        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
+        acc = w_first.to(tl.float32) * x
+        for k0 in range(BLOCK_K, K, BLOCK_K):
             x = _input_tile(x_ptr, res_ptr, nw_ptr, res_out_ptr, rows, m_mask, k0, K, stride_xm, stride_rm, rstd,
                             pid, eps, PROLOGUE, HAS_RESIDUAL, NORM_OFFSET, BLOCK_K)
             w = tl.load(w_rows + (k0 + rk)[None, :], mask=n_mask[:, None] & ((k0 + rk) < K)[None, :], other=0.0)
@@ -87,8 +113,8 @@ def _skinny_kernel(x_ptr, w_ptr, out_ptr, res_ptr, nw_ptr, res_out_ptr, M, N, K,
         out = tl.sum(acc, 1)
         tl.store(out_ptr + rn, out.to(out_ptr.dtype.element_ty), mask=n_mask)
     else:
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
+        acc = tl.dot(x.to(w_first.dtype), tl.trans(w_first))
+        for k0 in range(BLOCK_K, K, BLOCK_K):
             x = _input_tile(x_ptr, res_ptr, nw_ptr, res_out_ptr, rows, m_mask, k0, K, stride_xm, stride_rm, rstd,
                             pid, eps, PROLOGUE, HAS_RESIDUAL, NORM_OFFSET, BLOCK_K)
             w = tl.load(w_rows + (k0 + rk)[None, :], mask=n_mask[:, None] & ((k0 + rk) < K)[None, :], other=0.0)
@@ -130,12 +156,15 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, prologue: int, residual: torc
     if residual is not None:
         residual = residual if residual.stride(1) == 1 else residual.contiguous()
         res_out = torch.empty(m, k, dtype=x.dtype, device=x.device)
+    pdl = x.is_cuda and pdl_enabled(x.device.index if x.device.index is not None else torch.cuda.current_device())
+    launch = {"launch_pdl": True} if pdl else {}
     _skinny_kernel[(triton.cdiv(n, block_n),)](
         x, weight, out, x if residual is None else residual, x if norm_weight is None else norm_weight,
         out if res_out is None else res_out, m, n, k, x.stride(0), weight.stride(0), out.stride(0),
         0 if residual is None else residual.stride(0), eps,
         BLOCK_M=1 if m == 1 else 16, BLOCK_N=block_n, BLOCK_K=block_k, PROLOGUE=prologue,
-        HAS_RESIDUAL=residual is not None, NORM_OFFSET=norm_offset, num_warps=4, num_stages=num_stages)
+        HAS_RESIDUAL=residual is not None, NORM_OFFSET=norm_offset, PDL=pdl, num_warps=4, num_stages=num_stages,
+        **launch)
     return out, res_out
 
 
