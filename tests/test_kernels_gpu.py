@@ -489,3 +489,15 @@ def test_skinny_rms_norm_linear(rows, with_residual, offset):
     torch.testing.assert_close(summed, expected_sum)
     ref = norm._norm(expected_sum).double() @ weight.double().T
     assert _rel(out, ref) < TOL[dtype]
+
+
+def test_greedy_argmax_matches_torch_with_ties():
+    _need_kernels()
+    from pocketllm.kernels.sampling import greedy_argmax
+
+    logits = torch.randn(5, 10000, device=DEVICE).to(torch.bfloat16)
+    logits[1, 7000] = logits[1, 300] = 50.0                # a tie across chunks: the lower index wins
+    logits[2, 4100] = logits[2, 4097] = 50.0                # a tie inside a chunk
+    logits[3] = float("-inf")
+    assert torch.equal(greedy_argmax(logits, chunk=4096), logits.argmax(dim=-1))
+    assert torch.equal(greedy_argmax(logits[:, :9000]), logits[:, :9000].argmax(dim=-1))

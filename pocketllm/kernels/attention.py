@@ -23,6 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
+from pocketllm.kernels.pdl import gdc_launch_dependents, gdc_wait, launch_options
+
 
 def _pow2(n: int) -> int:
     return triton.next_power_of_2(int(n))
@@ -69,7 +71,11 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, lens_ptr, out_pt
                    stride_qt, stride_ot, stride_table, scale, num_splits,
                    NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
                    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                   BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, S_PAD: tl.constexpr, PRECISION: tl.constexpr):
+                   BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, S_PAD: tl.constexpr, PRECISION: tl.constexpr,
+                   PDL: tl.constexpr):
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -181,12 +187,13 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
             raise ValueError("split counters smaller than batch × KV heads")
     else:
         part = lse = counters = out
+    pdl, launch = launch_options(q)
     _decode_kernel[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens, out, part, lse, counters,
         q.stride(0), out.stride(0), block_tables.stride(0), scale, num_splits,
         NUM_KV_HEADS=num_kv_heads, GROUP=group, GROUP_PAD=max(16, _pow2(group)), HEAD_DIM=head_dim,
         D_PAD=d_pad, BLOCK_SIZE=block_size, BLOCK_N=block_n, SPLIT=num_splits > 1, S_PAD=_pow2(num_splits),
-        PRECISION=_dot_precision(q.dtype), num_warps=4, num_stages=2)
+        PRECISION=_dot_precision(q.dtype), num_warps=4, num_stages=2, PDL=pdl, **launch)
     return out
 
 

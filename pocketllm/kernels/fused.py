@@ -11,6 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
+from pocketllm.kernels.pdl import gdc_launch_dependents, gdc_wait, launch_options
+
 
 def _pow2(n: int) -> int:
     return triton.next_power_of_2(int(n))
@@ -24,7 +26,10 @@ def _warps(width: int) -> int:
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, stride_x, stride_r, stride_o, n_cols, eps,
-                     HAS_RESIDUAL: tl.constexpr, OFFSET: tl.constexpr, BLOCK: tl.constexpr):
+                     HAS_RESIDUAL: tl.constexpr, OFFSET: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -54,10 +59,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     rows = x2.shape[0]
     out = torch.empty(shape, dtype=x.dtype, device=x.device)
     out2 = out.view(-1, n)
+    pdl, launch = launch_options(x)
     if residual is None:
         if rows:
             _rms_norm_kernel[(rows,)](x2, x2, weight, out2, out2, x2.stride(0), 0, out2.stride(0), n, eps,
-                                      HAS_RESIDUAL=False, OFFSET=offset, BLOCK=_pow2(n), num_warps=_warps(n))
+                                      HAS_RESIDUAL=False, OFFSET=offset, BLOCK=_pow2(n), num_warps=_warps(n),
+                                      PDL=pdl, **launch)
         return out
     r2 = residual.reshape(-1, n)
     if r2.stride(-1) != 1:
@@ -66,14 +73,17 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     if rows:
         _rms_norm_kernel[(rows,)](x2, r2, weight, out2, summed.view(-1, n), x2.stride(0), r2.stride(0),
                                   out2.stride(0), n, eps, HAS_RESIDUAL=True, OFFSET=offset, BLOCK=_pow2(n),
-                                  num_warps=_warps(n))
+                                  num_warps=_warps(n), PDL=pdl, **launch)
     return out, summed
 
 
 # ------------------------------------------------------------------------------------------------ SiLU·mul
 
 @triton.jit
-def _silu_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, n_cols, BLOCK: tl.constexpr):
+def _silu_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, n_cols, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -93,8 +103,9 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty(*x.shape[:-1], n, dtype=x.dtype, device=x.device)
     if rows:
         block = min(1024, _pow2(n))
+        pdl, launch = launch_options(x)
         _silu_mul_kernel[(rows, triton.cdiv(n, block))](x2, out.view(-1, n), x2.stride(0), n, n, BLOCK=block,
-                                                         num_warps=4)
+                                                         num_warps=4, PDL=pdl, **launch)
     return out
 
 
@@ -104,7 +115,10 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 def _qkv_prep_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr,
                      slot_ptr, stride_qkv, stride_cos, eps,
                      NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                     HALF_PAD: tl.constexpr, HAS_NORM: tl.constexpr):
+                     HALF_PAD: tl.constexpr, HAS_NORM: tl.constexpr, PDL: tl.constexpr):
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
     tok = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     half: tl.constexpr = HEAD_DIM // 2
@@ -166,9 +180,10 @@ def qkv_prepare(qkv: torch.Tensor, positions: torch.Tensor, cos_cache: torch.Ten
     has_norm = q_weight is not None
     qw = q_weight if has_norm else qkv
     kw = k_weight if has_norm else qkv
+    pdl, launch = launch_options(qkv)
     _qkv_prep_kernel[(tokens, num_heads + 2 * num_kv_heads)](
         qkv, positions, cos_cache, sin_cache, qw, kw, q, k_cache, v_cache, slot_mapping,
         qkv.stride(0), cos_cache.stride(0), eps,
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, HALF_PAD=_pow2(head_dim // 2),
-        HAS_NORM=has_norm, num_warps=1)
+        HAS_NORM=has_norm, num_warps=1, PDL=pdl, **launch)
     return q

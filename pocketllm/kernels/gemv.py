@@ -8,26 +8,11 @@ LM head of Qwen3-0.6B; this kernel streams the weight in [BLOCK_N, BLOCK_K] tile
 
 from __future__ import annotations
 
-import functools
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-try:
-    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-except ImportError:  # an older Triton: no programmatic dependent launch
-    gdc_launch_dependents = gdc_wait = None
-
-
-@functools.cache
-def pdl_enabled(device_index: int) -> bool:
-    """Whether skinny products launch as programmatic dependents (Hopper or later, a Triton that has it, and
-    ``POCKETLLM_PDL`` not 0): each then streams its first weight tile while the previous kernel finishes."""
-    if gdc_wait is None or os.environ.get("TRITON_INTERPRET") == "1" or os.environ.get("POCKETLLM_PDL") == "0":
-        return False
-    return torch.cuda.get_device_capability(device_index)[0] >= 9
+from pocketllm.kernels.pdl import gdc_launch_dependents, gdc_wait, launch_options
 
 
 @triton.jit
@@ -156,8 +141,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, prologue: int, residual: torc
     if residual is not None:
         residual = residual if residual.stride(1) == 1 else residual.contiguous()
         res_out = torch.empty(m, k, dtype=x.dtype, device=x.device)
-    pdl = x.is_cuda and pdl_enabled(x.device.index if x.device.index is not None else torch.cuda.current_device())
-    launch = {"launch_pdl": True} if pdl else {}
+    pdl, launch = launch_options(x)
     _skinny_kernel[(triton.cdiv(n, block_n),)](
         x, weight, out, x if residual is None else residual, x if norm_weight is None else norm_weight,
         out if res_out is None else res_out, m, n, k, x.stride(0), weight.stride(0), out.stride(0),

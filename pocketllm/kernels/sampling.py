@@ -53,3 +53,47 @@ def gumbel_argmax(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch
         _gumbel_argmax_kernel[(batch,)](logits, temperatures, seeds, out, vocab, logits.stride(0),
                                         BLOCK=2048, num_warps=8)
     return out
+
+
+# ------------------------------------------------------------------------------------------------ greedy
+
+@triton.jit
+def _chunk_max_kernel(logits_ptr, val_ptr, idx_ptr, vocab, stride_row, num_chunks, CHUNK: tl.constexpr):
+    row = tl.program_id(0)
+    chunk = tl.program_id(1)
+    cols = chunk * CHUNK + tl.arange(0, CHUNK)
+    x = tl.load(logits_ptr + row.to(tl.int64) * stride_row + cols, mask=cols < vocab,
+                other=float("-inf")).to(tl.float32)
+    top = tl.max(x, 0)
+    first = tl.min(tl.where(x == top, cols, vocab), 0)   # lowest index among equal maxima, as torch.argmax
+    tl.store(val_ptr + row * num_chunks + chunk, top)
+    tl.store(idx_ptr + row * num_chunks + chunk, first)
+
+
+@triton.jit
+def _merge_max_kernel(val_ptr, idx_ptr, out_ptr, num_chunks, C_PAD: tl.constexpr):
+    row = tl.program_id(0)
+    chunks = tl.arange(0, C_PAD)
+    mask = chunks < num_chunks
+    vals = tl.load(val_ptr + row * num_chunks + chunks, mask=mask, other=float("-inf"))
+    idx = tl.load(idx_ptr + row * num_chunks + chunks, mask=mask, other=2**30)
+    top = tl.max(vals, 0)
+    tl.store(out_ptr + row, tl.min(tl.where(vals == top, idx, 2**30), 0).to(tl.int64))
+
+
+def greedy_argmax(logits: torch.Tensor, chunk: int = 4096) -> torch.Tensor:
+    """``logits.argmax(-1)`` for ``logits`` [B, V] (lowest index among ties), the vocabulary spread over many
+    programs: one program per row took ~36 µs for a 128k vocabulary at batch 1."""
+    batch, vocab = logits.shape
+    if logits.stride(1) != 1:
+        logits = logits.contiguous()
+    out = torch.empty(batch, dtype=torch.int64, device=logits.device)
+    if batch:
+        num_chunks = triton.cdiv(vocab, chunk)
+        vals = torch.empty(batch, num_chunks, dtype=torch.float32, device=logits.device)
+        idx = torch.empty(batch, num_chunks, dtype=torch.int32, device=logits.device)
+        _chunk_max_kernel[(batch, num_chunks)](logits, vals, idx, vocab, logits.stride(0), num_chunks, CHUNK=chunk,
+                                               num_warps=4)
+        _merge_max_kernel[(batch,)](vals, idx, out, num_chunks, C_PAD=triton.next_power_of_2(num_chunks),
+                                    num_warps=1)
+    return out

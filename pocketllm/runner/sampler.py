@@ -157,6 +157,10 @@ class Sampler:
             p.greedy and p.logprobs is None and not _needs_processing(p) for p in params)
         if plain_greedy:
             # Fast path: one argmax over the raw logits, no copies.
+            if kernels_available(logits.device):
+                from pocketllm.kernels.sampling import greedy_argmax
+
+                return SampleResult(greedy_argmax(logits), params)
             return SampleResult(logits.argmax(dim=-1), params)
 
         device = logits.device

@@ -1,0 +1,38 @@
+"""Programmatic dependent launch (Hopper and later): a kernel launched as a dependent of the one before it on
+the stream is scheduled while that one finishes, and waits on it (``gdc_wait``) only before reading its
+output. In a decode step of a few hundred short kernels this hides most of each launch gap.
+
+Kernels take a ``PDL`` constexpr: when true they call ``gdc_wait`` before their first read of an earlier
+kernel's output (weights may be read before it) and ``gdc_launch_dependents`` after it.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+try:
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # an older Triton: no programmatic dependent launch
+    gdc_launch_dependents = gdc_wait = None
+
+__all__ = ["gdc_launch_dependents", "gdc_wait", "launch_options"]
+
+
+@functools.cache
+def _enabled(device_index: int) -> bool:
+    if gdc_wait is None or os.environ.get("TRITON_INTERPRET") == "1" or os.environ.get("POCKETLLM_PDL") == "0":
+        return False
+    return torch.cuda.get_device_capability(device_index)[0] >= 9
+
+
+def launch_options(tensor: torch.Tensor) -> tuple[bool, dict[str, bool]]:
+    """(the kernel's ``PDL`` constexpr, extra launch arguments) for a kernel working on ``tensor``'s device;
+    ``POCKETLLM_PDL=0`` turns dependent launches off."""
+    if not tensor.is_cuda:
+        return False, {}
+    index = tensor.device.index if tensor.device.index is not None else torch.cuda.current_device()
+    pdl = _enabled(index)
+    return pdl, ({"launch_pdl": True} if pdl else {})
