@@ -65,6 +65,29 @@ def attention_row(name: str, heads: int, kv_heads: int, dim: int, batch: int, ct
     return f"{name:10s} {batch:5d} {ctx:5d} " + " ".join(f"{t:8.1f}" for t in times) + f" {auto:7d}"
 
 
+def attention_variants(heads: int, kv_heads: int, dim: int, ctx: int) -> None:
+    """Batch-1 decode attention over tile sizes, warps and pipeline stages (µs; splits as the engine picks)."""
+    k_cache = torch.randn(ctx // 16 + 1, 16, kv_heads, dim, dtype=torch.bfloat16, device="cuda")
+    v_cache = torch.randn_like(k_cache)
+    tables = torch.arange(ctx // 16 + 1, dtype=torch.int32, device="cuda").view(1, -1)
+    lens = torch.full((1,), ctx, dtype=torch.int32, device="cuda")
+    q = torch.randn(1, heads, dim, dtype=torch.bfloat16, device="cuda")
+    counters = torch.zeros(kv_heads, dtype=torch.int32, device="cuda")
+    results = []
+    for splits in (4, 16):
+        for block_n in (16, 32, 64):
+            for warps in (1, 2, 4):
+                for stages in (1, 2, 3):
+                    def run(s=splits, b=block_n, w=warps, st=stages) -> torch.Tensor:
+                        return paged_decode(q, k_cache, v_cache, tables, lens, dim ** -0.5, s, counters=counters,
+                                            block_n=b, num_warps=w, num_stages=st)
+                    results.append((us(run), splits, block_n, warps, stages))
+    results.sort()
+    print(f"batch-1 attention, ctx {ctx}, heads {heads}/{kv_heads}: best (µs, splits, block_n, warps, stages):")
+    for row in results[:5]:
+        print("   ", row)
+
+
 def main() -> None:
     print(f"{'projection':12s} {'cuBLAS':>8s} {'skinny':>8s} {'prologue+best':>14s} {'fused':>8s}  µs, M=1")
     for name, (n, k, prologue) in PROJECTIONS.items():
@@ -74,6 +97,8 @@ def main() -> None:
     for name, (heads, kv_heads, dim) in ATTENTION.items():
         for batch, ctx in ((1, 256), (1, 2048), (64, 1024)):
             print(attention_row(name, heads, kv_heads, dim, batch, ctx))
+    for ctx in (256, 2048):
+        attention_variants(32, 8, 128, ctx)
 
 
 if __name__ == "__main__":
