@@ -163,8 +163,8 @@ def decode_splits(batch: int, num_kv_heads: int, max_splits: int = 16) -> int:
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                  context_lens: torch.Tensor, scale: float, num_splits: int, out: torch.Tensor | None = None,
-                 counters: torch.Tensor | None = None, block_n: int | None = None, num_warps: int = 4,
-                 num_stages: int = 2) -> torch.Tensor:
+                 counters: torch.Tensor | None = None, block_n: int | None = None, num_warps: int | None = None,
+                 num_stages: int | None = None) -> torch.Tensor:
     """One query token per sequence: ``q`` [B, H, D] (heads contiguous) → [B, H, D].
 
     With ``num_splits`` > 1, ``counters`` (int32, at least B × KV heads, zero; left zero) count the finished
@@ -179,6 +179,11 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     assert q.stride(2) == 1 and q.stride(1) == head_dim and out.stride(2) == 1 and out.stride(1) == head_dim
     d_pad = _pow2(head_dim)
     block_n = block_n or (64 if q.dtype != torch.float32 else 32)
+    # Measured on an H200 at batch 1 (Llama-3-8B heads, contexts 256 and 2048): two warps and three stages
+    # took 6.5 and 9.5 µs against 9.0 and 10.7 µs with four warps and two; larger batches keep four.
+    small = batch <= 16
+    num_warps = num_warps or (2 if small else 4)
+    num_stages = num_stages or (3 if small else 2)
     if num_splits > 1:
         part = torch.empty(batch, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
         lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device)
@@ -188,7 +193,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
             raise ValueError("split counters smaller than batch × KV heads")
     else:
         part = lse = counters = out
-    pdl, launch = launch_options(q)
+    pdl, launch = launch_options(q, batch)
     _decode_kernel[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens, out, part, lse, counters,
         q.stride(0), out.stride(0), block_tables.stride(0), scale, num_splits,

@@ -59,7 +59,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     rows = x2.shape[0]
     out = torch.empty(shape, dtype=x.dtype, device=x.device)
     out2 = out.view(-1, n)
-    pdl, launch = launch_options(x)
+    pdl, launch = launch_options(x, rows)
     if residual is None:
         if rows:
             _rms_norm_kernel[(rows,)](x2, x2, weight, out2, out2, x2.stride(0), 0, out2.stride(0), n, eps,
@@ -103,7 +103,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty(*x.shape[:-1], n, dtype=x.dtype, device=x.device)
     if rows:
         block = min(1024, _pow2(n))
-        pdl, launch = launch_options(x)
+        pdl, launch = launch_options(x, rows)
         _silu_mul_kernel[(rows, triton.cdiv(n, block))](x2, out.view(-1, n), x2.stride(0), n, n, BLOCK=block,
                                                          num_warps=4, PDL=pdl, **launch)
     return out
@@ -180,7 +180,7 @@ def qkv_prepare(qkv: torch.Tensor, positions: torch.Tensor, cos_cache: torch.Ten
     has_norm = q_weight is not None
     qw = q_weight if has_norm else qkv
     kw = k_weight if has_norm else qkv
-    pdl, launch = launch_options(qkv)
+    pdl, launch = launch_options(qkv, tokens)
     _qkv_prep_kernel[(tokens, num_heads + 2 * num_kv_heads)](
         qkv, positions, cos_cache, sin_cache, qw, kw, q, k_cache, v_cache, slot_mapping,
         qkv.stride(0), cos_cache.stride(0), eps,

@@ -141,7 +141,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, prologue: int, residual: torc
     if residual is not None:
         residual = residual if residual.stride(1) == 1 else residual.contiguous()
         res_out = torch.empty(m, k, dtype=x.dtype, device=x.device)
-    pdl, launch = launch_options(x)
+    pdl, launch = launch_options(x, m)
     _skinny_kernel[(triton.cdiv(n, block_n),)](
         x, weight, out, x if residual is None else residual, x if norm_weight is None else norm_weight,
         out if res_out is None else res_out, m, n, k, x.stride(0), weight.stride(0), out.stride(0),
