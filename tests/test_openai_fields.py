@@ -320,7 +320,8 @@ def test_chat_logprobs_spelling():
     refused(CHAT, "top_logprobs", top_logprobs=2)
     refused(CHAT, "top_logprobs", logprobs=False, top_logprobs=2)
     refused(CHAT, "logprobs", logprobs=5)
-    refused(CHAT, "logprobs", logprobs=True, stream=True)
+    streamed = parse(CHAT, logprobs=True, top_logprobs=2, stream=True)
+    assert streamed.stream and streamed.want_logprobs and streamed.sampling["logprobs"] == 2
     refused(CHAT, "top_logprobs", logprobs=True, top_logprobs=21)
     assert parse(CHAT, logprobs=False, stream=True).stream
 
@@ -331,8 +332,8 @@ def test_completion_logprobs_spelling():
     assert parse(COMPLETIONS, logprobs=20).sampling["logprobs"] == 20
     assert not parse(COMPLETIONS, logprobs=None).want_logprobs
     refused(COMPLETIONS, "logprobs", logprobs=True)
-    refused(COMPLETIONS, "logprobs", logprobs=0, stream=True)
-    refused(COMPLETIONS, "logprobs", logprobs=3, stream=True)
+    streamed = parse(COMPLETIONS, logprobs=3, stream=True)
+    assert streamed.stream and streamed.want_logprobs and streamed.sampling["logprobs"] == 3
     refused(COMPLETIONS, "top_logprobs", logprobs=3, top_logprobs=3)
 
 

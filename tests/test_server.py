@@ -174,6 +174,34 @@ def test_langchain_invoke_and_stream(server):
     assert streamed == answer.content
 
 
+@pytest.mark.parametrize("stop", [None, ["Paris"]])
+def test_streamed_chat_logprobs_equal_the_whole_response(client, stop):
+    kwargs = dict(model="x", messages=FRANCE, temperature=0, max_tokens=12, logprobs=True, top_logprobs=2,
+                  stop=stop)
+    whole = client.chat.completions.create(**kwargs).choices[0]
+    chunks = [c.choices[0] for c in client.chat.completions.create(**kwargs, stream=True) if c.choices]
+    streamed = [entry for c in chunks if c.logprobs is not None for entry in c.logprobs.content]
+    assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in whole.logprobs.content]
+    assert all(len(e.top_logprobs) == 2 for e in streamed)
+    text = "".join(c.delta.content or "" for c in chunks)
+    assert text == whole.message.content
+    assert b"".join(bytes(e.bytes) for e in streamed).decode("utf-8").startswith(text)
+
+
+def test_streamed_completion_logprobs_equal_the_whole_response(client):
+    kwargs = dict(model="x", prompt="The capital of France is", temperature=0, max_tokens=8, logprobs=2)
+    whole = client.completions.create(**kwargs).choices[0].logprobs
+    chunks = [c.choices[0] for c in client.completions.create(**kwargs, stream=True) if c.choices]
+    tokens, offsets, tops = [], [], []
+    for chunk in chunks:
+        if chunk.logprobs is not None:
+            tokens += chunk.logprobs.tokens
+            offsets += chunk.logprobs.text_offset
+            tops += chunk.logprobs.top_logprobs
+    assert tokens == whole.tokens and offsets == whole.text_offset
+    assert tops == whole.top_logprobs
+
+
 CHAT = {"model": "x", "messages": FRANCE, "max_tokens": 4, "temperature": 0}
 COMPLETION = {"model": "x", "prompt": "Hello", "max_tokens": 4, "temperature": 0}
 
@@ -186,8 +214,6 @@ REFUSALS = [
     ("completions", {"top_logprobs": 2}, "top_logprobs"),
     ("chat", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ("chat", {"top_logprobs": 2}, "top_logprobs"),
-    ("chat", {"logprobs": True, "stream": True}, "logprobs"),
-    ("completions", {"logprobs": 1, "stream": True}, "logprobs"),
     ("completions", {"best_of": 2}, "best_of"),
     ("completions", {"suffix": "x"}, "suffix"),
     ("completions", {"echo": True}, "echo"),

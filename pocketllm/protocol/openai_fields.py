@@ -118,7 +118,8 @@ _SHARED: dict[str, FieldRule] = {
 _CHAT_ONLY: dict[str, FieldRule] = {
     "messages": _impl("the conversation, rendered by the checkpoint's own chat template"),
     "max_completion_tokens": _impl("the generation budget; wins over max_tokens when both are sent"),
-    "logprobs": _impl("boolean: report the sampled token's log probability (non-streaming only)"),
+    "logprobs": _impl("boolean: report the sampled token's log probability (streamed chunks carry those of "
+                      "their tokens)"),
     "top_logprobs": _impl(f"0..{MAX_LOGPROBS} alternatives ranked per position; needs logprobs=true"),
     "response_format": _impl("text, json_object or json_schema; the answer is constrained by a grammar (needs "
                              "structured outputs)"),
@@ -176,7 +177,8 @@ _CHAT_ONLY: dict[str, FieldRule] = {
 
 _COMPLETIONS_ONLY: dict[str, FieldRule] = {
     "prompt": _impl("a string, a list of strings, a list of token ids, or a list of token-id lists"),
-    "logprobs": _impl(f"whole number 0..{MAX_LOGPROBS}: alternatives ranked per position (non-streaming only)"),
+    "logprobs": _impl(f"whole number 0..{MAX_LOGPROBS}: alternatives ranked per position (streamed chunks carry "
+                      "those of their tokens)"),
     "best_of": _refused(
         "server-side candidates to pick the best from", (None, 1),
         "one candidate is generated per choice; there is no second candidate to compare it against",
@@ -628,9 +630,6 @@ def parse_chat_request(body: Mapping[str, Any], caps: Any = None) -> ParsedReque
                                "there is no ranking to take alternatives from unless the request asks for log "
                                "probabilities", 'Send "logprobs": true with it, or omit "top_logprobs"')
     if want:
-        if stream:
-            raise _unsupported("logprobs", True, "a streamed chunk carries the text of its token with no "
-                               "ranking beside it", 'Send "logprobs": false, or ask for a non-streaming response')
         _check_logprobs_caps("top_logprobs", top or 0, caps, True)
         sampling["logprobs"] = top or 0
 
@@ -685,9 +684,6 @@ def parse_completion_request(body: Mapping[str, Any], caps: Any = None) -> Parse
                        f"a whole number from 0 to {MAX_LOGPROBS}, the number of alternatives per position",
                        'On /v1/completions "logprobs" is a count, not a boolean (that is the chat spelling); '
                        'send 0 for the sampled token alone')
-        if stream:
-            raise _unsupported("logprobs", fields["logprobs"], "a streamed chunk carries the text of its token "
-                               "with no ranking beside it", 'Omit "logprobs", or ask for a non-streaming response')
         _check_logprobs_caps("logprobs", count, caps, fields["logprobs"])
         sampling["logprobs"] = count
 

@@ -44,6 +44,11 @@ class _Choice:
     engine_id: str
     prompt_ids: list[int]
     params: SamplingParams
+    # Streaming with log-probabilities: entries of tokens whose text has not been sent yet, how many entries
+    # were sent, and the text offset the next completions entry starts at.
+    pending_logprobs: list[TokenLogprob] = field(default_factory=list)
+    sent_logprobs: int = 0
+    sent_offset: int = 0
 
 
 @dataclass
@@ -177,8 +182,8 @@ class OpenAIServing:
                              "top_logprobs": [one(t.token_id, t.token, t.logprob) for t in e.top]}
                             for e in entries]}
 
-    def _completion_logprobs(self, entries: list[TokenLogprob], alternatives: int) -> dict:
-        offsets, position = [], 0
+    def _completion_logprobs(self, entries: list[TokenLogprob], alternatives: int, start: int = 0) -> dict:
+        offsets, position = [], start
         for e in entries:
             offsets.append(position)
             position += len(e.token)
@@ -359,12 +364,29 @@ class OpenAIServing:
             self.cancel(job.request_id)
             self.jobs.pop(job.request_id, None)
 
+    def _stream_logprobs(self, job: _Job, choice: _Choice, event: TokenEvent) -> dict | None:
+        """The log-probabilities of the tokens whose text this chunk sends: those held with earlier, empty
+        steps too; on the last chunk, whatever of the final output's entries was not sent (a matched stop
+        string drops the tokens after it, as in a non-streamed response)."""
+        entries, choice.pending_logprobs = choice.pending_logprobs, []
+        if event.output is not None and event.output.logprobs is not None:
+            entries = event.output.logprobs[choice.sent_logprobs:]
+        choice.sent_logprobs += len(entries)
+        if job.endpoint == "chat":
+            return self._chat_logprobs(entries)
+        shaped = self._completion_logprobs(entries, choice.params.logprobs or 0, choice.sent_offset)
+        choice.sent_offset += sum(len(e.token) for e in entries)
+        return shaped
+
     def _stream_chunk(self, job: _Job, choice: _Choice, event: TokenEvent) -> dict | None:
         if event.output is not None:
             self._record(job, event.output)
             job.finished.append(event.output)
+        if job.want_logprobs and event.logprobs:
+            choice.pending_logprobs.extend(event.logprobs)
         if not event.text and not event.reasoning_content and not event.finished:
             return None
+        logprobs = self._stream_logprobs(job, choice, event) if job.want_logprobs else None
         reason = event.finish_reason if event.finished else None
         if job.endpoint == "chat":
             delta: dict[str, Any] = {"content": event.text} if event.text else {}
@@ -372,9 +394,9 @@ class OpenAIServing:
                 delta["reasoning_content"] = event.reasoning_content
             if event.tool_calls:
                 delta["tool_calls"] = [{"index": i, **call.to_openai()} for i, call in enumerate(event.tool_calls)]
-            body = {"index": choice.index, "delta": delta, "logprobs": None, "finish_reason": reason}
+            body = {"index": choice.index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
         else:
-            body = {"index": choice.index, "text": event.text, "logprobs": None, "finish_reason": reason}
+            body = {"index": choice.index, "text": event.text, "logprobs": logprobs, "finish_reason": reason}
         chunk = {**self._envelope(job, chunk=True), "choices": [body]}
         if job.include_usage:
             chunk["usage"] = None
