@@ -9,7 +9,13 @@ from torch import nn
 
 from pocketllm.layers.attention import Attention
 from pocketllm.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from pocketllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from pocketllm.layers.linear import (
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+    normed_projection,
+    silu_mul_projection,
+)
 from pocketllm.layers.norm import RMSNorm
 from pocketllm.layers.rotary import RotaryEmbedding, rope_settings
 from pocketllm.runner.attention_metadata import AttentionMetadata
@@ -68,14 +74,14 @@ class GatedMLP(nn.Module):
         self.down_proj.prologue = "silu_mul"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj.forward_silu_mul(self.gate_up_proj(x))
+        return silu_mul_projection(self.down_proj, self.gate_up_proj(x))
 
     def forward_normed(self, x: torch.Tensor, residual: torch.Tensor | None,
                        norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
         """``(forward(norm(x + residual)), x + residual)``, the norm fused into the first projection where the
         model runner measured that faster."""
-        gate_up, residual = self.gate_up_proj.forward_normed(x, residual, norm)
-        return self.down_proj.forward_silu_mul(gate_up), residual
+        gate_up, residual = normed_projection(self.gate_up_proj, x, residual, norm)
+        return silu_mul_projection(self.down_proj, gate_up), residual
 
 
 class PreNormBlock(nn.Module):
@@ -122,7 +128,7 @@ class DecoderLayer(PreNormBlock):
 
     def mix_normed(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
                    meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        qkv, residual = self.self_attn.qkv_proj.forward_normed(hidden, residual, self.input_layernorm)
+        qkv, residual = normed_projection(self.self_attn.qkv_proj, hidden, residual, self.input_layernorm)
         return self.self_attn.attend(positions, qkv, meta), residual
 
 
