@@ -171,10 +171,9 @@ class CpuDecodeStep:
                 keys, values = k_flat.index_select(0, index), v_flat.index_select(0, index)
             keys = keys.view(rows, -1, kv_heads, dim).transpose(1, 2).to(q.dtype)
             values = values.view(rows, -1, kv_heads, dim).transpose(1, 2).to(q.dtype)
-            # [rows, kv_heads, group, dim] x [rows, kv_heads, dim, ctx]
-            scores = torch.matmul(q.reshape(rows, kv_heads, group, dim), keys.transpose(2, 3))
-            scores = scores * self.scale if bias is None else torch.add(bias, scores, alpha=self.scale)
-            out = torch.matmul(scores.softmax(-1), values).reshape(rows, q_width)
+            # One fused kernel reads the strided context in place (grouped heads share their KV head).
+            out = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=bias, scale=self.scale,
+                                                 enable_gqa=group > 1).reshape(rows, q_width)
             hidden = o_proj(out)
             residual = residual + hidden
             x = F.rms_norm(residual, norm2.shape, norm2, eps2)
