@@ -153,11 +153,15 @@ class CpuDecodeStep:
         for norm1, eps1, qkv_proj, q_norm, k_norm, attn, o_proj, norm2, eps2, gate_up, down in self.layers:
             residual = hidden if residual is None else residual + hidden
             x = F.rms_norm(residual, norm1.shape, norm1, eps1)
-            qkv = qkv_proj(x).float()
+            qkv = qkv_proj(x)  # float32, or bfloat16 from bfloat16/int4 weights: rotary runs in that dtype
+            if q_norm is not None:
+                qkv = qkv.float()
             qk = qkv[:, : q_width + kv_heads * dim].view(rows, heads + kv_heads, dim)
             if q_norm is not None:
                 qk = torch.cat([F.rms_norm(qk[:, :heads], (dim,), q_norm.weight, q_norm.eps),
                                 F.rms_norm(qk[:, heads:], (dim,), k_norm.weight, k_norm.eps)], dim=1)
+            if cos.dtype != qk.dtype:
+                cos, sin = cos.to(qk.dtype), sin.to(qk.dtype)  # once per step: every layer has the same dtype
             qk = torch.addcmul(qk * cos, qk.roll(dim // 2, -1), sin)
             q = qk[:, :heads]
             k = qk[:, heads:]
@@ -175,8 +179,8 @@ class CpuDecodeStep:
             # One fused kernel reads the strided context in place, in the cache's dtype (grouped heads share
             # their KV head).
             out = F.scaled_dot_product_attention(q.unsqueeze(2).to(keys.dtype), keys, values, attn_mask=bias,
-                                                 scale=self.scale, enable_gqa=self.grouped).reshape(rows, q_width)
-            hidden = o_proj(out)
+                                                 scale=self.scale, enable_gqa=self.grouped)
+            hidden = o_proj(out.reshape(rows, q_width).to(qkv.dtype))
             residual = residual + hidden
             x = F.rms_norm(residual, norm2.shape, norm2, eps2)
             gu = gate_up(x)
