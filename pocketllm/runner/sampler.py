@@ -384,7 +384,9 @@ class Sampler:
         distribution as the exponential race, from one random number per row instead of one per token
         (drawing ``V`` exponentials is most of a CPU sampling step)."""
         cdf = torch.softmax(s, dim=-1).cumsum(dim=-1, dtype=torch.float64)
-        target = (u * cdf[:, -1]).unsqueeze(1)
+        total = cdf[:, -1]
+        # Strictly below the total (``u * total`` may round up to it), so the pick has a probability above 0.
+        target = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total))).unsqueeze(1)
         return torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_(max=s.shape[-1] - 1)
 
     def _seeds(self, rows: Sequence[SamplingRow], sample_rows: list[int], device: torch.device) -> torch.Tensor:
