@@ -49,8 +49,9 @@ class EngineArgs:
     num_kv_blocks: int | None = _opt(None, "Size the KV cache in blocks explicitly (default: from memory).")
     cpu_kv_cache_gb: float = _opt(2.0, "KV-cache size on CPU, in GiB.")
     gpu_memory_utilization: float = _opt(0.9, "Fraction of GPU memory the engine may use.")
-    kv_cache_dtype: str = _opt("auto", "auto (the compute dtype) | fp8 (CUDA: float8 e4m3 with scale 1, half the "
-                                       "KV bytes of bfloat16; magnitudes beyond 448 saturate).")
+    kv_cache_dtype: str = _opt("auto", "auto (the compute dtype; on CPU with bfloat16/int4 weights, bfloat16) | "
+                                       "bfloat16 | fp8 (CUDA: float8 e4m3 with scale 1, half the KV bytes of "
+                                       "bfloat16; magnitudes beyond 448 saturate).")
     async_scheduling: str = _opt("auto", "auto (on for CUDA) | on | off: schedule and launch step N+1 before "
                                           "step N's sampled tokens are read back.")
     enforce_eager: bool = _opt(False, "CUDA: run decode steps eagerly instead of replaying captured CUDA graphs.")
@@ -81,7 +82,7 @@ class EngineArgs:
         self._choice("dtype", DTYPES)
         self._choice("load_format", LOAD_FORMATS)
         self._choice("async_scheduling", ("auto", "on", "off"))
-        self._choice("kv_cache_dtype", ("auto", "fp8"))
+        self._choice("kv_cache_dtype", ("auto", "bfloat16", "fp8"))
         self._choice("cpu_weight_format", CPU_WEIGHT_FORMATS)
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "tensor_parallel_size"):
             self._positive(name)

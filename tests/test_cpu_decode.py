@@ -123,3 +123,17 @@ def test_greedy_tokens_equal_with_and_without_the_fast_path(fmt: str, tiny_check
     assert all(len(tokens) == 12 for tokens in results[0])
     if fmt == "auto":
         assert results[0] == results[1]
+
+
+@pytest.mark.parametrize(("fmt", "kv", "expected"), [
+    ("auto", "auto", torch.float32), ("int4", "auto", torch.bfloat16), ("bfloat16", "auto", torch.bfloat16),
+    ("auto", "bfloat16", torch.bfloat16)])
+def test_kv_cache_dtype_on_cpu(fmt: str, kv: str, expected: torch.dtype, tiny_checkpoint) -> None:
+    """bfloat16/int4 weights keep a bfloat16 cache by default (their activations are bfloat16); a float32
+    model keeps a float32 one unless asked; the fast path's attention reads either."""
+    with LLM(EngineArgs(model=tiny_checkpoint("qwen3"), device="cpu", num_kv_blocks=32, cpu_weight_format=fmt,
+                        kv_cache_dtype=kv)) as llm:
+        assert llm._client.backend.core.runner.attention_layers[0].k_cache.dtype == expected
+        outputs = llm.generate([[1, 400, 401], [1, 500]], SamplingParams(max_tokens=6, temperature=0.0,
+                                                                         ignore_eos=True))
+        assert [len(out.token_ids) for out in outputs] == [6, 6]

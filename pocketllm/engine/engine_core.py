@@ -24,6 +24,17 @@ logger = logging.getLogger("pocketllm.engine")
 GiB = 1 << 30
 
 
+def _kv_dtype(args: EngineArgs, device: torch.device) -> torch.dtype | None:
+    """The KV cache's dtype (None: the compute dtype). On CPU, bfloat16/int4 weights run bfloat16 activations,
+    and their decode steps read a bfloat16 cache in place (half the bytes of float32)."""
+    if args.kv_cache_dtype == "fp8":
+        return torch.float8_e4m3fn
+    if args.kv_cache_dtype == "bfloat16" or (
+            device.type == "cpu" and args.kv_cache_dtype == "auto" and args.cpu_weight_format in ("bfloat16", "int4")):
+        return torch.bfloat16
+    return None
+
+
 @dataclass(frozen=True)
 class PendingStep:
     """A launched step: its chunks and the tokens it is sampling on the device (None if nothing samples)."""
@@ -50,9 +61,9 @@ class EngineCore:
             raise UnsupportedFeatureError("device 'cuda' was asked for but no CUDA device is available")
         self.dtype = resolve_dtype(args.dtype, self.device)
         self.eos_token_ids = eos_token_ids
-        kv_dtype = torch.float8_e4m3fn if args.kv_cache_dtype == "fp8" else None
+        kv_dtype = _kv_dtype(args, self.device)
         self.runner = ModelRunner(hf_config, self.device, self.dtype, args.block_size, args.seed, kv_dtype)
-        if kv_dtype is not None and self.runner.cuda_step is None:
+        if kv_dtype == torch.float8_e4m3fn and self.runner.cuda_step is None:
             raise UnsupportedFeatureError("kv_cache_dtype='fp8' needs the CUDA kernel path (a CUDA device and "
                                           "Triton); use kv_cache_dtype='auto'")
         self.runner.load(weights, dummy_seed=args.seed, weight_format=args.cpu_weight_format)

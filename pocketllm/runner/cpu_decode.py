@@ -41,7 +41,7 @@ def setup_cpu(model: torch.nn.Module, weight_format: str, block_size: int) -> Cp
 
 class DecodeBatch(NamedTuple):
     """A decode step's inputs, built once: the context is the cache rows ``span`` (one request whose blocks
-    are consecutive) or the gathered rows ``index`` ([rows * width]), with ``bias`` masking the padding."""
+    are consecutive) or the gathered blocks ``index`` ([rows * blocks]), with ``bias`` masking the padding."""
 
     ids: torch.Tensor
     slots: torch.Tensor
@@ -69,6 +69,7 @@ class CpuDecodeStep:
         self.block_size = block_size
         first = model.layers[0].self_attn
         self.num_heads, self.num_kv_heads, self.head_dim = first.num_heads, first.num_kv_heads, first.head_dim
+        self.grouped = self.num_heads != self.num_kv_heads
         cos = first.rotary_emb.cos_cache
         half = self.head_dim // 2
         sign = torch.cat([-torch.ones(half), torch.ones(half)]).to(cos.dtype)
@@ -122,41 +123,45 @@ class CpuDecodeStep:
             tables.append(table[: pos // bs + 1])
         lengths = [p + 1 for p in positions]
         span, index, bias = None, None, None
-        if len(chunks) == 1:
-            table = tables[0]
-            if all(b == table[0] + i for i, b in enumerate(table)):
-                span = (table[0] * bs, table[0] * bs + lengths[0])
-            else:
-                index = torch.tensor([table[p // bs] * bs + p % bs for p in range(lengths[0])])
+        table = tables[0]
+        if len(chunks) == 1 and all(b == table[0] + i for i, b in enumerate(table)):
+            span = (table[0] * bs, table[0] * bs + lengths[0])
         else:
-            width = max(lengths)
-            blocks = -(-width // bs)
-            padded = torch.tensor([t + [0] * (blocks - len(t)) for t in tables])
-            index = (padded[:, :, None] * bs + torch.arange(bs)).reshape(len(chunks), -1)[:, :width].reshape(-1)
-            mask = torch.arange(width)[None, :] < torch.tensor(lengths)[:, None]
-            bias = torch.zeros(mask.shape).masked_fill_(~mask, float("-inf"))[:, None, None, :]
+            # Whole blocks (one contiguous copy each), every row padded to the longest table; the mask hides
+            # the slots past each row's length.
+            blocks = max(len(t) for t in tables)
+            index = torch.tensor([b for t in tables for b in t + [0] * (blocks - len(t))])
+            mask = torch.arange(blocks * bs)[None, :] < torch.tensor(lengths)[:, None]
+            cache_dtype = self.layers[0][5].k_cache.dtype  # the mask is added to scores in the cache's dtype
+            bias = torch.zeros(mask.shape, dtype=cache_dtype).masked_fill_(~mask, float("-inf"))[:, None, None, :]
         pos = torch.tensor(positions)
         return DecodeBatch(torch.tensor(ids), torch.tensor(slots), self.cos[pos][:, None, :],
                            self.sin_signed[pos][:, None, :], span, index, bias)
 
     def forward(self, chunks: list[Any]) -> torch.Tensor:
         """The hidden states after the final norm, one row per chunk (float32)."""
-        batch = self._metadata(chunks)
+        return self.run(self._metadata(chunks))
+
+    def run(self, batch: DecodeBatch) -> torch.Tensor:
+        """The layers over a built decode batch."""
         slots, cos, sin, span, index, bias = batch.slots, batch.cos, batch.sin, batch.span, batch.index, batch.bias
-        rows = len(chunks)
+        rows = batch.ids.shape[0]
         heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
-        group = heads // kv_heads
         q_width = heads * dim
         hidden = F.embedding(batch.ids, self.model.embed_tokens.weight)
         residual = None
         for norm1, eps1, qkv_proj, q_norm, k_norm, attn, o_proj, norm2, eps2, gate_up, down in self.layers:
             residual = hidden if residual is None else residual + hidden
             x = F.rms_norm(residual, norm1.shape, norm1, eps1)
-            qkv = qkv_proj(x).float()
+            qkv = qkv_proj(x)  # float32, or bfloat16 from bfloat16/int4 weights: rotary runs in that dtype
+            if q_norm is not None:
+                qkv = qkv.float()
             qk = qkv[:, : q_width + kv_heads * dim].view(rows, heads + kv_heads, dim)
             if q_norm is not None:
                 qk = torch.cat([F.rms_norm(qk[:, :heads], (dim,), q_norm.weight, q_norm.eps),
                                 F.rms_norm(qk[:, heads:], (dim,), k_norm.weight, k_norm.eps)], dim=1)
+            if cos.dtype != qk.dtype:
+                cos, sin = cos.to(qk.dtype), sin.to(qk.dtype)  # once per step: every layer has the same dtype
             qk = torch.addcmul(qk * cos, qk.roll(dim // 2, -1), sin)
             q = qk[:, :heads]
             k = qk[:, heads:]
@@ -168,14 +173,14 @@ class CpuDecodeStep:
             if span is not None:
                 keys, values = k_flat[span[0]:span[1]], v_flat[span[0]:span[1]]
             else:
-                keys, values = k_flat.index_select(0, index), v_flat.index_select(0, index)
-            keys = keys.view(rows, -1, kv_heads, dim).transpose(1, 2).to(q.dtype)
-            values = values.view(rows, -1, kv_heads, dim).transpose(1, 2).to(q.dtype)
-            # [rows, kv_heads, group, dim] x [rows, kv_heads, dim, ctx]
-            scores = torch.matmul(q.reshape(rows, kv_heads, group, dim), keys.transpose(2, 3))
-            scores = scores * self.scale if bias is None else torch.add(bias, scores, alpha=self.scale)
-            out = torch.matmul(scores.softmax(-1), values).reshape(rows, q_width)
-            hidden = o_proj(out)
+                keys, values = attn.k_cache.index_select(0, index), attn.v_cache.index_select(0, index)
+            keys = keys.view(rows, -1, kv_heads, dim).transpose(1, 2)
+            values = values.view(rows, -1, kv_heads, dim).transpose(1, 2)
+            # One fused kernel reads the strided context in place, in the cache's dtype (grouped heads share
+            # their KV head).
+            out = F.scaled_dot_product_attention(q.unsqueeze(2).to(keys.dtype), keys, values, attn_mask=bias,
+                                                 scale=self.scale, enable_gqa=self.grouped)
+            hidden = o_proj(out.reshape(rows, q_width).to(qkv.dtype))
             residual = residual + hidden
             x = F.rms_norm(residual, norm2.shape, norm2, eps2)
             gu = gate_up(x)

@@ -13,12 +13,15 @@ Processing order (on a float32 copy, only made when something has to be modified
    ``logit -= count * frequency + (count > 0) * presence``);
 4. greedy rows (``temperature == 0``) take the argmax of the processed logits;
 5. sampling rows are divided by their temperature, then ``min_p``, ``top_k`` and ``top_p`` mask tokens
-   out, and the token is drawn with an exponential race: ``q ~ Exp(1)`` of shape ``[V]`` and
-   ``token = argmax(probs / q)`` (computed as ``argmax(logits - log q)``, which needs no softmax).
+   out, and the token is drawn: on CPU by inverting the row's cumulative distribution at one uniform
+   ``u ~ U[0, 1)``; on CUDA with an exponential race: ``q ~ Exp(1)`` of shape ``[V]`` and
+   ``token = argmax(probs / q)`` (computed as ``argmax(logits - log q)``, which needs no softmax), or its
+   fused Gumbel-max form (``kernels/sampling.py``).
 
-A row that owns a :class:`torch.Generator` draws exactly one ``[V]`` vector from it per sampled step
-and nothing else, and every operation applied to a row depends only on that row, so a seeded request
-produces the same tokens whatever else is in the batch and wherever it sits. Rows without a generator
+A row that owns a :class:`torch.Generator` draws the same amount from it every sampled step (one uniform
+on CPU, one ``[V]`` vector or one seed on CUDA) and nothing else, and every operation applied to a row
+depends only on that row, so a seeded request produces the same tokens whatever else is in the batch and
+wherever it sits. Rows without a generator
 share the sampler's generator and are drawn together.
 
 Log-probabilities are ``log_softmax`` of the *raw* logits over the whole vocabulary, before any of the
@@ -341,6 +344,8 @@ class Sampler:
             top_p = [params[j].top_p for j in trunc_rows]
             s.index_copy_(0, idx, self._truncate(sub, top_k, top_p))
 
+        if device.type == "cpu":
+            return self._inverse_cdf(s, self._uniforms(rows, sample_rows))
         # Exponential race: token = argmax(p / q) = argmax(logit - log q), q ~ Exp(1) per token.
         q = torch.empty(n, vocab, dtype=torch.float32, device=device)
         shared = [j for j, i in enumerate(sample_rows) if rows[i].generator is None]
@@ -360,6 +365,33 @@ class Sampler:
             q[j].copy_(own)
         q.clamp_(min=torch.finfo(torch.float32).tiny).log_()
         return (s - q).argmax(dim=-1)
+
+    def _uniforms(self, rows: Sequence[SamplingRow], sample_rows: list[int]) -> torch.Tensor:
+        """One float64 uniform in [0, 1) per sampling row (CPU): rows with their own generator draw it from
+        theirs, the others from the shared generator (in row order)."""
+        n = len(sample_rows)
+        shared = [j for j, i in enumerate(sample_rows) if rows[i].generator is None]
+        u = torch.empty(n, dtype=torch.float64)
+        if shared:
+            draw = torch.rand(len(shared), dtype=torch.float64, generator=self.shared_generator("cpu"))
+            u = draw if len(shared) == n else u.index_copy_(0, torch.tensor(shared), draw)
+        for j, i in enumerate(sample_rows):
+            gen = rows[i].generator
+            if gen is not None:
+                u[j:j + 1] = torch.rand(1, dtype=torch.float64, generator=gen)
+        return u
+
+    @staticmethod
+    def _inverse_cdf(s: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+        """Token ``i`` of each row with probability ``softmax(s)[i]``: the first token whose cumulative
+        probability exceeds the row's uniform ``u`` (a token of probability 0 is never chosen). The same
+        distribution as the exponential race, from one random number per row instead of one per token
+        (drawing ``V`` exponentials is most of a CPU sampling step)."""
+        cdf = torch.softmax(s, dim=-1).cumsum(dim=-1, dtype=torch.float64)
+        total = cdf[:, -1]
+        # Strictly below the total (``u * total`` may round up to it), so the pick has a probability above 0.
+        target = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total))).unsqueeze(1)
+        return torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_(max=s.shape[-1] - 1)
 
     def _seeds(self, rows: Sequence[SamplingRow], sample_rows: list[int], device: torch.device) -> torch.Tensor:
         """One Philox key per sampling row for this step, drawn on the device: rows with their own generator
