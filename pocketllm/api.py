@@ -185,10 +185,11 @@ class _EngineClient:
     def generation_config(self) -> dict[str, Any]:
         return dict(self.backend.checkpoint.generation_config or {})
 
-    def export_prefix(self, token_ids: Sequence[int]):
-        """Future of the ``KVSnapshot`` of the longest cached whole-block prefix of ``token_ids``."""
+    def export_prefix(self, token_ids: Sequence[int], first_token: int = 0):
+        """Future of the ``KVSnapshot`` of the longest cached whole-block prefix of ``token_ids`` (from
+        ``first_token`` on)."""
         core, ids, path = self.backend.core, [int(t) for t in token_ids], self.model_path
-        return self.backend.loop.call(lambda: kv_snapshot.export_prefix(core, ids, path))
+        return self.backend.loop.call(lambda: kv_snapshot.export_prefix(core, ids, path, first_token))
 
     def import_prefix(self, snapshot: KVSnapshot):
         """Future of the number of leading tokens of ``snapshot`` the prefix cache now serves."""
@@ -337,10 +338,12 @@ class LLM(_Facade):
         prompt_ids, spec = self._client.prepare_chat(messages, **options)
         return self._stream(prompt_ids, self._client.chat_params(params, options, spec), request_id, spec)
 
-    def export_prefix(self, token_ids: Sequence[int]) -> KVSnapshot:
+    def export_prefix(self, token_ids: Sequence[int], first_token: int = 0) -> KVSnapshot:
         """The KV of the longest prefix of ``token_ids`` held in whole cached blocks (``snapshot.save(path)``
-        writes it as safetensors; ``KVSnapshot.load(path)`` reads it back)."""
-        return self._client.export_prefix(token_ids).result()
+        writes it as safetensors; ``KVSnapshot.load(path)`` reads it back). With ``first_token`` (a multiple
+        of the block size) only the blocks from there on: an increment, joined to the parts before it with
+        ``KVSnapshot.join`` before import."""
+        return self._client.export_prefix(token_ids, first_token).result()
 
     def import_prefix(self, snapshot: KVSnapshot) -> int:
         """Put a snapshot's blocks into the prefix cache (refused if made by another model, dtype or block
@@ -427,9 +430,9 @@ class AsyncLLM(_Facade):
         async for event in self._stream(prompt_ids, self._client.chat_params(params, options, spec), request_id, spec):
             yield event
 
-    async def export_prefix(self, token_ids: Sequence[int]) -> KVSnapshot:
+    async def export_prefix(self, token_ids: Sequence[int], first_token: int = 0) -> KVSnapshot:
         """As ``LLM.export_prefix``."""
-        return await asyncio.wrap_future(self._client.export_prefix(token_ids))
+        return await asyncio.wrap_future(self._client.export_prefix(token_ids, first_token))
 
     async def import_prefix(self, snapshot: KVSnapshot) -> int:
         """As ``LLM.import_prefix``."""

@@ -10,6 +10,7 @@ import time
 
 import httpx
 import pytest
+import torch
 from harness_utils import FRANCE, USAGE_KEYS, HostProcess, fuzz_lines
 
 pytestmark = pytest.mark.usefixtures("smollm2_gguf")
@@ -313,6 +314,52 @@ def test_kv_snapshot_export_import_roundtrip_and_refusal(tmp_path, tiny_checkpoi
     with LLM(model=model, num_kv_blocks=64, max_model_len=256, block_size=32) as other:
         with pytest.raises(InvalidRequestError, match="block_size"):
             other.import_prefix(loaded)
+
+
+def test_kv_store_writes_each_turn_as_an_increment(tmp_path, tiny_checkpoint):
+    """A session's KV is stored as increments: a turn that extends the conversation writes only its new blocks,
+    one that departs from the stored tokens rewrites from the increment where they part; the increments join
+    back into the whole prefix, which imports like a single snapshot."""
+    from pocketllm import SamplingParams
+    from pocketllm.api import LLM
+    from pocketllm.errors import InvalidRequestError
+    from pocketllm.harness.sessions import Session, SessionStore
+
+    model = tiny_checkpoint("llama")
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    store, session = SessionStore(str(tmp_path)), Session("s1")
+
+    def save_turn(llm: LLM, tokens: list[int]) -> int:
+        start = session.kv_increment_start(tokens)
+        increment = llm.export_prefix(tokens, start)
+        store.save("s1", {"version": 1, "token_ids": tokens}, increment)
+        session.kv_stored(start, increment)
+        return start
+
+    with LLM(model=model, num_kv_blocks=64, max_model_len=256) as llm:
+        turn1 = list(range(100, 141))
+        turn1 += llm.generate([turn1], params)[0].token_ids               # 49 tokens: 3 whole blocks
+        assert save_turn(llm, turn1) == 0 and store.kv_parts("s1") == [0]
+        turn2 = turn1 + list(range(300, 330))
+        turn2 += llm.generate([turn2], params)[0].token_ids               # 87 tokens: 5 whole blocks
+        assert save_turn(llm, turn2) == 48 and store.kv_parts("s1") == [0, 48]
+        whole = llm.export_prefix(turn2)
+        with pytest.raises(InvalidRequestError, match="first_token"):
+            llm.export_prefix(turn2, 10)
+        joined, parts = store.load_kv("s1")
+        assert parts == [0, 48] and joined.token_ids == whole.token_ids == session.stored_tokens
+        assert all(torch.equal(a, b) for a, b in zip(joined.keys + joined.values, whole.keys + whole.values))
+        increment = llm.export_prefix(turn2, 48)
+        with pytest.raises(InvalidRequestError, match="join"):
+            llm.import_prefix(increment)
+        departed = turn2[:60] + list(range(500, 540))                   # parts from the stored tokens at 60
+        llm.generate([departed], SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
+        assert save_turn(llm, departed) == 48 and store.kv_parts("s1") == [0, 48]
+        assert store.load_kv("s1")[0].token_ids == departed[:96]
+    with LLM(model=model, num_kv_blocks=64, max_model_len=256) as fresh:
+        assert fresh.import_prefix(store.load_kv("s1")[0]) == 96
+    store.delete("s1")
+    assert store.kv_parts("s1") == [] and store.load_kv("s1") == (None, [])
 
 
 def test_web_dir_serves_another_client_and_nothing_outside_it(tmp_path):

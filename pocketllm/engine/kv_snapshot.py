@@ -5,8 +5,11 @@ prefix cache knows. Importing writes the tensors into free blocks and registers 
 keys the block manager uses, as freed-but-findable blocks: the next request sharing the prefix takes them
 like any other prefix-cache hit. Both functions run on the engine thread (``EngineLoop.call``).
 
+A snapshot may also hold only the blocks from ``first_token`` on (an increment: the KV store appends one per
+conversation turn instead of rewriting the whole prefix); increments are joined from token 0 before import.
+
 On disk a snapshot is one safetensors file (``k.<layer>``/``v.<layer>`` tensors and ``token_ids``) whose
-header metadata holds the JSON identity of the model that made it; no pickle anywhere.
+header metadata holds the JSON identity of the model that made it and its first token; no pickle anywhere.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from pocketllm.errors import InvalidRequestError, UnsupportedFeatureError
 
 FORMAT = "pocketllm-kv/1"
 _META_KEY = "pocketllm_kv"
+_FIRST_KEY = "pocketllm_kv_first_token"
 
 
 @dataclass
@@ -29,13 +33,29 @@ class KVSnapshot:
     """The KV of ``token_ids`` (a whole number of blocks), one key and one value tensor per attention layer.
 
     Each tensor is ``[num_blocks, *block_shape]`` on the CPU in the engine's KV dtype. ``identity`` names the
-    model, dtype, block size and cache layout it was made with.
+    model, dtype, block size and cache layout it was made with. ``token_ids`` sit at ``first_token`` of the
+    prefix (0 for a whole prefix, the only kind that can be imported).
     """
 
     identity: dict[str, Any]
     token_ids: list[int]
     keys: list[torch.Tensor] = field(default_factory=list)
     values: list[torch.Tensor] = field(default_factory=list)
+    first_token: int = 0
+
+    @property
+    def end_token(self) -> int:
+        return self.first_token + len(self.token_ids)
+
+    @classmethod
+    def join(cls, parts: list[KVSnapshot]) -> KVSnapshot:
+        """One snapshot from consecutive parts (each starting where the one before ends)."""
+        for before, after in zip(parts, parts[1:]):
+            if after.first_token != before.end_token or after.identity != before.identity:
+                raise InvalidRequestError("KV snapshot parts do not follow each other", param="snapshot")
+        keys = [torch.cat(layer) for layer in zip(*(p.keys for p in parts))]
+        values = [torch.cat(layer) for layer in zip(*(p.values for p in parts))]
+        return cls(parts[0].identity, [t for p in parts for t in p.token_ids], keys, values, parts[0].first_token)
 
     @property
     def num_tokens(self) -> int:
@@ -54,7 +74,8 @@ class KVSnapshot:
             tensors[f"k.{i}"] = k.contiguous()
             tensors[f"v.{i}"] = v.contiguous()
         tmp = f"{path}.tmp-{os.getpid()}"
-        save_file(tensors, tmp, metadata={_META_KEY: json.dumps(self.identity, sort_keys=True)})
+        save_file(tensors, tmp, metadata={_META_KEY: json.dumps(self.identity, sort_keys=True),
+                                          _FIRST_KEY: str(self.first_token)})
         os.replace(tmp, path)
 
     @classmethod
@@ -62,7 +83,8 @@ class KVSnapshot:
         from safetensors import safe_open
 
         with safe_open(path, framework="pt") as handle:
-            raw = (handle.metadata() or {}).get(_META_KEY)
+            metadata = handle.metadata() or {}
+            raw = metadata.get(_META_KEY)
             if raw is None:
                 raise InvalidRequestError(f"{path} is not a PocketLLM KV snapshot (no {_META_KEY} metadata)")
             identity = json.loads(raw)
@@ -70,7 +92,7 @@ class KVSnapshot:
             token_ids = handle.get_tensor("token_ids").tolist()
             keys = [handle.get_tensor(f"k.{i}") for i in range(layers)]
             values = [handle.get_tensor(f"v.{i}") for i in range(layers)]
-        return cls(identity, token_ids, keys, values)
+        return cls(identity, token_ids, keys, values, int(metadata.get(_FIRST_KEY, "0")))
 
 
 def _layers(core) -> list:
@@ -109,10 +131,15 @@ def _check_enabled(core) -> None:
         raise UnsupportedFeatureError("KV snapshots need the prefix cache (enable_prefix_caching=True)")
 
 
-def export_prefix(core, token_ids: list[int], model_path: str) -> KVSnapshot:
-    """The longest prefix of ``token_ids`` whose full blocks the prefix cache holds, with their KV."""
+def export_prefix(core, token_ids: list[int], model_path: str, first_token: int = 0) -> KVSnapshot:
+    """The longest prefix of ``token_ids`` whose full blocks the prefix cache holds, with their KV; from
+    ``first_token`` on (a block boundary) when only an increment is wanted."""
     _check_enabled(core)
     blocks = core.blocks
+    if first_token < 0 or first_token % blocks.block_size:
+        raise InvalidRequestError(f"first_token must be a multiple of the block size {blocks.block_size}",
+                                  param="first_token")
+    skip = first_token // blocks.block_size
     found: list[int] = []
     for key, _ in blocks._keys(list(token_ids), len(token_ids) // blocks.block_size):
         block_id = blocks.cached.get(key)
@@ -121,13 +148,14 @@ def export_prefix(core, token_ids: list[int], model_path: str) -> KVSnapshot:
         found.append(block_id)
     identity = model_identity(core, model_path)
     layers = _layers(core)
-    if not found:
+    if len(found) <= skip:
         empty = [a.k_cache.new_empty((0, *a.k_cache.shape[1:]), device="cpu") for a in layers]
-        return KVSnapshot(identity, [], empty, [t.clone() for t in empty])
-    index = torch.tensor(found, dtype=torch.int64, device=layers[0].k_cache.device)
+        return KVSnapshot(identity, [], empty, [t.clone() for t in empty], first_token)
+    index = torch.tensor(found[skip:], dtype=torch.int64, device=layers[0].k_cache.device)
     keys = [a.k_cache.index_select(0, index).to("cpu") for a in layers]
     values = [a.v_cache.index_select(0, index).to("cpu") for a in layers]
-    return KVSnapshot(identity, list(token_ids[:len(found) * blocks.block_size]), keys, values)
+    return KVSnapshot(identity, list(token_ids[first_token:len(found) * blocks.block_size]), keys, values,
+                      first_token)
 
 
 def check_compatible(snapshot: KVSnapshot, identity: dict[str, Any]) -> None:
@@ -153,6 +181,9 @@ def import_prefix(core, snapshot: KVSnapshot, model_path: str) -> int:
     running request holds). When free blocks run short only the leading part of the prefix is imported.
     """
     _check_enabled(core)
+    if snapshot.first_token:
+        raise InvalidRequestError(f"this snapshot starts at token {snapshot.first_token}; join it to the parts "
+                                  "before it (KVSnapshot.join) and import the whole prefix", param="snapshot")
     check_compatible(snapshot, model_identity(core, model_path))
     blocks = core.blocks
     layers = _layers(core)

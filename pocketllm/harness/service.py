@@ -17,7 +17,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from pocketllm.api import AsyncLLM, KVSnapshot
+from pocketllm.api import AsyncLLM
 from pocketllm.config import EngineArgs
 from pocketllm.errors import PocketLLMError
 from pocketllm.harness.protocol import Op, ProtocolError, error_line, finish_of, parse_line
@@ -218,7 +218,7 @@ class Harness:
                 session.restore(record)
                 resumed = True
                 if session.token_ids:
-                    session.pending_kv = self.store.kv_file(sid)
+                    session.pending_kv = True
                     stored_tokens = len(session.token_ids)
             self.sessions[sid] = session
         elif session.owner is not None and session.owner is not channel:
@@ -350,10 +350,12 @@ class Harness:
         return SamplingParams(**values)
 
     async def _restore_kv(self, session: Session) -> None:
-        path, session.pending_kv = session.pending_kv, None
+        session.pending_kv = False
         try:
-            snapshot = await asyncio.to_thread(KVSnapshot.load, path)
-            session.restored_tokens = await self.llm.import_prefix(snapshot)
+            snapshot, parts = await asyncio.to_thread(self.store.load_kv, session.sid)
+            session.restored_tokens = await self.llm.import_prefix(snapshot) if snapshot is not None else 0
+            if snapshot is not None:
+                session.stored_tokens, session.stored_parts = list(snapshot.token_ids), parts
             logger.info("session %s: %d stored tokens back in the prefix cache", session.sid,
                         session.restored_tokens)
         except (OSError, PocketLLMError, ValueError) as exc:
@@ -450,15 +452,18 @@ class Harness:
         session at a time, in turn order)."""
         try:
             async with session.save_lock:
-                snapshot = None
+                start = session.kv_increment_start(record["token_ids"])
+                increment = None
                 if record["token_ids"]:
                     try:
-                        snapshot = await self.llm.export_prefix(record["token_ids"])
+                        increment = await self.llm.export_prefix(record["token_ids"], start)
                     except PocketLLMError as exc:   # e.g. no prefix cache: the conversation is kept, cold
                         logger.warning("session %s: KV not stored: %s", session.sid, exc)
                 if session.closed:
                     return
-                await asyncio.to_thread(self.store.save, session.sid, record, snapshot)
-            logger.debug("session %s saved (%d KV tokens)", session.sid, snapshot.num_tokens if snapshot else 0)
+                await asyncio.to_thread(self.store.save, session.sid, record, increment)
+                session.kv_stored(start, increment)
+            logger.debug("session %s saved (%d KV tokens, %d new)", session.sid, len(session.stored_tokens),
+                         increment.num_tokens if increment else 0)
         except Exception:
             logger.exception("saving session %s failed", session.sid)

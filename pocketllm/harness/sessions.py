@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pocketllm.api import KVSnapshot
+from pocketllm.errors import PocketLLMError
 
 logger = logging.getLogger("pocketllm.harness")
 
@@ -33,12 +34,35 @@ class Session:
     busy: Any = None                   # id of the request running in it
     last_active: float = field(default_factory=time.monotonic)
     closed: bool = False
-    pending_kv: str | None = None      # stored KV file to import before the next turn
+    pending_kv: bool = False           # stored KV to import before the next turn
     restored_tokens: int | None = None  # set by that import, reported in the next turn's diag
+    # The KV on disk: the tokens it holds (from token 0) and the first token of each stored increment.
+    stored_tokens: list[int] = field(default_factory=list)
+    stored_parts: list[int] = field(default_factory=list)
     save_lock: asyncio.Lock = field(default_factory=asyncio.Lock, repr=False)
 
     def touch(self) -> None:
         self.last_active = time.monotonic()
+
+    def kv_increment_start(self, token_ids: list[int]) -> int:
+        """Where this turn's KV increment starts: the end of the stored KV while the conversation still begins
+        with it, else the start of the stored increment in which they part (that one is rewritten)."""
+        common = 0
+        for stored, new in zip(self.stored_tokens, token_ids):
+            if stored != new:
+                break
+            common += 1
+        if common == len(self.stored_tokens):
+            return common
+        return max((start for start in self.stored_parts if start <= common), default=0)
+
+    def kv_stored(self, start: int, increment: KVSnapshot | None) -> None:
+        """Record what the store now holds after writing ``increment`` at ``start`` (None: no KV kept)."""
+        if increment is None:
+            self.stored_tokens, self.stored_parts = [], []
+            return
+        self.stored_tokens = self.stored_tokens[:start] + list(increment.token_ids)
+        self.stored_parts = [p for p in self.stored_parts if p < start] + ([start] if increment.token_ids else [])
 
     def record(self) -> dict[str, Any]:
         return {"version": RECORD_VERSION, "session": self.sid, "kind": self.kind,
@@ -53,7 +77,8 @@ class Session:
 
 
 class SessionStore:
-    """``DIR/<session>.json`` (the conversation) and ``DIR/<session>.kv.safetensors`` (its KV blocks)."""
+    """``DIR/<session>.json`` (the conversation) and ``DIR/<session>.kv.<first token>.safetensors`` (its KV
+    blocks, one increment per turn that added blocks: a turn writes only its new blocks)."""
 
     def __init__(self, directory: str) -> None:
         self.directory = os.path.abspath(directory)
@@ -62,8 +87,37 @@ class SessionStore:
     def _json(self, sid: str) -> str:
         return os.path.join(self.directory, f"{sid}.json")
 
-    def kv_file(self, sid: str) -> str:
-        return os.path.join(self.directory, f"{sid}.kv.safetensors")
+    def _kv_part(self, sid: str, first_token: int) -> str:
+        return os.path.join(self.directory, f"{sid}.kv.{first_token}.safetensors")
+
+    def kv_parts(self, sid: str) -> list[int]:
+        """First tokens of the stored KV increments of ``sid``, ascending."""
+        prefix, suffix = f"{sid}.kv.", ".safetensors"
+        starts = []
+        for name in os.listdir(self.directory):
+            middle = name[len(prefix):-len(suffix)] if name.startswith(prefix) and name.endswith(suffix) else ""
+            if middle.isdigit():
+                starts.append(int(middle))
+        return sorted(starts)
+
+    def load_kv(self, sid: str) -> tuple[KVSnapshot | None, list[int]]:
+        """The stored KV of ``sid`` joined from token 0 (stopping at a gap or an unreadable increment), and the
+        first tokens of the increments used."""
+        parts: list[KVSnapshot] = []
+        for start in self.kv_parts(sid):
+            if start != (parts[-1].end_token if parts else 0):
+                break
+            try:
+                part = KVSnapshot.load(self._kv_part(sid, start))
+            except (OSError, ValueError, PocketLLMError) as exc:
+                logger.warning("stored KV of session %s from token %d not used: %s", sid, start, exc)
+                break
+            if part.first_token != start:
+                break
+            parts.append(part)
+        if not parts:
+            return None, []
+        return KVSnapshot.join(parts), [p.first_token for p in parts]
 
     def load(self, sid: str) -> dict[str, Any] | None:
         """The stored record of ``sid``, or None (also when the file cannot be read)."""
@@ -81,12 +135,15 @@ class SessionStore:
             return None
         return record
 
-    def save(self, sid: str, record: dict[str, Any], snapshot: KVSnapshot | None) -> None:
-        """Write the KV (when given) and then the record, each atomically."""
-        if snapshot is not None and snapshot.num_tokens:
-            snapshot.save(self.kv_file(sid))
-        elif os.path.exists(self.kv_file(sid)):
-            os.remove(self.kv_file(sid))
+    def save(self, sid: str, record: dict[str, Any], increment: KVSnapshot | None) -> None:
+        """Write the KV increment (increments from its first token on are replaced; None drops all stored KV)
+        and then the record, each atomically."""
+        start = increment.first_token if increment is not None else 0
+        for first in self.kv_parts(sid):
+            if first >= start:
+                os.remove(self._kv_part(sid, first))
+        if increment is not None and increment.token_ids:
+            increment.save(self._kv_part(sid, start))
         path = self._json(sid)
         tmp = f"{path}.tmp-{os.getpid()}"
         with open(tmp, "w", encoding="utf-8") as handle:
@@ -94,7 +151,7 @@ class SessionStore:
         os.replace(tmp, path)
 
     def delete(self, sid: str) -> None:
-        for path in (self._json(sid), self.kv_file(sid)):
+        for path in (self._json(sid), *(self._kv_part(sid, first) for first in self.kv_parts(sid))):
             try:
                 os.remove(path)
             except FileNotFoundError:
