@@ -499,5 +499,7 @@ def test_greedy_argmax_matches_torch_with_ties():
     logits[1, 7000] = logits[1, 300] = 50.0                # a tie across chunks: the lower index wins
     logits[2, 4100] = logits[2, 4097] = 50.0                # a tie inside a chunk
     logits[3] = float("-inf")
+    logits[4, 5000] = float("nan")                          # NaN counts as the largest, as in torch
     assert torch.equal(greedy_argmax(logits, chunk=4096), logits.argmax(dim=-1))
+    assert 0 <= int(greedy_argmax(torch.full((1, 300), float("nan"), device=DEVICE))) < 300
     assert torch.equal(greedy_argmax(logits[:, :9000]), logits[:, :9000].argmax(dim=-1))

@@ -50,6 +50,8 @@ class KVSnapshot:
     @classmethod
     def join(cls, parts: list[KVSnapshot]) -> KVSnapshot:
         """One snapshot from consecutive parts (each starting where the one before ends)."""
+        if not parts:
+            raise InvalidRequestError("no KV snapshot parts to join", param="snapshot")
         for before, after in zip(parts, parts[1:]):
             if after.first_token != before.end_token or after.identity != before.identity:
                 raise InvalidRequestError("KV snapshot parts do not follow each other", param="snapshot")

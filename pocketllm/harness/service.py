@@ -260,7 +260,11 @@ class Harness:
             self.sessions.pop(sid, None)
             channel.sessions.discard(sid)
         if self.store is not None:
-            self.store.delete(sid)
+            if session is not None:
+                async with session.save_lock:   # a save already under way finishes (or sees closed) first
+                    self.store.delete(sid)
+            else:
+                self.store.delete(sid)
         await channel.send({"id": op.id, "session": sid, "closed": True})
 
     def detach(self, channel: Channel) -> None:
@@ -467,3 +471,4 @@ class Harness:
                          increment.num_tokens if increment else 0)
         except Exception:
             logger.exception("saving session %s failed", session.sid)
+            session.kv_stored(0, None)   # what is on disk is unknown now: the next save rewrites it whole

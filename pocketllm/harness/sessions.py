@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import glob
 import json
 import logging
 import os
@@ -90,15 +91,26 @@ class SessionStore:
     def _kv_part(self, sid: str, first_token: int) -> str:
         return os.path.join(self.directory, f"{sid}.kv.{first_token}.safetensors")
 
+    def _legacy_kv(self, sid: str) -> str:
+        """The single KV file of earlier versions (not read: such a session resumes cold; removed on save)."""
+        return os.path.join(self.directory, f"{sid}.kv.safetensors")
+
     def kv_parts(self, sid: str) -> list[int]:
         """First tokens of the stored KV increments of ``sid``, ascending."""
         prefix, suffix = f"{sid}.kv.", ".safetensors"
         starts = []
-        for name in os.listdir(self.directory):
-            middle = name[len(prefix):-len(suffix)] if name.startswith(prefix) and name.endswith(suffix) else ""
+        for path in glob.glob(os.path.join(glob.escape(self.directory), f"{glob.escape(prefix)}*{suffix}")):
+            middle = os.path.basename(path)[len(prefix):-len(suffix)]
             if middle.isdigit():
                 starts.append(int(middle))
         return sorted(starts)
+
+    @staticmethod
+    def _remove(path: str) -> None:
+        try:
+            os.remove(path)
+        except FileNotFoundError:
+            pass
 
     def load_kv(self, sid: str) -> tuple[KVSnapshot | None, list[int]]:
         """The stored KV of ``sid`` joined from token 0 (stopping at a gap or an unreadable increment), and the
@@ -141,7 +153,8 @@ class SessionStore:
         start = increment.first_token if increment is not None else 0
         for first in self.kv_parts(sid):
             if first >= start:
-                os.remove(self._kv_part(sid, first))
+                self._remove(self._kv_part(sid, first))
+        self._remove(self._legacy_kv(sid))
         if increment is not None and increment.token_ids:
             increment.save(self._kv_part(sid, start))
         path = self._json(sid)
@@ -151,8 +164,5 @@ class SessionStore:
         os.replace(tmp, path)
 
     def delete(self, sid: str) -> None:
-        for path in (self._json(sid), *(self._kv_part(sid, first) for first in self.kv_parts(sid))):
-            try:
-                os.remove(path)
-            except FileNotFoundError:
-                pass
+        for path in (self._json(sid), self._legacy_kv(sid), *(self._kv_part(sid, f) for f in self.kv_parts(sid))):
+            self._remove(path)

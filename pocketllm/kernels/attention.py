@@ -180,10 +180,11 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     d_pad = _pow2(head_dim)
     block_n = block_n or (64 if q.dtype != torch.float32 else 32)
     # Measured on an H200 at batch 1 (Llama-3-8B heads, contexts 256 and 2048): two warps and three stages
-    # took 6.5 and 9.5 µs against 9.0 and 10.7 µs with four warps and two; larger batches keep four.
+    # took 6.5 and 9.5 µs against 9.0 and 10.7 µs with four warps and two; larger batches keep four. Heads
+    # over 128 keep two stages (three K/V tiles of 256-wide heads would not fit smaller GPUs' shared memory).
     small = batch <= 16
     num_warps = num_warps or (2 if small else 4)
-    num_stages = num_stages or (3 if small else 2)
+    num_stages = num_stages or (3 if small and d_pad <= 128 else 2)
     if num_splits > 1:
         part = torch.empty(batch, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
         lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device)

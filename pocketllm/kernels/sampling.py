@@ -64,6 +64,7 @@ def _chunk_max_kernel(logits_ptr, val_ptr, idx_ptr, vocab, stride_row, num_chunk
     cols = chunk * CHUNK + tl.arange(0, CHUNK)
     x = tl.load(logits_ptr + row.to(tl.int64) * stride_row + cols, mask=cols < vocab,
                 other=float("-inf")).to(tl.float32)
+    x = tl.where(x != x, float("inf"), x)                 # NaN counts as the largest, as in torch.argmax
     top = tl.max(x, 0)
     first = tl.min(tl.where(x == top, cols, vocab), 0)   # lowest index among equal maxima, as torch.argmax
     tl.store(val_ptr + row * num_chunks + chunk, top)
@@ -71,14 +72,15 @@ def _chunk_max_kernel(logits_ptr, val_ptr, idx_ptr, vocab, stride_row, num_chunk
 
 
 @triton.jit
-def _merge_max_kernel(val_ptr, idx_ptr, out_ptr, num_chunks, C_PAD: tl.constexpr):
+def _merge_max_kernel(val_ptr, idx_ptr, out_ptr, num_chunks, vocab, C_PAD: tl.constexpr):
     row = tl.program_id(0)
     chunks = tl.arange(0, C_PAD)
     mask = chunks < num_chunks
     vals = tl.load(val_ptr + row * num_chunks + chunks, mask=mask, other=float("-inf"))
     idx = tl.load(idx_ptr + row * num_chunks + chunks, mask=mask, other=2**30)
     top = tl.max(vals, 0)
-    tl.store(out_ptr + row, tl.min(tl.where(vals == top, idx, 2**30), 0).to(tl.int64))
+    best = tl.min(tl.where(vals == top, idx, 2**30), 0)
+    tl.store(out_ptr + row, tl.minimum(best, vocab - 1).to(tl.int64))   # never an id outside the vocabulary
 
 
 def greedy_argmax(logits: torch.Tensor, chunk: int = 4096) -> torch.Tensor:
@@ -94,6 +96,6 @@ def greedy_argmax(logits: torch.Tensor, chunk: int = 4096) -> torch.Tensor:
         idx = torch.empty(batch, num_chunks, dtype=torch.int32, device=logits.device)
         _chunk_max_kernel[(batch, num_chunks)](logits, vals, idx, vocab, logits.stride(0), num_chunks, CHUNK=chunk,
                                                num_warps=4)
-        _merge_max_kernel[(batch,)](vals, idx, out, num_chunks, C_PAD=triton.next_power_of_2(num_chunks),
+        _merge_max_kernel[(batch,)](vals, idx, out, num_chunks, vocab, C_PAD=triton.next_power_of_2(num_chunks),
                                     num_warps=1)
     return out

@@ -52,6 +52,13 @@ class DecodeBatch(NamedTuple):
     bias: torch.Tensor | None
 
 
+def _plain_rms_norm(norm: torch.nn.Module) -> bool:
+    """An ``RMSNorm`` that scales by its weight itself (not the zero-centred ``1 + weight`` form)."""
+    from pocketllm.layers.norm import RMSNorm
+
+    return isinstance(norm, RMSNorm) and not norm.offset
+
+
 def _linear(module: torch.nn.Module):
     """The callable computing ``module``: a CpuLinear directly (skipping its float32 wrapper), else F.linear."""
     inner = getattr(module, "inner", None)
@@ -89,16 +96,15 @@ class CpuDecodeStep:
     @staticmethod
     def supports(model: torch.nn.Module) -> bool:
         """Llama-family decoders (the layers of ``models/llama.py``) on one rank, full-width rotary."""
-        from pocketllm.layers.norm import RMSNorm
         from pocketllm.models.llama import CausalLM, DecoderLayer, GatedMLP
 
-        if tp_size() != 1 or not isinstance(model, CausalLM) or not isinstance(model.norm, RMSNorm):
+        if tp_size() != 1 or not isinstance(model, CausalLM) or not _plain_rms_norm(model.norm):
             return False
         for layer in model.layers:
             if type(layer) is not DecoderLayer or type(layer.mlp) is not GatedMLP:
                 return False
             attn = layer.self_attn
-            if attn.rotary_emb.rotary_dim != attn.head_dim or not isinstance(layer.input_layernorm, RMSNorm):
+            if attn.rotary_emb.rotary_dim != attn.head_dim or not _plain_rms_norm(layer.input_layernorm):
                 return False
         return True
 

@@ -194,12 +194,13 @@ class OpenAIServing:
             "text_offset": offsets,
         }
 
-    def _logprobs(self, job: _Job, choice: _Choice, entries: list[TokenLogprob] | None) -> dict | None:
+    def _logprobs(self, job: _Job, choice: _Choice, entries: list[TokenLogprob] | None,
+                  text_offset: int = 0) -> dict | None:
         if not job.want_logprobs or entries is None:
             return None
         if job.endpoint == "chat":
             return self._chat_logprobs(entries)
-        return self._completion_logprobs(entries, choice.params.logprobs or 0)
+        return self._completion_logprobs(entries, choice.params.logprobs or 0, text_offset)
 
     def _usage(self, job: _Job, outputs: list[RequestOutput]) -> dict:
         completion = sum(o.usage.completion_tokens for o in outputs)
@@ -367,14 +368,14 @@ class OpenAIServing:
     def _stream_logprobs(self, job: _Job, choice: _Choice, event: TokenEvent) -> dict | None:
         """The log-probabilities of the tokens whose text this chunk sends: those held with earlier, empty
         steps too; on the last chunk, whatever of the final output's entries was not sent (a matched stop
-        string drops the tokens after it, as in a non-streamed response)."""
+        string drops the tokens after it, as in a non-streamed response). A chunk carries its own step's token
+        even when part of that token's text is still held back; should a stop string then cut that token, the
+        stream has carried an entry that the whole response drops."""
         entries, choice.pending_logprobs = choice.pending_logprobs, []
         if event.output is not None and event.output.logprobs is not None:
             entries = event.output.logprobs[choice.sent_logprobs:]
         choice.sent_logprobs += len(entries)
-        if job.endpoint == "chat":
-            return self._chat_logprobs(entries)
-        shaped = self._completion_logprobs(entries, choice.params.logprobs or 0, choice.sent_offset)
+        shaped = self._logprobs(job, choice, entries, choice.sent_offset)
         choice.sent_offset += sum(len(e.token) for e in entries)
         return shaped
 
