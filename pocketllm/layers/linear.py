@@ -20,8 +20,10 @@ def _divide(numerator: int, denominator: int) -> int:
 class LinearBase(nn.Module):
     """A weight (and optional bias) split along ``tp_dim`` (0: output rows, 1: input columns, None: whole)."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, tp_dim: int | None) -> None:
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp_dim: int | None,
+                 prologue: str | None = None) -> None:
         super().__init__()
+        self.prologue = prologue
         self.tp_dim = tp_dim
         self.tp_rank = tp_rank()
         self.tp_size = tp_size()
@@ -45,10 +47,9 @@ class LinearBase(nn.Module):
 
     # CUDA, set by the model runner after timing on this weight's shape: rows up to which the skinny Triton
     # kernel replaces F.linear, and rows up to which the layer's input prologue (``prologue``: "rms_norm" or
-    # "silu_mul", declared by the model) runs fused into that kernel. 0 = never.
+    # "silu_mul", what the model computes before this layer) runs fused into that kernel. 0 = never.
     skinny_rows = 0
     fused_rows = 0
-    prologue: str | None = None
 
     def _product(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if x.dim() == 2 and 0 < x.shape[0] <= self.skinny_rows:
@@ -119,16 +120,17 @@ class ReplicatedLinear(LinearBase):
 class ColumnParallelLinear(LinearBase):
     """Output features split across ranks; the output stays sharded."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
-        super().__init__(in_features, _divide(out_features, tp_size()), bias, tp_dim=0)
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, prologue: str | None = None) -> None:
+        super().__init__(in_features, _divide(out_features, tp_size()), bias, tp_dim=0, prologue=prologue)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
     """Several column-parallel projections of one input stored as one weight (e.g. gate and up)."""
 
-    def __init__(self, in_features: int, output_sizes: list[int], bias: bool = False) -> None:
+    def __init__(self, in_features: int, output_sizes: list[int], bias: bool = False,
+                 prologue: str | None = None) -> None:
         self.output_sizes = output_sizes
-        super().__init__(in_features, sum(output_sizes), bias)
+        super().__init__(in_features, sum(output_sizes), bias, prologue)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int) -> None:
         offset = sum(self.output_sizes[:shard_id]) // self.tp_size
@@ -141,14 +143,14 @@ class QKVParallelLinear(ColumnParallelLinear):
     """The query, key and value projections as one weight; KV heads are replicated when fewer than ranks."""
 
     def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int,
-                 bias: bool = False) -> None:
+                 bias: bool = False, prologue: str | None = None) -> None:
         size = tp_size()
         self.head_dim = head_dim
         self.num_heads = _divide(num_heads, size)
         self.num_kv_heads = max(1, num_kv_heads // size)
         self.kv_replicas = max(1, size // num_kv_heads)
         out_features = (self.num_heads + 2 * self.num_kv_heads) * head_dim * size
-        super().__init__(hidden_size, out_features, bias)
+        super().__init__(hidden_size, out_features, bias, prologue)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str) -> None:
         q_size = self.num_heads * self.head_dim
@@ -164,8 +166,8 @@ class QKVParallelLinear(ColumnParallelLinear):
 class RowParallelLinear(LinearBase):
     """Input features split across ranks; partial outputs are summed (bias added once)."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
-        super().__init__(_divide(in_features, tp_size()), out_features, bias, tp_dim=1)
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, prologue: str | None = None) -> None:
+        super().__init__(_divide(in_features, tp_size()), out_features, bias, tp_dim=1, prologue=prologue)
 
     def _bias(self) -> torch.Tensor | None:
         return self.bias if self.tp_rank == 0 else None

@@ -32,7 +32,7 @@ class SelfAttention(nn.Module):
         super().__init__()
         head_dim = head_dim_of(config)
         self.qkv_proj = QKVParallelLinear(config.hidden_size, head_dim, config.num_attention_heads,
-                                          config.num_key_value_heads, bias=qkv_bias)
+                                          config.num_key_value_heads, bias=qkv_bias, prologue="rms_norm")
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.head_dim = head_dim
         self.o_proj = RowParallelLinear(config.num_attention_heads * head_dim, config.hidden_size,
@@ -42,7 +42,6 @@ class SelfAttention(nn.Module):
         self.q_norm = RMSNorm(head_dim, config.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(head_dim, config.rms_norm_eps) if qk_norm else None
         self.attn = Attention(self.num_heads, head_dim, self.num_kv_heads, head_dim ** -0.5)
-        self.qkv_proj.prologue = "rms_norm"
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         return self.attend(positions, self.qkv_proj(hidden), meta)
@@ -64,14 +63,14 @@ class SelfAttention(nn.Module):
 
 
 class GatedMLP(nn.Module):
-    """SwiGLU feed-forward: down(silu(gate(x)) * up(x))."""
+    """SwiGLU feed-forward: down(silu(gate(x)) * up(x)). ``after_norm``: a block's norm comes right before it
+    (``forward_normed``), which its first projection may fuse (a MoE's shared expert has none)."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int, after_norm: bool = True) -> None:
         super().__init__()
-        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2)
-        self.down_proj = RowParallelLinear(intermediate_size, hidden_size)
-        self.gate_up_proj.prologue = "rms_norm"
-        self.down_proj.prologue = "silu_mul"
+        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2,
+                                                       prologue="rms_norm" if after_norm else None)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, prologue="silu_mul")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return silu_mul_projection(self.down_proj, self.gate_up_proj(x))

@@ -21,7 +21,7 @@ class SharedExpertMoeBlock(nn.Module):
         self.gate = ReplicatedLinear(config.hidden_size, config.num_experts)
         self.experts = FusedMoE(config.num_experts, config.num_experts_per_tok, config.hidden_size,
                                 config.moe_intermediate_size, renormalize=True)
-        self.shared_expert = GatedMLP(config.hidden_size, config.shared_expert_intermediate_size)
+        self.shared_expert = GatedMLP(config.hidden_size, config.shared_expert_intermediate_size, after_norm=False)
         self.shared_expert_gate = ReplicatedLinear(config.hidden_size, 1)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
