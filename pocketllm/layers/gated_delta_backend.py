@@ -31,8 +31,7 @@ class GatedDeltaBackend(NamedTuple):
 
 
 def _override(name: str) -> str:
-    value = os.environ.get(name, "auto").strip().lower() or "auto"
-    return value
+    return os.environ.get(name, "auto").strip().lower() or "auto"
 
 
 @functools.cache

@@ -92,6 +92,7 @@ class CpuDecodeStep:
                 _linear(layer.mlp.gate_up_proj), _linear(layer.mlp.down_proj)))
         self.norm = (model.norm.weight, model.norm.eps)
         self.scale = first.attn.scale
+        self.first_attention = first.attn   # its cache (bound later by the runner) gives the KV dtype
 
     @staticmethod
     def supports(model: torch.nn.Module) -> bool:
@@ -138,7 +139,7 @@ class CpuDecodeStep:
             blocks = max(len(t) for t in tables)
             index = torch.tensor([b for t in tables for b in t + [0] * (blocks - len(t))])
             mask = torch.arange(blocks * bs)[None, :] < torch.tensor(lengths)[:, None]
-            cache_dtype = self.layers[0][5].k_cache.dtype  # the mask is added to scores in the cache's dtype
+            cache_dtype = self.first_attention.k_cache.dtype  # the mask is added to scores in the cache's dtype
             bias = torch.zeros(mask.shape, dtype=cache_dtype).masked_fill_(~mask, float("-inf"))[:, None, None, :]
         pos = torch.tensor(positions)
         return DecodeBatch(torch.tensor(ids), torch.tensor(slots), self.cos[pos][:, None, :],
