@@ -14,17 +14,23 @@ import os
 import torch
 
 
-@functools.cache
-def _triton_importable() -> bool:
-    if os.environ.get("POCKETLLM_DISABLE_TRITON", "") not in ("", "0"):
+def optional_import(module: str, switch: str) -> bool:
+    """Whether the optional package ``module`` imports and the environment variable ``switch`` (set and not 0)
+    does not turn it off; a broken or incompatible install counts as absent, not as a crash."""
+    if os.environ.get(switch, "") not in ("", "0"):
         return False
-    if importlib.util.find_spec("triton") is None:
+    if importlib.util.find_spec(module.partition(".")[0]) is None:
         return False
     try:
-        import triton  # noqa: F401
-    except Exception:  # a broken install means "no kernels", not a crash
+        importlib.import_module(module)
+    except Exception:
         return False
     return True
+
+
+@functools.cache
+def _triton_importable() -> bool:
+    return optional_import("triton", "POCKETLLM_DISABLE_TRITON")
 
 
 def kernels_enabled() -> bool:

@@ -13,24 +13,16 @@ multiplies q; states are float32 ``[N, value_heads, key_dim, value_dim]``.
 from __future__ import annotations
 
 import functools
-import importlib.util
-import os
 
 import torch
+
+from pocketllm.kernels import optional_import
 
 
 @functools.cache
 def fla_available() -> bool:
     """Whether ``fla``'s gated delta rule imports (and is not switched off by ``POCKETLLM_DISABLE_FLA``)."""
-    if os.environ.get("POCKETLLM_DISABLE_FLA", "") not in ("", "0"):
-        return False
-    if importlib.util.find_spec("fla") is None:
-        return False
-    try:
-        from fla.ops.gated_delta_rule import chunk_gated_delta_rule  # noqa: F401
-    except Exception:  # a broken or incompatible install means "no fla", not a crash
-        return False
-    return True
+    return optional_import("fla.ops.gated_delta_rule", "POCKETLLM_DISABLE_FLA")
 
 
 def fla_chunk_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,

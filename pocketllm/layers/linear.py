@@ -17,6 +17,10 @@ def _divide(numerator: int, denominator: int) -> int:
     return numerator // denominator
 
 
+def _add_bias(out: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return out if bias is None else out + bias
+
+
 class LinearBase(nn.Module):
     """A weight (and optional bias) split along ``tp_dim`` (0: output rows, 1: input columns, None: whole)."""
 
@@ -55,8 +59,7 @@ class LinearBase(nn.Module):
         if x.dim() == 2 and 0 < x.shape[0] <= self.skinny_rows:
             from pocketllm.kernels.gemv import skinny_linear
 
-            out = skinny_linear(x, self.weight)
-            return out if bias is None else out + bias
+            return _add_bias(skinny_linear(x, self.weight), bias)
         return F.linear(x, self.weight, bias)
 
     def _bias(self) -> torch.Tensor | None:
@@ -73,21 +76,18 @@ class LinearBase(nn.Module):
         """Whether the input prologue runs fused into this layer's kernel for ``x``."""
         return x.dim() == 2 and 0 < x.shape[0] <= self.fused_rows
 
-    def _fused_bias(self, out: torch.Tensor) -> torch.Tensor:
-        bias = self._bias()
-        return out if bias is None else out + bias
 
     def forward_fused_silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         from pocketllm.kernels.gemv import skinny_silu_mul_linear
 
-        return self._finish(self._fused_bias(skinny_silu_mul_linear(gate_up, self.weight)))
+        return self._finish(_add_bias(skinny_silu_mul_linear(gate_up, self.weight), self._bias()))
 
     def forward_fused_norm(self, x: torch.Tensor, residual: torch.Tensor | None,
                            norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
         from pocketllm.kernels.gemv import skinny_rms_norm_linear
 
         out, residual = skinny_rms_norm_linear(x, residual, norm.weight, norm.eps, self.weight, norm.offset)
-        return self._finish(self._fused_bias(out)), residual
+        return self._finish(_add_bias(out, self._bias())), residual
 
 
 def silu_mul_projection(proj: nn.Module, gate_up: torch.Tensor) -> torch.Tensor:
