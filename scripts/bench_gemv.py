@@ -1,60 +1,98 @@
-"""Skinny matrix products: cuBLAS (F.linear) against the Triton skinny kernel on decode shapes, and the
-device's copy bandwidth (the bound), timed with CUDA events."""
+"""One-row products (batch-1 decode): cuBLAS (F.linear) against the Triton one-row kernel over its launch
+settings, on the decode shapes of Qwen3-0.6B and Llama-3-8B, and the device's copy bandwidth (the bound).
+
+    python scripts/bench_gemv.py [PART/PARTS]     # e.g. 0/2 and 1/2 on two GPUs: each times half the settings
+
+Prints, per shape, cuBLAS, the current default setting and the five fastest settings (µs and GB/s), then
+the fused prologues (RMSNorm, SiLU·mul) with the three fastest plain settings of their shape.
+"""
 
 from __future__ import annotations
+
+import itertools
+import sys
 
 import torch
 import torch.nn.functional as F
 
-from pocketllm.kernels.gemv import skinny_linear, time_in_graph
+from pocketllm.kernels.gemv import (
+    OneRowConfig, one_row_config, skinny_linear, skinny_rms_norm_linear, skinny_silu_mul_linear, time_in_graph)
 
-SHAPES = {  # (N, K): qwen3-0.6b then llama3-8b: qkv, o, gate_up, down, lm_head
-    "q06 qkv": (4096, 1024), "q06 o": (1024, 2048), "q06 gate_up": (6144, 1024), "q06 down": (1024, 3072),
-    "q06 lm_head": (151936, 1024), "l8 qkv": (6144, 4096), "l8 o": (4096, 4096), "l8 gate_up": (28672, 4096),
-    "l8 down": (4096, 14336), "l8 lm_head": (128256, 4096),
+SHAPES = {  # name: (N, K, prologue); qwen3-0.6b then llama3-8b
+    "q06 qkv": (4096, 1024, "norm"), "q06 o": (1024, 2048, None), "q06 gate_up": (6144, 1024, "norm"),
+    "q06 down": (1024, 3072, "silu"), "q06 lm_head": (151936, 1024, None), "l8 qkv": (6144, 4096, "norm"),
+    "l8 o": (4096, 4096, None), "l8 gate_up": (28672, 4096, "norm"), "l8 down": (4096, 14336, "silu"),
+    "l8 lm_head": (128256, 4096, None),
 }
 
 
-def timed(fn, repeats: int = 50) -> float:
-    """µs per call, replayed from a CUDA graph (as in a decode step: no host launch cost)."""
-    return time_in_graph(fn, repeats) * 1e3
+def settings() -> list[OneRowConfig]:
+    out = []
+    for bn, bk, warps, stages, reduce_each in itertools.product(
+            (1, 2, 4, 8, 16, 32, 64), (128, 256, 512, 1024, 2048), (4, 8), (1, 3), (True, False)):
+        if not 512 <= bn * bk <= 16384 or (not reduce_each and bn * bk > 4096):
+            continue
+        out.append(OneRowConfig(bn, bk, reduce_each, warps, stages))
+    return out
+
+
+def us(fn) -> float:
+    return time_in_graph(fn, 30) * 1e3
 
 
 def copy_bandwidth() -> float:
     src = torch.randn(1 << 30, device="cuda")  # 4 GiB
     dst = torch.empty_like(src)
-    us = timed(lambda: dst.copy_(src), 5)
-    return 2 * src.numel() * 4 / us / 1e3  # GB/s
+    return 2 * src.numel() * 4 / us(lambda: dst.copy_(src)) / 1e3  # GB/s
 
 
-def row(name: str, n: int, k: int, m: int) -> str:
+def rotating(n: int, k: int):
+    """A function returning one of several weight copies in turn, so that small weights are not timed out of
+    L2 when in a model every layer brings its own weight."""
     weights = [torch.randn(n, k, dtype=torch.bfloat16, device="cuda") for _ in range(2 if n * k > 3e7 else 8)]
-    x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
-    nbytes = n * k * 2
     turn = [0]
 
-    def weight() -> torch.Tensor:  # rotate through copies so small weights are not served from L2
+    def weight() -> torch.Tensor:
         turn[0] += 1
         return weights[turn[0] % len(weights)]
 
-    t_ref = timed(lambda: F.linear(x, weight()))
-    cols = []
-    for bn, bk, st in VARIANTS:
-        t = timed(lambda bn=bn, bk=bk, st=st: skinny_linear(x, weight(), bn, bk, st))
-        cols.append(f"{t:9.1f} {nbytes / t / 1e3:6,.0f}")
-    return f"{name:14s} {m:3d} {t_ref:10.1f} {nbytes / t_ref / 1e3:7,.0f} | " + " | ".join(cols)
+    return weight
 
 
-VARIANTS = ((None, None, 4), (64, 128, 4), (128, 64, 4))  # None: the one-row auto choice
+def fmt(t: float, nbytes: int) -> str:
+    return f"{t:7.1f} µs {nbytes / t / 1e3:6,.0f} GB/s"
 
 
 def main() -> None:
-    print(f"copy bandwidth: {copy_bandwidth():,.0f} GB/s (4 GiB, read + write)")
-    print(f"{'shape':14s} {'M':>3s} {'cuBLAS µs':>10s} {'GB/s':>7s} | " + " | ".join(
-        f"skinny n{bn} k{bk} s{st} µs  GB/s" for bn, bk, st in VARIANTS))
-    for name, (n, k) in SHAPES.items():
-        for m in (1, 8):
-            print(row(name, n, k, m))
+    part, parts = (int(v) for v in (sys.argv[1].split("/") if len(sys.argv) > 1 else ("0", "1")))
+    configs = settings()[part::parts]
+    print(f"copy bandwidth: {copy_bandwidth():,.0f} GB/s (4 GiB, read + write); {len(configs)} settings")
+    for name, (n, k, prologue) in SHAPES.items():
+        weight, nbytes = rotating(n, k), n * k * 2
+        x = torch.randn(1, k, dtype=torch.bfloat16, device="cuda")
+        cublas = us(lambda: F.linear(x, weight()))
+        default = one_row_config(n, k)
+        times = {}
+        for c in configs + [default]:
+            try:
+                times[c] = us(lambda c=c: skinny_linear(x, weight(), c))
+            except Exception as exc:  # a setting that does not compile (e.g. out of shared memory)
+                print(f"  {name} {c}: {type(exc).__name__}")
+        best = sorted(times, key=times.get)
+        print(f"{name:12s} N={n} K={k}: cuBLAS {fmt(cublas, nbytes)}; default {fmt(times[default], nbytes)}")
+        for c in best[:5]:
+            print(f"    {fmt(times[c], nbytes)}  {c}")
+        if prologue is None:
+            continue
+        for c in best[:3]:
+            if prologue == "norm":
+                r, nw = torch.randn_like(x), torch.rand(k, dtype=torch.bfloat16, device="cuda")
+                t = us(lambda c=c: skinny_rms_norm_linear(x, r, nw, 1e-6, weight(), config=c))
+            else:
+                gu = torch.randn(1, 2 * k, dtype=torch.bfloat16, device="cuda")
+                t = us(lambda c=c: skinny_silu_mul_linear(gu, weight(), c))
+            print(f"    fused {prologue}: {fmt(t, nbytes)}  {c}")
+
 
 if __name__ == "__main__":
     main()

@@ -491,6 +491,34 @@ def test_skinny_rms_norm_linear(rows, with_residual, offset):
     assert _rel(out, ref) < TOL[dtype]
 
 
+@pytest.mark.parametrize("config", [(4, 128, True, 4, 1), (16, 512, False, 8, 3), (64, 256, True, 4, 4)])
+@pytest.mark.parametrize("prologue", ["none", "silu", "norm"])
+def test_one_row_configs(config, prologue):
+    """Every launch setting of the one-row kernel gives the product, with K and N not multiples of the tile."""
+    dtype = torch.float32 if INTERPRET else torch.bfloat16
+    _need_kernels(dtype)
+    from pocketllm.kernels.gemv import OneRowConfig, skinny_linear, skinny_rms_norm_linear, skinny_silu_mul_linear
+
+    config = OneRowConfig(*config)
+    n, k = 300, 600
+    weight = torch.randn(n, k, dtype=dtype, device=DEVICE)
+    if prologue == "silu":
+        gate_up = torch.randn(1, 2 * k, dtype=dtype, device=DEVICE)
+        gate, up = gate_up.double().chunk(2, dim=-1)
+        out, ref = skinny_silu_mul_linear(gate_up, weight, config), (F.silu(gate) * up).to(dtype).double()
+    elif prologue == "norm":
+        x, residual = torch.randn(2, 1, k, dtype=dtype, device=DEVICE)
+        norm_weight = (torch.rand(k, device=DEVICE) + 0.5).to(dtype)
+        out, summed = skinny_rms_norm_linear(x, residual, norm_weight, 1e-6, weight, config=config)
+        h = (x + residual).double()
+        torch.testing.assert_close(summed, x + residual)
+        ref = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6) * norm_weight.double()
+    else:
+        x = torch.randn(1, k, dtype=dtype, device=DEVICE)
+        out, ref = skinny_linear(x, weight, config), x.double()
+    assert _rel(out, ref @ weight.double().T) < TOL[dtype]
+
+
 def test_greedy_argmax_matches_torch_with_ties():
     _need_kernels()
     from pocketllm.kernels.sampling import greedy_argmax

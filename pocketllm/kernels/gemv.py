@@ -8,6 +8,8 @@ LM head of Qwen3-0.6B; this kernel streams the weight in [BLOCK_N, BLOCK_K] tile
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -88,36 +90,105 @@ def _skinny_kernel(x_ptr, w_ptr, out_ptr, res_ptr, nw_ptr, res_out_ptr, M, N, K,
         rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
     x = _input_tile(x_ptr, res_ptr, nw_ptr, res_out_ptr, rows, m_mask, 0, K, stride_xm, stride_rm, rstd, pid, eps,
                     PROLOGUE, HAS_RESIDUAL, NORM_OFFSET, BLOCK_K)
-    if BLOCK_M == 1:
-        acc = w_first.to(tl.float32) * x
-        for k0 in range(BLOCK_K, K, BLOCK_K):
-            x = _input_tile(x_ptr, res_ptr, nw_ptr, res_out_ptr, rows, m_mask, k0, K, stride_xm, stride_rm, rstd,
-                            pid, eps, PROLOGUE, HAS_RESIDUAL, NORM_OFFSET, BLOCK_K)
-            w = tl.load(w_rows + (k0 + rk)[None, :], mask=n_mask[:, None] & ((k0 + rk) < K)[None, :], other=0.0)
-            acc += w.to(tl.float32) * x
-        out = tl.sum(acc, 1)
-        tl.store(out_ptr + rn, out.to(out_ptr.dtype.element_ty), mask=n_mask)
+    acc = tl.dot(x.to(w_first.dtype), tl.trans(w_first))
+    for k0 in range(BLOCK_K, K, BLOCK_K):
+        x = _input_tile(x_ptr, res_ptr, nw_ptr, res_out_ptr, rows, m_mask, k0, K, stride_xm, stride_rm, rstd,
+                        pid, eps, PROLOGUE, HAS_RESIDUAL, NORM_OFFSET, BLOCK_K)
+        w = tl.load(w_rows + (k0 + rk)[None, :], mask=n_mask[:, None] & ((k0 + rk) < K)[None, :], other=0.0)
+        acc += tl.dot(x.to(w.dtype), tl.trans(w))
+    tl.store(out_ptr + rows[:, None] * stride_om + rn[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=m_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def _one_row_input(x_ptr, res_ptr, nw_ptr, res_out_ptr, rk, k_mask, pid, PROLOGUE: tl.constexpr,
+                   HAS_RESIDUAL: tl.constexpr, NORM_OFFSET: tl.constexpr, K):
+    """(the product's input at columns ``rk``, the squares for the row's RMS) in float32 for one row. With
+    the RMSNorm prologue the input is ``h * norm_weight``: the row's ``1 / rms(h)`` is a common factor,
+    applied once to the finished dot products, so the row is read in one pass with the weight."""
+    if PROLOGUE == 1:  # silu(gate) * up, the input holding [gate | up]
+        gate = tl.load(x_ptr + rk, mask=k_mask, other=0.0)
+        up = tl.load(x_ptr + K + rk, mask=k_mask, other=0.0).to(tl.float32)
+        g = gate.to(tl.float32)
+        return (g / (1.0 + tl.exp(-g)) * up).to(gate.dtype).to(tl.float32), tl.zeros_like(up)
+    elif PROLOGUE == 2:
+        h = tl.load(x_ptr + rk, mask=k_mask, other=0.0)
+        if HAS_RESIDUAL:
+            r = tl.load(res_ptr + rk, mask=k_mask, other=0.0)
+            h = (h.to(tl.float32) + r.to(tl.float32)).to(h.dtype)
+            if pid == 0:
+                tl.store(res_out_ptr + rk, h, mask=k_mask)
+        w = tl.load(nw_ptr + rk, mask=k_mask, other=0.0).to(tl.float32)
+        if NORM_OFFSET:
+            w = w + 1.0
+        hf = h.to(tl.float32)
+        return hf * w, hf * hf
     else:
-        acc = tl.dot(x.to(w_first.dtype), tl.trans(w_first))
-        for k0 in range(BLOCK_K, K, BLOCK_K):
-            x = _input_tile(x_ptr, res_ptr, nw_ptr, res_out_ptr, rows, m_mask, k0, K, stride_xm, stride_rm, rstd,
-                            pid, eps, PROLOGUE, HAS_RESIDUAL, NORM_OFFSET, BLOCK_K)
-            w = tl.load(w_rows + (k0 + rk)[None, :], mask=n_mask[:, None] & ((k0 + rk) < K)[None, :], other=0.0)
-            acc += tl.dot(x.to(w.dtype), tl.trans(w))
-        tl.store(out_ptr + rows[:, None] * stride_om + rn[None, :], acc.to(out_ptr.dtype.element_ty),
-                 mask=m_mask[:, None] & n_mask[None, :])
+        x = tl.load(x_ptr + rk, mask=k_mask, other=0.0).to(tl.float32)
+        return x, tl.zeros_like(x)
+
+
+@triton.jit
+def _one_row_kernel(x_ptr, w_ptr, out_ptr, res_ptr, nw_ptr, res_out_ptr, N, K, stride_wn, eps,
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, REDUCE_EACH: tl.constexpr,
+                    PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, NORM_OFFSET: tl.constexpr,
+                    PDL: tl.constexpr):
+    """One activation row times a [N, K] weight: each program streams BLOCK_N whole weight rows in
+    [BLOCK_N, BLOCK_K] tiles. ``REDUCE_EACH`` sums each tile's products at once (an accumulator of BLOCK_N
+    values, so more programs fit on a multiprocessor) instead of once at the end."""
+    pid = tl.program_id(0)
+    rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    n_mask = rn < N
+    w_rows = w_ptr + rn.to(tl.int64)[:, None] * stride_wn
+    w_first = tl.load(w_rows + rk[None, :], mask=n_mask[:, None] & (rk < K)[None, :], other=0.0)
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
+    x, squares = _one_row_input(x_ptr, res_ptr, nw_ptr, res_out_ptr, rk, rk < K, pid, PROLOGUE, HAS_RESIDUAL,
+                                NORM_OFFSET, K)
+    if REDUCE_EACH:
+        acc = tl.sum(w_first.to(tl.float32) * x[None, :], 1)
+    else:
+        acc2 = w_first.to(tl.float32) * x[None, :]
+    for k0 in range(BLOCK_K, K, BLOCK_K):
+        ck = k0 + rk
+        x, sq = _one_row_input(x_ptr, res_ptr, nw_ptr, res_out_ptr, ck, ck < K, pid, PROLOGUE, HAS_RESIDUAL,
+                               NORM_OFFSET, K)
+        if PROLOGUE == 2:
+            squares += sq
+        w = tl.load(w_rows + ck[None, :], mask=n_mask[:, None] & (ck < K)[None, :], other=0.0)
+        if REDUCE_EACH:
+            acc += tl.sum(w.to(tl.float32) * x[None, :], 1)
+        else:
+            acc2 += w.to(tl.float32) * x[None, :]
+    if not REDUCE_EACH:
+        acc = tl.sum(acc2, 1)
+    if PROLOGUE == 2:
+        acc = acc * tl.rsqrt(tl.sum(squares, 0) / K + eps)
+    tl.store(out_ptr + rn, acc.to(out_ptr.dtype.element_ty), mask=n_mask)
 
 
 MAX_ROWS = 16
 
 
-def one_row_blocks(n: int) -> tuple[int, int]:
-    """(BLOCK_N, BLOCK_K) for one activation row: about 256 programs or more, each streaming a few whole weight
-    rows, so that a small matrix (a few MB) still spreads over every multiprocessor."""
+class OneRowConfig(NamedTuple):
+    """Launch settings of the one-row kernel."""
+
+    block_n: int
+    block_k: int
+    reduce_each: bool = True
+    num_warps: int = 4
+    num_stages: int = 1
+
+
+def one_row_config(n: int, k: int) -> OneRowConfig:
+    """Settings for one activation row: about 256 programs or more, each streaming a few whole weight rows,
+    so that a small matrix (a few MB) still spreads over every multiprocessor."""
     block_n = 4
     while block_n < 64 and n // (2 * block_n) >= 256:
         block_n *= 2
-    return block_n, max(128, 4096 // block_n)
+    return OneRowConfig(block_n, max(128, 4096 // block_n), False, 4, 4)
 
 
 NO_PROLOGUE, SILU_MUL, RMS_NORM = 0, 1, 2
@@ -125,13 +196,9 @@ NO_PROLOGUE, SILU_MUL, RMS_NORM = 0, 1, 2
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, prologue: int, residual: torch.Tensor | None = None,
             norm_weight: torch.Tensor | None = None, eps: float = 0.0, norm_offset: bool = False,
-            block_n: int | None = None, block_k: int | None = None, num_stages: int = 4,
-            ) -> tuple[torch.Tensor, torch.Tensor | None]:
+            config: OneRowConfig | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     m = x.shape[0]
     n, k = weight.shape
-    if block_n is None or block_k is None:
-        auto_n, auto_k = one_row_blocks(n) if m == 1 else (64, 128)
-        block_n, block_k = block_n or auto_n, block_k or auto_k
     if not 0 < m <= MAX_ROWS or weight.stride(1) != 1:
         raise ValueError(f"skinny product needs 1..{MAX_ROWS} rows and a row-major weight")
     if x.stride(1) != 1:
@@ -142,34 +209,45 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, prologue: int, residual: torc
         residual = residual if residual.stride(1) == 1 else residual.contiguous()
         res_out = torch.empty(m, k, dtype=x.dtype, device=x.device)
     pdl, launch = launch_options(x, m)
-    _skinny_kernel[(triton.cdiv(n, block_n),)](
-        x, weight, out, x if residual is None else residual, x if norm_weight is None else norm_weight,
-        out if res_out is None else res_out, m, n, k, x.stride(0), weight.stride(0), out.stride(0),
+    res_arg = x if residual is None else residual
+    nw_arg = x if norm_weight is None else norm_weight
+    res_out_arg = out if res_out is None else res_out
+    if m == 1:
+        c = config or one_row_config(n, k)
+        _one_row_kernel[(triton.cdiv(n, c.block_n),)](
+            x, weight, out, res_arg, nw_arg, res_out_arg, n, k, weight.stride(0), eps, BLOCK_N=c.block_n,
+            BLOCK_K=c.block_k, REDUCE_EACH=c.reduce_each, PROLOGUE=prologue, HAS_RESIDUAL=residual is not None,
+            NORM_OFFSET=norm_offset, PDL=pdl, num_warps=c.num_warps, num_stages=c.num_stages, **launch)
+        return out, res_out
+    _skinny_kernel[(triton.cdiv(n, 64),)](
+        x, weight, out, res_arg, nw_arg, res_out_arg, m, n, k, x.stride(0), weight.stride(0), out.stride(0),
         0 if residual is None else residual.stride(0), eps,
-        BLOCK_M=1 if m == 1 else 16, BLOCK_N=block_n, BLOCK_K=block_k, PROLOGUE=prologue,
-        HAS_RESIDUAL=residual is not None, NORM_OFFSET=norm_offset, PDL=pdl, num_warps=4, num_stages=num_stages,
+        BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, PROLOGUE=prologue,
+        HAS_RESIDUAL=residual is not None, NORM_OFFSET=norm_offset, PDL=pdl, num_warps=4, num_stages=4,
         **launch)
     return out, res_out
 
 
-def skinny_linear(x: torch.Tensor, weight: torch.Tensor, block_n: int | None = None, block_k: int | None = None,
-                  num_stages: int = 4) -> torch.Tensor:
+def skinny_linear(x: torch.Tensor, weight: torch.Tensor, config: OneRowConfig | None = None) -> torch.Tensor:
     """``x @ weight.T`` for ``x`` [M ≤ 16, K] and ``weight`` [N, K] (row-major), bf16/fp16 (fp32 accumulate)."""
-    return _launch(x, weight, NO_PROLOGUE, block_n=block_n, block_k=block_k, num_stages=num_stages)[0]
+    return _launch(x, weight, NO_PROLOGUE, config=config)[0]
 
 
-def skinny_silu_mul_linear(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def skinny_silu_mul_linear(gate_up: torch.Tensor, weight: torch.Tensor, config: OneRowConfig | None = None,
+                           ) -> torch.Tensor:
     """``(silu(gate) * up) @ weight.T`` for ``gate_up`` [M ≤ 16, 2K] holding [gate | up]: the activation is
     computed while loading the product's input, so it costs no launch of its own."""
-    return _launch(gate_up, weight, SILU_MUL)[0]
+    return _launch(gate_up, weight, SILU_MUL, config=config)[0]
 
 
 def skinny_rms_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
-                           weight: torch.Tensor, norm_offset: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                           weight: torch.Tensor, norm_offset: bool = False, config: OneRowConfig | None = None,
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(rms_norm(x + residual) @ weight.T, x + residual)`` in one launch (without ``residual``: of ``x``,
     which is then returned as the residual). Each program recomputes the row's RMS; program 0 writes the sum.
+    One row is read in a single pass (``1 / rms`` applied to the dot products); more rows in two.
     ``norm_offset`` scales by ``1 + norm_weight`` (the zero-centred norms of Qwen3.5 and Gemma)."""
-    out, summed = _launch(x, weight, RMS_NORM, residual, norm_weight, eps, norm_offset)
+    out, summed = _launch(x, weight, RMS_NORM, residual, norm_weight, eps, norm_offset, config)
     return out, x if summed is None else summed
 
 
