@@ -16,7 +16,13 @@ import torch
 import torch.nn.functional as F
 
 from pocketllm.kernels.gemv import (
-    OneRowConfig, one_row_config, skinny_linear, skinny_rms_norm_linear, skinny_silu_mul_linear, time_in_graph)
+    OneRowConfig,
+    one_row_config,
+    skinny_linear,
+    skinny_rms_norm_linear,
+    skinny_silu_mul_linear,
+    time_in_graph,
+)
 
 SHAPES = {  # name: (N, K, prologue); qwen3-0.6b then llama3-8b
     "q06 qkv": (4096, 1024, "norm"), "q06 o": (1024, 2048, None), "q06 gate_up": (6144, 1024, "norm"),
@@ -63,35 +69,37 @@ def fmt(t: float, nbytes: int) -> str:
     return f"{t:7.1f} µs {nbytes / t / 1e3:6,.0f} GB/s"
 
 
+def shape_rows(name: str, n: int, k: int, prologue: str | None, configs: list[OneRowConfig]) -> None:
+    weight, nbytes = rotating(n, k), n * k * 2
+    x = torch.randn(1, k, dtype=torch.bfloat16, device="cuda")
+    cublas = us(lambda: F.linear(x, weight()))
+    default = one_row_config(n, k)
+    times = {}
+    for c in configs + [default]:
+        try:
+            times[c] = us(lambda c=c: skinny_linear(x, weight(), c))
+        except Exception as exc:  # a setting that does not compile (e.g. out of shared memory)
+            print(f"  {name} {c}: {type(exc).__name__}")
+    best = sorted(times, key=times.get)
+    print(f"{name:12s} N={n} K={k}: cuBLAS {fmt(cublas, nbytes)}; default {fmt(times[default], nbytes)}")
+    for c in best[:5]:
+        print(f"    {fmt(times[c], nbytes)}  {c}")
+    r, nw = torch.randn_like(x), torch.rand(k, dtype=torch.bfloat16, device="cuda")
+    gu = torch.randn(1, 2 * k, dtype=torch.bfloat16, device="cuda")
+    for c in best[:3] if prologue else ():
+        if prologue == "norm":
+            t = us(lambda c=c: skinny_rms_norm_linear(x, r, nw, 1e-6, weight(), config=c))
+        else:
+            t = us(lambda c=c: skinny_silu_mul_linear(gu, weight(), c))
+        print(f"    fused {prologue}: {fmt(t, nbytes)}  {c}")
+
+
 def main() -> None:
     part, parts = (int(v) for v in (sys.argv[1].split("/") if len(sys.argv) > 1 else ("0", "1")))
     configs = settings()[part::parts]
     print(f"copy bandwidth: {copy_bandwidth():,.0f} GB/s (4 GiB, read + write); {len(configs)} settings")
     for name, (n, k, prologue) in SHAPES.items():
-        weight, nbytes = rotating(n, k), n * k * 2
-        x = torch.randn(1, k, dtype=torch.bfloat16, device="cuda")
-        cublas = us(lambda: F.linear(x, weight()))
-        default = one_row_config(n, k)
-        times = {}
-        for c in configs + [default]:
-            try:
-                times[c] = us(lambda c=c: skinny_linear(x, weight(), c))
-            except Exception as exc:  # a setting that does not compile (e.g. out of shared memory)
-                print(f"  {name} {c}: {type(exc).__name__}")
-        best = sorted(times, key=times.get)
-        print(f"{name:12s} N={n} K={k}: cuBLAS {fmt(cublas, nbytes)}; default {fmt(times[default], nbytes)}")
-        for c in best[:5]:
-            print(f"    {fmt(times[c], nbytes)}  {c}")
-        if prologue is None:
-            continue
-        for c in best[:3]:
-            if prologue == "norm":
-                r, nw = torch.randn_like(x), torch.rand(k, dtype=torch.bfloat16, device="cuda")
-                t = us(lambda c=c: skinny_rms_norm_linear(x, r, nw, 1e-6, weight(), config=c))
-            else:
-                gu = torch.randn(1, 2 * k, dtype=torch.bfloat16, device="cuda")
-                t = us(lambda c=c: skinny_silu_mul_linear(gu, weight(), c))
-            print(f"    fused {prologue}: {fmt(t, nbytes)}  {c}")
+        shape_rows(name, n, k, prologue, configs)
 
 
 if __name__ == "__main__":
