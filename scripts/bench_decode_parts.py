@@ -4,6 +4,8 @@ at several split counts (one split: no merge)."""
 
 from __future__ import annotations
 
+import sys
+
 import torch
 import torch.nn.functional as F
 
@@ -88,7 +90,41 @@ def attention_variants(heads: int, kv_heads: int, dim: int, ctx: int) -> None:
         print("   ", row)
 
 
+def large_batch_variants(heads: int, kv_heads: int, dim: int, batch: int, ctx: int) -> None:
+    """Decode attention at a large batch (one split) over KV tile, warps, stages and the grid's order; the
+    context's pages are spread over the cache as a long-running server leaves them."""
+    pages = ctx // 16 + 1
+    k_cache = torch.randn(batch * pages, 16, kv_heads, dim, dtype=torch.bfloat16, device="cuda")
+    v_cache = torch.randn_like(k_cache)
+    tables = torch.randperm(batch * pages, device="cuda").to(torch.int32).view(batch, pages)
+    lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
+    q = torch.randn(batch, heads, dim, dtype=torch.bfloat16, device="cuda")
+    nbytes = 2 * batch * ctx * kv_heads * dim * 2
+    results = []
+    for block_n in (32, 64, 128):
+        for warps in (4, 8):
+            for stages in (2, 3, 4):
+                for heads_first in (False, True):
+                    def run(b=block_n, w=warps, st=stages, h=heads_first) -> torch.Tensor:
+                        return paged_decode(q, k_cache, v_cache, tables, lens, dim ** -0.5, 1, block_n=b,
+                                            num_warps=w, num_stages=st, heads_first=h)
+                    try:
+                        results.append((us(run), block_n, warps, stages, heads_first))
+                    except Exception as exc:  # e.g. out of shared memory
+                        print(f"  block_n {block_n} warps {warps} stages {stages}: {type(exc).__name__}")
+    results.sort()
+    default = us(lambda: paged_decode(q, k_cache, v_cache, tables, lens, dim ** -0.5, 1))
+    print(f"attention batch {batch} ctx {ctx}, heads {heads}/{kv_heads}: default {default:.1f} µs "
+          f"({nbytes / default / 1e3:,.0f} GB/s); best (µs, GB/s, block_n, warps, stages, heads first):")
+    for t, *rest in results[:6]:
+        print(f"    {t:7.1f} {nbytes / t / 1e3:7,.0f}", *rest)
+
+
 def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "large-batch":
+        large_batch_variants(16, 8, 128, 256, 800)
+        large_batch_variants(32, 8, 128, 64, 1024)
+        return
     print(f"{'projection':12s} {'cuBLAS':>8s} {'skinny':>8s} {'prologue+best':>14s} {'fused':>8s}  µs, M=1")
     for name, (n, k, prologue) in PROJECTIONS.items():
         print(projection_row(name, n, k, prologue))

@@ -126,6 +126,10 @@ def test_paged_decode(dtype, heads, kv_heads, head_dim, splits):
                          head_dim ** -0.5)
     assert _rel(out[live], ref) < TOL[dtype]
     assert torch.all(out[[i for i, n in enumerate(lens) if n == 0]] == 0)
+    # the grid with KV heads first computes the same thing
+    reordered = paged_decode(q, k_cache, v_cache, tables, ctx, head_dim ** -0.5, splits, counters=counters,
+                             heads_first=True)
+    torch.testing.assert_close(reordered, out)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

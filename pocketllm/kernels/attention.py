@@ -72,12 +72,16 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, lens_ptr, out_pt
                    NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
                    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                    BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, S_PAD: tl.constexpr, PRECISION: tl.constexpr,
-                   PDL: tl.constexpr):
+                   HEADS_FIRST: tl.constexpr, PDL: tl.constexpr):
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
-    seq = tl.program_id(0)
-    kvh = tl.program_id(1)
+    if HEADS_FIRST:  # the KV heads of one sequence run side by side: their rows share DRAM pages
+        seq = tl.program_id(1)
+        kvh = tl.program_id(0)
+    else:
+        seq = tl.program_id(0)
+        kvh = tl.program_id(1)
     split = tl.program_id(2)
     ctx = tl.load(lens_ptr + seq)
     per_split = tl.cdiv(tl.cdiv(ctx, num_splits), BLOCK_N) * BLOCK_N
@@ -164,7 +168,7 @@ def decode_splits(batch: int, num_kv_heads: int, max_splits: int = 16) -> int:
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                  context_lens: torch.Tensor, scale: float, num_splits: int, out: torch.Tensor | None = None,
                  counters: torch.Tensor | None = None, block_n: int | None = None, num_warps: int | None = None,
-                 num_stages: int | None = None) -> torch.Tensor:
+                 num_stages: int | None = None, heads_first: bool = False) -> torch.Tensor:
     """One query token per sequence: ``q`` [B, H, D] (heads contiguous) → [B, H, D].
 
     With ``num_splits`` > 1, ``counters`` (int32, at least B × KV heads, zero; left zero) count the finished
@@ -195,12 +199,14 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     else:
         part = lse = counters = out
     pdl, launch = launch_options(q, batch)
-    _decode_kernel[(batch, num_kv_heads, num_splits)](
+    grid = (num_kv_heads, batch, num_splits) if heads_first else (batch, num_kv_heads, num_splits)
+    _decode_kernel[grid](
         q, k_cache, v_cache, block_tables, context_lens, out, part, lse, counters,
         q.stride(0), out.stride(0), block_tables.stride(0), scale, num_splits,
         NUM_KV_HEADS=num_kv_heads, GROUP=group, GROUP_PAD=max(16, _pow2(group)), HEAD_DIM=head_dim,
         D_PAD=d_pad, BLOCK_SIZE=block_size, BLOCK_N=block_n, SPLIT=num_splits > 1, S_PAD=_pow2(num_splits),
-        PRECISION=_dot_precision(q.dtype), num_warps=num_warps, num_stages=num_stages, PDL=pdl, **launch)
+        PRECISION=_dot_precision(q.dtype), HEADS_FIRST=heads_first, num_warps=num_warps, num_stages=num_stages,
+        PDL=pdl, **launch)
     return out
 
 

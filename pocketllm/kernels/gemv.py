@@ -182,13 +182,22 @@ class OneRowConfig(NamedTuple):
     num_stages: int = 1
 
 
+def _one_row(block_n: int, block_k: int, reduce_each: bool, num_warps: int, k: int) -> OneRowConfig:
+    """A setting with its tile no wider than ``k`` (rounded up to a power of two, at least 128)."""
+    return OneRowConfig(block_n, min(block_k, max(128, triton.next_power_of_2(k))), reduce_each, num_warps, 1)
+
+
+def one_row_candidates(n: int, k: int) -> list[OneRowConfig]:
+    """The settings the model runner times on each weight shape. Swept on an H200 over 172 settings on the
+    decode shapes of Qwen3-0.6B and Llama-3-8B, one of these was within 5% of the fastest on every shape:
+    narrow tiles (1-8 weight rows) 1024-2048 columns wide, many programs."""
+    return [_one_row(1, 2048, False, 8, k), _one_row(2, 2048, False, 8, k), _one_row(4, 1024, False, 4, k),
+            _one_row(8, 1024, True, 4, k), _one_row(8, 2048, True, 4, k)]
+
+
 def one_row_config(n: int, k: int) -> OneRowConfig:
-    """Settings for one activation row: about 256 programs or more, each streaming a few whole weight rows,
-    so that a small matrix (a few MB) still spreads over every multiprocessor."""
-    block_n = 4
-    while block_n < 64 and n // (2 * block_n) >= 256:
-        block_n *= 2
-    return OneRowConfig(block_n, max(128, 4096 // block_n), False, 4, 4)
+    """The setting used without timing (a module the model runner did not time)."""
+    return _one_row(4, 1024, False, 4, k) if k <= 1024 else _one_row(2, 2048, False, 8, k)
 
 
 NO_PROLOGUE, SILU_MUL, RMS_NORM = 0, 1, 2
@@ -289,16 +298,38 @@ def _times_skinny(weight: torch.Tensor) -> bool:
     return weight.dtype in (torch.bfloat16, torch.float16) and weight.dim() == 2 and weight.stride(1) == 1
 
 
-def skinny_rows_for(weight: torch.Tensor) -> int:
-    """Most rows (1, 2, 4, 8 or 16; 0 = none) up to which the skinny kernel beats ``F.linear`` by 5% on this
-    weight's shape, timed on the weight (and copies of it in turn)."""
+def best_one_row_config(weight: torch.Tensor, prologue: int = NO_PROLOGUE,
+                        candidates: list[OneRowConfig] | None = None) -> OneRowConfig:
+    """The fastest of ``candidates`` (default: ``one_row_candidates``) for one row times this weight, with
+    ``prologue`` fused, timed on the weight and copies of it in turn."""
+    n, k = weight.shape
+    candidates = candidates or one_row_candidates(n, k)
+    next_weight = _rotating(weight)
+    x = torch.randn(1, 2 * k if prologue == SILU_MUL else k, dtype=weight.dtype, device=weight.device)
+    residual = torch.randn(1, k, dtype=weight.dtype, device=weight.device)
+    norm_weight = torch.rand(k, dtype=weight.dtype, device=weight.device) + 0.5
+    times = {}
+    for config in dict.fromkeys(candidates):
+        if prologue == SILU_MUL:
+            times[config] = time_in_graph(lambda c=config: skinny_silu_mul_linear(x, next_weight(), c))
+        elif prologue == RMS_NORM:
+            times[config] = time_in_graph(lambda c=config: skinny_rms_norm_linear(x, residual, norm_weight, 1e-6,
+                                                                                   next_weight(), config=c))
+        else:
+            times[config] = time_in_graph(lambda c=config: skinny_linear(x, next_weight(), c))
+    return min(times, key=times.get)
+
+
+def skinny_rows_for(weight: torch.Tensor, config: OneRowConfig | None = None) -> int:
+    """Most rows (1, 2, 4, 8 or 16; 0 = none) up to which the skinny kernel (one row: with ``config``) beats
+    ``F.linear`` by 5% on this weight's shape, timed on the weight (and copies of it in turn)."""
     if not _times_skinny(weight):
         return 0
     next_weight = _rotating(weight)
     rows = 0
     for m in (1, 2, 4, 8, 16):
         x = torch.randn(m, weight.shape[1], dtype=weight.dtype, device=weight.device)
-        ours = time_in_graph(lambda x=x: skinny_linear(x, next_weight()))
+        ours = time_in_graph(lambda x=x: skinny_linear(x, next_weight(), config))
         theirs = time_in_graph(lambda x=x: torch.nn.functional.linear(x, next_weight()))
         if ours >= 0.95 * theirs:
             break
@@ -306,10 +337,11 @@ def skinny_rows_for(weight: torch.Tensor) -> int:
     return rows
 
 
-def fused_rows_for(weight: torch.Tensor, prologue: int, plain_rows: int) -> int:
+def fused_rows_for(weight: torch.Tensor, prologue: int, plain_rows: int, plain: OneRowConfig | None = None,
+                   fused: OneRowConfig | None = None) -> int:
     """Most rows up to which the product with its prologue (``SILU_MUL`` or ``RMS_NORM``) fused in one launch
-    beats the prologue's own kernel followed by the product the layer would otherwise run (skinny up to
-    ``plain_rows`` rows, cuBLAS beyond)."""
+    (one row: with setting ``fused``) beats the prologue's own kernel followed by the product the layer would
+    otherwise run (skinny up to ``plain_rows`` rows, with setting ``plain`` for one row; cuBLAS beyond)."""
     if not _times_skinny(weight):
         return 0
     from pocketllm.kernels.fused import rms_norm, silu_and_mul
@@ -320,7 +352,7 @@ def fused_rows_for(weight: torch.Tensor, prologue: int, plain_rows: int) -> int:
 
     def product(x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] <= plain_rows:
-            return skinny_linear(x, next_weight())
+            return skinny_linear(x, next_weight(), plain)
         return torch.nn.functional.linear(x, next_weight())
 
     rows = 0
@@ -328,11 +360,11 @@ def fused_rows_for(weight: torch.Tensor, prologue: int, plain_rows: int) -> int:
         x = torch.randn(m, 2 * k if prologue == SILU_MUL else k, dtype=weight.dtype, device=weight.device)
         residual = torch.randn(m, k, dtype=weight.dtype, device=weight.device)
         if prologue == SILU_MUL:
-            ours = time_in_graph(lambda x=x: skinny_silu_mul_linear(x, next_weight()))
+            ours = time_in_graph(lambda x=x: skinny_silu_mul_linear(x, next_weight(), fused))
             theirs = time_in_graph(lambda x=x: product(silu_and_mul(x)))
         else:
             ours = time_in_graph(lambda x=x, r=residual: skinny_rms_norm_linear(x, r, norm_weight, 1e-6,
-                                                                                 next_weight()))
+                                                                                 next_weight(), config=fused))
             theirs = time_in_graph(lambda x=x, r=residual: product(rms_norm(x, norm_weight, 1e-6, r)[0]))
         if ours >= theirs:
             break

@@ -39,13 +39,14 @@ class ParallelLMHead(VocabParallelEmbedding):
     """Projects hidden states to logits over the full vocabulary (gathered from every rank)."""
 
     # CUDA: rows up to which the skinny Triton kernel replaces F.linear (0 = never; the model runner sets it
-    # after timing both on this weight).
+    # after timing both on this weight), and the kernel's one-row launch settings timed fastest (None: untimed).
     skinny_rows = 0
+    one_row = None
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         if hidden.dim() == 2 and 0 < hidden.shape[0] <= self.skinny_rows and hidden.is_cuda:
             from pocketllm.kernels.gemv import skinny_linear
 
-            return all_gather_last_dim(skinny_linear(hidden, self.weight))[..., : self.vocab_size]
+            return all_gather_last_dim(skinny_linear(hidden, self.weight, self.one_row))[..., : self.vocab_size]
         logits = all_gather_last_dim(F.linear(hidden, self.weight))
         return logits[..., : self.vocab_size]

@@ -51,15 +51,18 @@ class LinearBase(nn.Module):
 
     # CUDA, set by the model runner after timing on this weight's shape: rows up to which the skinny Triton
     # kernel replaces F.linear, and rows up to which the layer's input prologue (``prologue``: "rms_norm" or
-    # "silu_mul", what the model computes before this layer) runs fused into that kernel. 0 = never.
+    # "silu_mul", what the model computes before this layer) runs fused into that kernel. 0 = never. For one
+    # row, the skinny kernel's launch settings timed fastest on this shape, plain and fused (None: untimed).
     skinny_rows = 0
     fused_rows = 0
+    one_row = None
+    fused_one_row = None
 
     def _product(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if x.dim() == 2 and 0 < x.shape[0] <= self.skinny_rows:
             from pocketllm.kernels.gemv import skinny_linear
 
-            return _add_bias(skinny_linear(x, self.weight), bias)
+            return _add_bias(skinny_linear(x, self.weight, self.one_row), bias)
         return F.linear(x, self.weight, bias)
 
     def _bias(self) -> torch.Tensor | None:
@@ -75,18 +78,17 @@ class LinearBase(nn.Module):
     def fuses(self, x: torch.Tensor) -> bool:
         """Whether the input prologue runs fused into this layer's kernel for ``x``."""
         return x.dim() == 2 and 0 < x.shape[0] <= self.fused_rows
-
-
     def forward_fused_silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         from pocketllm.kernels.gemv import skinny_silu_mul_linear
 
-        return self._finish(_add_bias(skinny_silu_mul_linear(gate_up, self.weight), self._bias()))
+        return self._finish(_add_bias(skinny_silu_mul_linear(gate_up, self.weight, self.fused_one_row), self._bias()))
 
     def forward_fused_norm(self, x: torch.Tensor, residual: torch.Tensor | None,
                            norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
         from pocketllm.kernels.gemv import skinny_rms_norm_linear
 
-        out, residual = skinny_rms_norm_linear(x, residual, norm.weight, norm.eps, self.weight, norm.offset)
+        out, residual = skinny_rms_norm_linear(x, residual, norm.weight, norm.eps, self.weight, norm.offset,
+                                               self.fused_one_row)
         return self._finish(_add_bias(out, self._bias())), residual
 
 

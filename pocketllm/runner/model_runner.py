@@ -146,30 +146,43 @@ class ModelRunner:
         declare an input prologue (a norm or SiLU·mul before them), the fused kernel against the two launches."""
         if self.cuda_step is None:
             return
-        from pocketllm.kernels.gemv import RMS_NORM, SILU_MUL, fused_rows_for, skinny_rows_for
+        from pocketllm.kernels.gemv import (
+            RMS_NORM,
+            SILU_MUL,
+            OneRowConfig,
+            best_one_row_config,
+            fused_rows_for,
+            one_row_candidates,
+            skinny_rows_for,
+        )
 
         prologues = {"rms_norm": RMS_NORM, "silu_mul": SILU_MUL}
-        chosen: dict[tuple[int, ...], int] = {}
-        fused: dict[tuple[str | int, ...], int] = {}
+        chosen: dict[tuple[int, ...], tuple[OneRowConfig, int]] = {}
+        fused: dict[tuple[str | int, ...], tuple[OneRowConfig, int]] = {}
         for name, module in self.model.named_modules():
             weight = getattr(module, "weight", None)
             if not hasattr(module, "skinny_rows") or weight is None or weight.dim() != 2:
                 continue
             shape = tuple(weight.shape)
-            if shape not in chosen:
-                chosen[shape] = skinny_rows_for(weight)
-                logger.info("%s %s: Triton skinny kernel up to %d rows, cuBLAS beyond", name, list(shape),
-                            chosen[shape])
-            module.skinny_rows = chosen[shape]
+            if shape not in chosen and weight.dtype in (torch.bfloat16, torch.float16) and weight.stride(1) == 1:
+                config = best_one_row_config(weight)
+                chosen[shape] = config, skinny_rows_for(weight, config)
+                logger.info("%s %s: Triton skinny kernel up to %d rows (one row: %s), cuBLAS beyond", name,
+                            list(shape), chosen[shape][1], config)
+            module.one_row, module.skinny_rows = chosen.get(shape, (None, 0))
             prologue = getattr(module, "prologue", None)
-            if prologue is None:
+            if prologue is None or module.one_row is None:
                 continue
             key = (prologue, *shape)
             if key not in fused:
-                fused[key] = fused_rows_for(weight, prologues[prologue], chosen[shape])
-                logger.info("%s %s: %s fused into the product up to %d rows", name, list(shape), prologue,
-                            fused[key])
-            module.fused_rows = fused[key]
+                n, k = shape
+                candidates = [module.one_row, *one_row_candidates(n, k)[3:]]
+                config = best_one_row_config(weight, prologues[prologue], candidates)
+                fused[key] = config, fused_rows_for(weight, prologues[prologue], module.skinny_rows, module.one_row,
+                                                    config)
+                logger.info("%s %s: %s fused into the product up to %d rows (one row: %s)", name, list(shape),
+                            prologue, fused[key][1], config)
+            module.fused_one_row, module.fused_rows = fused[key]
 
     def kv_bytes_per_block(self) -> int:
         element = torch.tensor([], dtype=self.kv_dtype).element_size()
