@@ -84,7 +84,12 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, lens_ptr, out_pt
         kvh = tl.program_id(1)
     split = tl.program_id(2)
     ctx = tl.load(lens_ptr + seq)
-    per_split = tl.cdiv(tl.cdiv(ctx, num_splits), BLOCK_N) * BLOCK_N
+    per_split = tl.maximum(tl.cdiv(tl.cdiv(ctx, num_splits), BLOCK_N), 1) * BLOCK_N
+    # Splits are whole KV tiles, so a short context fills fewer than ``num_splits``: the others return at
+    # once and the merge counts only the active ones (at least one, which writes zeros for an empty context).
+    active = tl.maximum(tl.cdiv(ctx, per_split), 1)
+    if split >= active:
+        return
     start = split * per_split
     end = tl.minimum(start + per_split, ctx)
 
@@ -137,9 +142,9 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, lens_ptr, out_pt
         # the next launch (or graph replay): no second kernel.
         tl.debug_barrier()
         counter = count_ptr + seq * NUM_KV_HEADS + kvh
-        if tl.atomic_add(counter, 1, sem="acq_rel") == num_splits - 1:
+        if tl.atomic_add(counter, 1, sem="acq_rel") == active - 1:
             splits = tl.arange(0, S_PAD)
-            split_mask = splits < num_splits
+            split_mask = splits < active
             for g in tl.static_range(GROUP):   # every split of a head in one load: no serial chain of loads
                 first = (seq * NUM_KV_HEADS * GROUP + kvh * GROUP + g).to(tl.int64) * num_splits
                 lse = tl.load(lse_ptr + first + splits, mask=split_mask, other=float("-inf"), cache_modifier=".cg")
