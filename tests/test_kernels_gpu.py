@@ -496,7 +496,7 @@ def test_skinny_rms_norm_linear(rows, with_residual, offset):
 
 
 @pytest.mark.parametrize("config", [(4, 128, True, 4, 1), (16, 512, False, 8, 3), (64, 256, True, 4, 4)])
-@pytest.mark.parametrize("prologue", ["none", "silu", "norm"])
+@pytest.mark.parametrize("prologue", ["none", "silu", "norm", "epilogue", "epilogue+norm"])
 def test_one_row_configs(config, prologue):
     """Every launch setting of the one-row kernel gives the product, with K and N not multiples of the tile."""
     dtype = torch.float32 if INTERPRET else torch.bfloat16
@@ -506,6 +506,21 @@ def test_one_row_configs(config, prologue):
     config = OneRowConfig(*config)
     n, k = 300, 600
     weight = torch.randn(n, k, dtype=dtype, device=DEVICE)
+    if prologue.startswith("epilogue"):  # silu(gate) * up of a [gate; up] product, optionally after a norm
+        from pocketllm.kernels.fused import rms_norm, silu_and_mul
+        from pocketllm.kernels.gemv import one_row_silu_product
+
+        x, residual = torch.randn(2, 1, k, dtype=dtype, device=DEVICE)
+        if prologue == "epilogue+norm":
+            norm_weight = (torch.rand(k, device=DEVICE) + 0.5).to(dtype)
+            out, summed = one_row_silu_product(x, weight, config, residual, norm_weight, 1e-6)
+            torch.testing.assert_close(summed, x + residual)
+            x = rms_norm(x, norm_weight, 1e-6, residual)[0]
+        else:
+            out, _ = one_row_silu_product(x, weight, config)
+        ref = silu_and_mul((x.double() @ weight.double().T).to(dtype))
+        assert out.shape == (1, n // 2) and _rel(out, ref.double()) < TOL[dtype]
+        return
     if prologue == "silu":
         gate_up = torch.randn(1, 2 * k, dtype=dtype, device=DEVICE)
         gate, up = gate_up.double().chunk(2, dim=-1)

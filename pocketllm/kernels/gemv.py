@@ -129,44 +129,73 @@ def _one_row_input(x_ptr, res_ptr, nw_ptr, res_out_ptr, rk, k_mask, pid, PROLOGU
 
 
 @triton.jit
+def _partial(w, x, REDUCE_EACH: tl.constexpr):
+    """A weight tile's products with the input: summed per row at once (``REDUCE_EACH``), or kept whole."""
+    prod = w.to(tl.float32) * x[None, :]
+    if REDUCE_EACH:
+        return tl.sum(prod, 1)
+    return prod
+
+
+@triton.jit
+def _row_sums(acc, REDUCE_EACH: tl.constexpr):
+    if REDUCE_EACH:
+        return acc
+    return tl.sum(acc, 1)
+
+
+@triton.jit
 def _one_row_kernel(x_ptr, w_ptr, out_ptr, res_ptr, nw_ptr, res_out_ptr, N, K, stride_wn, eps,
                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, REDUCE_EACH: tl.constexpr,
                     PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, NORM_OFFSET: tl.constexpr,
-                    PDL: tl.constexpr):
-    """One activation row times a [N, K] weight: each program streams BLOCK_N whole weight rows in
-    [BLOCK_N, BLOCK_K] tiles. ``REDUCE_EACH`` sums each tile's products at once (an accumulator of BLOCK_N
-    values, so more programs fit on a multiprocessor) instead of once at the end."""
+                    SILU_EPILOGUE: tl.constexpr, PDL: tl.constexpr):
+    """One activation row times a weight: each program streams BLOCK_N whole weight rows in [BLOCK_N, BLOCK_K]
+    tiles. ``REDUCE_EACH`` sums each tile's products at once (an accumulator of BLOCK_N values, so more
+    programs fit on a multiprocessor) instead of once at the end. With ``SILU_EPILOGUE`` the weight is
+    [gate; up] (2N rows) and the output ``silu(gate) * up`` (N values): a program streams the matching
+    gate and up rows, so the activation needs no launch of its own."""
     pid = tl.program_id(0)
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
     n_mask = rn < N
+    tile_mask = n_mask[:, None] & (rk < K)[None, :]
     w_rows = w_ptr + rn.to(tl.int64)[:, None] * stride_wn
-    w_first = tl.load(w_rows + rk[None, :], mask=n_mask[:, None] & (rk < K)[None, :], other=0.0)
+    w_first = tl.load(w_rows + rk[None, :], mask=tile_mask, other=0.0)
+    if SILU_EPILOGUE:
+        u_rows = w_rows + N.to(tl.int64) * stride_wn
+        u_first = tl.load(u_rows + rk[None, :], mask=tile_mask, other=0.0)
     if PDL:
+        # Up to here only the weight was read, which no earlier kernel writes: launched as a programmatic
+        # dependent, that overlaps the previous kernel's tail. Its output is read only after the wait.
         gdc_wait()
         gdc_launch_dependents()
     x, squares = _one_row_input(x_ptr, res_ptr, nw_ptr, res_out_ptr, rk, rk < K, pid, PROLOGUE, HAS_RESIDUAL,
                                 NORM_OFFSET, K)
-    if REDUCE_EACH:
-        acc = tl.sum(w_first.to(tl.float32) * x[None, :], 1)
-    else:
-        acc2 = w_first.to(tl.float32) * x[None, :]
+    acc = _partial(w_first, x, REDUCE_EACH)
+    if SILU_EPILOGUE:
+        acc_up = _partial(u_first, x, REDUCE_EACH)
     for k0 in range(BLOCK_K, K, BLOCK_K):
         ck = k0 + rk
         x, sq = _one_row_input(x_ptr, res_ptr, nw_ptr, res_out_ptr, ck, ck < K, pid, PROLOGUE, HAS_RESIDUAL,
                                NORM_OFFSET, K)
         if PROLOGUE == 2:
             squares += sq
-        w = tl.load(w_rows + ck[None, :], mask=n_mask[:, None] & (ck < K)[None, :], other=0.0)
-        if REDUCE_EACH:
-            acc += tl.sum(w.to(tl.float32) * x[None, :], 1)
-        else:
-            acc2 += w.to(tl.float32) * x[None, :]
-    if not REDUCE_EACH:
-        acc = tl.sum(acc2, 1)
+        k_tile_mask = n_mask[:, None] & (ck < K)[None, :]
+        acc += _partial(tl.load(w_rows + ck[None, :], mask=k_tile_mask, other=0.0), x, REDUCE_EACH)
+        if SILU_EPILOGUE:
+            acc_up += _partial(tl.load(u_rows + ck[None, :], mask=k_tile_mask, other=0.0), x, REDUCE_EACH)
+    out = _row_sums(acc, REDUCE_EACH)
     if PROLOGUE == 2:
-        acc = acc * tl.rsqrt(tl.sum(squares, 0) / K + eps)
-    tl.store(out_ptr + rn, acc.to(out_ptr.dtype.element_ty), mask=n_mask)
+        rstd = tl.rsqrt(tl.sum(squares, 0) / K + eps)
+        out = out * rstd
+    if SILU_EPILOGUE:
+        up = _row_sums(acc_up, REDUCE_EACH)
+        if PROLOGUE == 2:
+            up = up * rstd
+        # rounded as the unfused path rounds: the product to the output dtype, then the activation
+        g = out.to(out_ptr.dtype.element_ty).to(tl.float32)
+        out = g / (1.0 + tl.exp(-g)) * up.to(out_ptr.dtype.element_ty).to(tl.float32)
+    tl.store(out_ptr + rn, out.to(out_ptr.dtype.element_ty), mask=n_mask)
 
 
 MAX_ROWS = 16
@@ -205,14 +234,18 @@ NO_PROLOGUE, SILU_MUL, RMS_NORM = 0, 1, 2
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, prologue: int, residual: torch.Tensor | None = None,
             norm_weight: torch.Tensor | None = None, eps: float = 0.0, norm_offset: bool = False,
-            config: OneRowConfig | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+            config: OneRowConfig | None = None, silu_epilogue: bool = False,
+            ) -> tuple[torch.Tensor, torch.Tensor | None]:
     m = x.shape[0]
     n, k = weight.shape
     if not 0 < m <= MAX_ROWS or weight.stride(1) != 1:
         raise ValueError(f"skinny product needs 1..{MAX_ROWS} rows and a row-major weight")
+    if silu_epilogue and (m != 1 or n % 2):
+        raise ValueError("the SiLU·mul epilogue needs one row and a [gate; up] weight")
     if x.stride(1) != 1:
         x = x.contiguous()
-    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    n_out = n // 2 if silu_epilogue else n
+    out = torch.empty(m, n_out, dtype=x.dtype, device=x.device)
     res_out = None
     if residual is not None:
         residual = residual if residual.stride(1) == 1 else residual.contiguous()
@@ -222,11 +255,12 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, prologue: int, residual: torc
     nw_arg = x if norm_weight is None else norm_weight
     res_out_arg = out if res_out is None else res_out
     if m == 1:
-        c = config or one_row_config(n, k)
-        _one_row_kernel[(triton.cdiv(n, c.block_n),)](
-            x, weight, out, res_arg, nw_arg, res_out_arg, n, k, weight.stride(0), eps, BLOCK_N=c.block_n,
+        c = config or one_row_config(n_out, k)
+        _one_row_kernel[(triton.cdiv(n_out, c.block_n),)](
+            x, weight, out, res_arg, nw_arg, res_out_arg, n_out, k, weight.stride(0), eps, BLOCK_N=c.block_n,
             BLOCK_K=c.block_k, REDUCE_EACH=c.reduce_each, PROLOGUE=prologue, HAS_RESIDUAL=residual is not None,
-            NORM_OFFSET=norm_offset, PDL=pdl, num_warps=c.num_warps, num_stages=c.num_stages, **launch)
+            NORM_OFFSET=norm_offset, SILU_EPILOGUE=silu_epilogue, PDL=pdl, num_warps=c.num_warps,
+            num_stages=c.num_stages, **launch)
         return out, res_out
     _skinny_kernel[(triton.cdiv(n, 64),)](
         x, weight, out, res_arg, nw_arg, res_out_arg, m, n, k, x.stride(0), weight.stride(0), out.stride(0),
@@ -257,6 +291,18 @@ def skinny_rms_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_
     One row is read in a single pass (``1 / rms`` applied to the dot products); more rows in two.
     ``norm_offset`` scales by ``1 + norm_weight`` (the zero-centred norms of Qwen3.5 and Gemma)."""
     out, summed = _launch(x, weight, RMS_NORM, residual, norm_weight, eps, norm_offset, config)
+    return out, x if summed is None else summed
+
+
+def one_row_silu_product(x: torch.Tensor, weight: torch.Tensor, config: OneRowConfig | None = None,
+                         residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None,
+                         eps: float = 0.0, norm_offset: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``silu(gate) * up`` of ``x @ weight.T`` for one row ``x`` [1, K] and ``weight`` [gate; up] [2N, K], in
+    one launch: (activation [1, N], None). With ``norm_weight`` the input is first RMS-normed (of ``x +
+    residual``), as ``skinny_rms_norm_linear`` does, and the second value is ``x + residual`` (or ``x``)."""
+    if norm_weight is None:
+        return _launch(x, weight, NO_PROLOGUE, config=config, silu_epilogue=True)[0], None
+    out, summed = _launch(x, weight, RMS_NORM, residual, norm_weight, eps, norm_offset, config, silu_epilogue=True)
     return out, x if summed is None else summed
 
 
@@ -370,3 +416,41 @@ def fused_rows_for(weight: torch.Tensor, prologue: int, plain_rows: int, plain: 
             break
         rows = m
     return rows
+
+
+def silu_epilogue_choice(weight: torch.Tensor, norm: bool, plain: OneRowConfig | None, plain_rows: int,
+                         fused: OneRowConfig | None, fused_rows: int) -> tuple[OneRowConfig | None, bool]:
+    """For one row times the [gate; up] ``weight``: the launch settings of the product with its SiLU·mul
+    epilogue, and whether the RMSNorm before it (``norm``: the layer has one) runs in that kernel too; or
+    (None, False) when the path the layer runs otherwise is faster: the product as chosen (skinny with
+    ``plain`` up to ``plain_rows`` rows, the norm fused with ``fused`` up to ``fused_rows``), then the
+    activation's own kernel."""
+    from pocketllm.kernels.fused import rms_norm, silu_and_mul
+
+    next_weight = _rotating(weight)
+    n, k = weight.shape
+    x, residual = torch.randn(2, 1, k, dtype=weight.dtype, device=weight.device)
+    norm_weight = torch.rand(k, dtype=weight.dtype, device=weight.device) + 0.5
+
+    def normed() -> torch.Tensor:
+        return rms_norm(x, norm_weight, 1e-6, residual)[0] if norm else x
+
+    def baseline() -> torch.Tensor:
+        if norm and fused_rows >= 1:
+            return silu_and_mul(skinny_rms_norm_linear(x, residual, norm_weight, 1e-6, next_weight(), config=fused)[0])
+        h = normed()
+        return silu_and_mul(skinny_linear(h, next_weight(), plain) if plain_rows >= 1
+                            else torch.nn.functional.linear(h, next_weight()))
+
+    best: tuple[float, OneRowConfig | None, bool] = (time_in_graph(baseline), None, False)
+    for config in one_row_candidates(n // 2, k)[1:4]:
+        options = [(False, lambda c=config: one_row_silu_product(normed(), next_weight(), c))]
+        if norm:
+            options.append((True, lambda c=config: one_row_silu_product(x, next_weight(), c, residual, norm_weight,
+                                                                        1e-6)))
+        for fused_norm, fn in options:
+            t = time_in_graph(fn)
+            if t < best[0]:
+                best = (t, config, fused_norm)
+    return best[1], best[2]
+

@@ -25,9 +25,10 @@ class LinearBase(nn.Module):
     """A weight (and optional bias) split along ``tp_dim`` (0: output rows, 1: input columns, None: whole)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, tp_dim: int | None,
-                 prologue: str | None = None) -> None:
+                 prologue: str | None = None, epilogue: str | None = None) -> None:
         super().__init__()
         self.prologue = prologue
+        self.epilogue = epilogue
         self.tp_dim = tp_dim
         self.tp_rank = tp_rank()
         self.tp_size = tp_size()
@@ -57,6 +58,11 @@ class LinearBase(nn.Module):
     fused_rows = 0
     one_row = None
     fused_one_row = None
+    # Likewise for a [gate; up] projection whose output feeds SiLU·mul (``epilogue="silu_mul"``): the one-row
+    # launch settings of the product with the activation computed in the same kernel, when that measured
+    # faster (None: not used), and whether the norm before it (if any) runs in that kernel too.
+    silu_epilogue = None
+    silu_epilogue_norm = False
 
     def _product(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if x.dim() == 2 and 0 < x.shape[0] <= self.skinny_rows:
@@ -78,6 +84,25 @@ class LinearBase(nn.Module):
     def fuses(self, x: torch.Tensor) -> bool:
         """Whether the input prologue runs fused into this layer's kernel for ``x``."""
         return x.dim() == 2 and 0 < x.shape[0] <= self.fused_rows
+    def uses_silu_epilogue(self, x: torch.Tensor) -> bool:
+        """Whether ``forward_silu`` runs one kernel for ``x`` (one row, where the model runner measured it)."""
+        return self.silu_epilogue is not None and x.dim() == 2 and x.shape[0] == 1
+
+    def forward_silu(self, x: torch.Tensor, residual: torch.Tensor | None = None,
+                     norm: RMSNorm | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``(silu(gate) * up, residual)`` of this [gate; up] projection of one row: of ``norm(x + residual)``
+        with a norm (the residual returned is then ``x + residual``, or ``x``), with the activation computed
+        in the product's kernel (and the norm too where ``silu_epilogue_norm``)."""
+        from pocketllm.kernels.gemv import one_row_silu_product
+
+        if norm is not None and not self.silu_epilogue_norm:
+            x, residual = (norm(x), x) if residual is None else norm(x, residual)
+            norm = None
+        if norm is None:
+            return one_row_silu_product(x, self.weight, self.silu_epilogue)[0], residual
+        return one_row_silu_product(x, self.weight, self.silu_epilogue, residual, norm.weight, norm.eps,
+                                    norm.offset)
+
     def forward_fused_silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         from pocketllm.kernels.gemv import skinny_silu_mul_linear
 
@@ -122,17 +147,19 @@ class ReplicatedLinear(LinearBase):
 class ColumnParallelLinear(LinearBase):
     """Output features split across ranks; the output stays sharded."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False, prologue: str | None = None) -> None:
-        super().__init__(in_features, _divide(out_features, tp_size()), bias, tp_dim=0, prologue=prologue)
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, prologue: str | None = None,
+                 epilogue: str | None = None) -> None:
+        super().__init__(in_features, _divide(out_features, tp_size()), bias, tp_dim=0, prologue=prologue,
+                         epilogue=epilogue)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
     """Several column-parallel projections of one input stored as one weight (e.g. gate and up)."""
 
     def __init__(self, in_features: int, output_sizes: list[int], bias: bool = False,
-                 prologue: str | None = None) -> None:
+                 prologue: str | None = None, epilogue: str | None = None) -> None:
         self.output_sizes = output_sizes
-        super().__init__(in_features, sum(output_sizes), bias, prologue)
+        super().__init__(in_features, sum(output_sizes), bias, prologue, epilogue)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int) -> None:
         offset = sum(self.output_sizes[:shard_id]) // self.tp_size

@@ -143,7 +143,8 @@ class ModelRunner:
     def choose_kernels(self) -> None:
         """CUDA: time the skinny Triton kernel against cuBLAS on each distinct weight shape (LM head and the
         per-layer projections) and keep the faster for each number of rows; likewise, for projections that
-        declare an input prologue (a norm or SiLU·mul before them), the fused kernel against the two launches."""
+        declare an input prologue (a norm or SiLU·mul before them), the fused kernel against the two launches, and
+        for a [gate; up] projection feeding SiLU·mul, the activation computed in the product's kernel (one row)."""
         if self.cuda_step is None:
             return
         from pocketllm.kernels.gemv import (
@@ -153,12 +154,14 @@ class ModelRunner:
             best_one_row_config,
             fused_rows_for,
             one_row_candidates,
+            silu_epilogue_choice,
             skinny_rows_for,
         )
 
         prologues = {"rms_norm": RMS_NORM, "silu_mul": SILU_MUL}
         chosen: dict[tuple[int, ...], tuple[OneRowConfig, int]] = {}
         fused: dict[tuple[str | int, ...], tuple[OneRowConfig, int]] = {}
+        epilogues: dict[tuple[str | int, ...], tuple[OneRowConfig | None, bool]] = {}
         for name, module in self.model.named_modules():
             weight = getattr(module, "weight", None)
             if not hasattr(module, "skinny_rows") or weight is None or weight.dim() != 2:
@@ -171,18 +174,25 @@ class ModelRunner:
                             list(shape), chosen[shape][1], config)
             module.one_row, module.skinny_rows = chosen.get(shape, (None, 0))
             prologue = getattr(module, "prologue", None)
-            if prologue is None or module.one_row is None:
-                continue
-            key = (prologue, *shape)
-            if key not in fused:
-                n, k = shape
-                candidates = [module.one_row, *one_row_candidates(n, k)[3:]]
-                config = best_one_row_config(weight, prologues[prologue], candidates)
-                fused[key] = config, fused_rows_for(weight, prologues[prologue], module.skinny_rows, module.one_row,
-                                                    config)
-                logger.info("%s %s: %s fused into the product up to %d rows (one row: %s)", name, list(shape),
-                            prologue, fused[key][1], config)
-            module.fused_one_row, module.fused_rows = fused[key]
+            if prologue is not None and module.one_row is not None:
+                key = (prologue, *shape)
+                if key not in fused:
+                    n, k = shape
+                    candidates = [module.one_row, *one_row_candidates(n, k)[3:]]
+                    config = best_one_row_config(weight, prologues[prologue], candidates)
+                    fused[key] = config, fused_rows_for(weight, prologues[prologue], module.skinny_rows,
+                                                        module.one_row, config)
+                    logger.info("%s %s: %s fused into the product up to %d rows (one row: %s)", name,
+                                list(shape), prologue, fused[key][1], config)
+                module.fused_one_row, module.fused_rows = fused[key]
+            if getattr(module, "epilogue", None) == "silu_mul" and module.one_row is not None and module.bias is None:
+                key = ("silu_epilogue", prologue or "", *shape)
+                if key not in epilogues:
+                    epilogues[key] = silu_epilogue_choice(weight, prologue == "rms_norm", module.one_row,
+                                                          module.skinny_rows, module.fused_one_row, module.fused_rows)
+                    logger.info("%s %s: SiLU·mul in the product's kernel for one row: %s (norm in it too: %s)",
+                                name, list(shape), *epilogues[key])
+                module.silu_epilogue, module.silu_epilogue_norm = epilogues[key]
 
     def kv_bytes_per_block(self) -> int:
         element = torch.tensor([], dtype=self.kv_dtype).element_size()
