@@ -132,16 +132,20 @@ def _one_row_input(x_ptr, res_ptr, nw_ptr, res_out_ptr, rk, k_mask, pid, PROLOGU
 def _partial(w, x, REDUCE_EACH: tl.constexpr):
     """A weight tile's products with the input: summed per row at once (``REDUCE_EACH``), or kept whole."""
     prod = w.to(tl.float32) * x[None, :]
-    if REDUCE_EACH:
-        return tl.sum(prod, 1)
-    return prod
+    if REDUCE_EACH:  # (a compile-time branch: one return, so the result's shape may differ)
+        result = tl.sum(prod, 1)
+    else:
+        result = prod
+    return result
 
 
 @triton.jit
 def _row_sums(acc, REDUCE_EACH: tl.constexpr):
     if REDUCE_EACH:
-        return acc
-    return tl.sum(acc, 1)
+        result = acc
+    else:
+        result = tl.sum(acc, 1)
+    return result
 
 
 @triton.jit
