@@ -19,7 +19,7 @@ for stage in $stages; do
     gdn)
       timeout 100 $PY scripts/bench_gated_delta.py > "$OUT/gdn.log" 2>&1; cat "$OUT/gdn.log" | tee -a "$OUT/bench.log" ;;
     gemv)
-      timeout 90 $PY scripts/bench_gemv.py > "$OUT/gemv.log" 2>&1; cat "$OUT/gemv.log" | tee -a "$OUT/bench.log" ;;
+      timeout 400 $PY scripts/bench_gemv.py > "$OUT/gemv.log" 2>&1; cat "$OUT/gemv.log" | tee -a "$OUT/bench.log" ;;
     profile)
       specs=("qwen3-0.6b 1 256" "qwen3-0.6b 256 800 graphs 0.6" "llama3-8b 1 256")
       for spec in "${specs[@]}"; do
