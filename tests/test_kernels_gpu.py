@@ -133,6 +133,47 @@ def test_paged_decode(dtype, heads, kv_heads, head_dim, splits):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(16, 8, 128), (4, 2, 64)])
+@pytest.mark.parametrize("splits", [1, 4, 16])
+@pytest.mark.parametrize("qk_norm", [True, False])
+def test_packed_decode_equals_prepare_then_decode(dtype, heads, kv_heads, head_dim, splits, qk_norm):
+    """The one-launch decode from the QKV projection stores the same keys and values and gives the same
+    output as ``qkv_prepare`` followed by ``paged_decode``."""
+    _need_kernels(dtype, uses_dot=True)
+    if INTERPRET and (head_dim > 64 or splits == 4):
+        pytest.skip("slow in the interpreter")
+    from pocketllm.kernels.attention import paged_decode, paged_decode_packed
+    from pocketllm.kernels.fused import qkv_prepare
+    from pocketllm.layers.rotary import RotaryEmbedding
+
+    gen = torch.Generator().manual_seed(heads + splits)
+    block_size, num_blocks = 16, 64
+    lens = [1, 17, 150, 64, 0] if not INTERPRET else [1, 17, 70, 0]
+    k_cache, v_cache = _paged_cache(num_blocks, block_size, kv_heads, head_dim, dtype)
+    tables = _tables(lens, block_size, num_blocks, gen)
+    ctx = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    positions = torch.tensor([max(n - 1, 0) for n in lens], device=DEVICE)
+    slots = torch.tensor([int(tables[i, (n - 1) // block_size]) * block_size + (n - 1) % block_size if n else -1
+                          for i, n in enumerate(lens)], dtype=torch.int32, device=DEVICE)
+    rope = RotaryEmbedding(head_dim, head_dim, 512, 10000.0).to(DEVICE)
+    qw = (torch.rand(head_dim, device=DEVICE) + 0.5).to(dtype) if qk_norm else None
+    kw = (torch.rand(head_dim, device=DEVICE) + 0.5).to(dtype) if qk_norm else None
+    qkv = torch.randn(len(lens), (heads + 2 * kv_heads) * head_dim, dtype=dtype, device=DEVICE)
+    ref_k, ref_v = k_cache.clone(), v_cache.clone()
+    q = qkv_prepare(qkv, positions, rope.cos_cache, rope.sin_cache, qw, kw, 1e-6, heads, kv_heads, head_dim,
+                    ref_k, ref_v, slots)
+    ref = paged_decode(q, ref_k, ref_v, tables, ctx, head_dim ** -0.5, splits)
+    counters = torch.zeros(len(lens) * kv_heads, dtype=torch.int32, device=DEVICE)
+    out = paged_decode_packed(qkv, positions, rope.cos_cache, rope.sin_cache, qw, kw, 1e-6, heads, kv_heads,
+                              head_dim, k_cache, v_cache, slots, tables, ctx, head_dim ** -0.5, splits, counters)
+    assert not counters.any()
+    torch.testing.assert_close(k_cache, ref_k, rtol=0, atol=1e-6 if dtype == torch.float32 else 1e-2)
+    assert torch.equal(v_cache, ref_v)
+    assert _rel(out, ref) < TOL[dtype]
+    assert torch.all(out[[i for i, n in enumerate(lens) if n == 0]] == 0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(16, 8, 128), (4, 2, 16), (16, 4, 256)])
 def test_paged_prefill_with_cached_prefix(dtype, heads, kv_heads, head_dim):
     _need_kernels(dtype, uses_dot=True)

@@ -67,64 +67,49 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 # ------------------------------------------------------------------------------------------------ decode
 
 @triton.jit
-def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, lens_ptr, out_ptr, part_ptr, lse_ptr, count_ptr,
-                   stride_qt, stride_ot, stride_table, scale, num_splits,
-                   NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
-                   HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                   BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, S_PAD: tl.constexpr, PRECISION: tl.constexpr,
-                   HEADS_FIRST: tl.constexpr, PDL: tl.constexpr):
-    if PDL:
-        gdc_wait()
-        gdc_launch_dependents()
-    if HEADS_FIRST:  # the KV heads of one sequence run side by side: their rows share DRAM pages
-        seq = tl.program_id(1)
-        kvh = tl.program_id(0)
-    else:
-        seq = tl.program_id(0)
-        kvh = tl.program_id(1)
-    split = tl.program_id(2)
+def _split_range(lens_ptr, seq, split, num_splits, BLOCK_N: tl.constexpr):
+    """(context length, first token, end token, active splits) of a decode program's split. Splits are whole
+    KV tiles, so a short context fills fewer than ``num_splits``: the others have nothing to do and the merge
+    counts only the active ones (at least one, which writes zeros for an empty context)."""
     ctx = tl.load(lens_ptr + seq)
     per_split = tl.maximum(tl.cdiv(tl.cdiv(ctx, num_splits), BLOCK_N), 1) * BLOCK_N
-    # Splits are whole KV tiles, so a short context fills fewer than ``num_splits``: the others return at
-    # once and the merge counts only the active ones (at least one, which writes zeros for an empty context).
     active = tl.maximum(tl.cdiv(ctx, per_split), 1)
-    if split >= active:
-        return
     start = split * per_split
-    end = tl.minimum(start + per_split, ctx)
+    return ctx, start, tl.minimum(start + per_split, ctx), active
 
-    rows = tl.arange(0, GROUP_PAD)
-    dims = tl.arange(0, D_PAD)
-    row_mask = rows < GROUP
-    dim_mask = dims < HEAD_DIM
-    heads = kvh * GROUP + rows
-    q = tl.load(q_ptr + seq.to(tl.int64) * stride_qt + heads[:, None] * HEAD_DIM + dims[None, :],
-                mask=row_mask[:, None] & dim_mask[None, :], other=0.0)
-    qk_scale = scale * 1.4426950408889634
 
-    m_i = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
-    acc = tl.zeros([GROUP_PAD, D_PAD], dtype=tl.float32)
-    row_stride = NUM_KV_HEADS * HEAD_DIM
-    table = tables_ptr + seq.to(tl.int64) * stride_table
-    for n0 in range(start, end, BLOCK_N):
-        tok = n0 + tl.arange(0, BLOCK_N)
-        valid = tok < end
-        page = tl.load(table + tok // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
-        slot = page * BLOCK_SIZE + tok % BLOCK_SIZE
-        offs = slot[:, None] * row_stride + kvh * HEAD_DIM + dims[None, :]
-        kv_mask = valid[:, None] & dim_mask[None, :]
-        k = tl.load(k_cache_ptr + offs, mask=kv_mask, other=0.0).to(q.dtype)   # float8 caches widen here
-        v = tl.load(v_cache_ptr + offs, mask=kv_mask, other=0.0).to(q.dtype)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
-        s = tl.where(valid[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.exp2(s - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m_i = m_new
+@triton.jit
+def _kv_tile(k_cache_ptr, v_cache_ptr, table, tok, end, kvh, dims, dim_mask, NUM_KV_HEADS: tl.constexpr,
+             HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+    """Keys and values of tokens ``tok`` (those before ``end``) of one KV head, gathered through the block
+    table, in the cache's dtype."""
+    valid = tok < end
+    page = tl.load(table + tok // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+    slot = page * BLOCK_SIZE + tok % BLOCK_SIZE
+    offs = slot[:, None] * (NUM_KV_HEADS * HEAD_DIM) + kvh * HEAD_DIM + dims[None, :]
+    kv_mask = valid[:, None] & dim_mask[None, :]
+    return tl.load(k_cache_ptr + offs, mask=kv_mask, other=0.0), tl.load(v_cache_ptr + offs, mask=kv_mask, other=0.0)
 
+
+@triton.jit
+def _attend_tile(q, k, v, valid, m_i, l_i, acc, qk_scale, PRECISION: tl.constexpr):
+    """One online-softmax step over a KV tile: the updated (running max, running sum, accumulator)."""
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+    s = tl.where(valid[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    p = tl.exp2(s - m_new[:, None])
+    alpha = tl.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _decode_output(acc, m_i, l_i, seq, kvh, split, active, num_splits, out_ptr, part_ptr, lse_ptr, count_ptr,
+                   stride_ot, heads, rows, dims, row_mask, dim_mask, NUM_KV_HEADS: tl.constexpr,
+                   GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, SPLIT: tl.constexpr, S_PAD: tl.constexpr):
+    """Write a split's result: the output itself (one split), or its partial and log-sum-exp, the last split
+    of the (sequence, KV head) to finish merging all of them into the output."""
     out_mask = row_mask[:, None] & dim_mask[None, :]
     out_rows = out_ptr + seq.to(tl.int64) * stride_ot + heads[:, None] * HEAD_DIM + dims[None, :]
     if not SPLIT:
@@ -159,6 +144,137 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, lens_ptr, out_pt
             tl.atomic_xchg(counter, 0)
 
 
+@triton.jit
+def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, lens_ptr, out_ptr, part_ptr, lse_ptr, count_ptr,
+                   stride_qt, stride_ot, stride_table, scale, num_splits,
+                   NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
+                   HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                   BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, S_PAD: tl.constexpr, PRECISION: tl.constexpr,
+                   HEADS_FIRST: tl.constexpr, PDL: tl.constexpr):
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
+    if HEADS_FIRST:  # the KV heads of one sequence run side by side: their rows share DRAM pages
+        seq = tl.program_id(1)
+        kvh = tl.program_id(0)
+    else:
+        seq = tl.program_id(0)
+        kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    ctx, start, end, active = _split_range(lens_ptr, seq, split, num_splits, BLOCK_N)
+    if split >= active:
+        return
+
+    rows = tl.arange(0, GROUP_PAD)
+    dims = tl.arange(0, D_PAD)
+    row_mask = rows < GROUP
+    dim_mask = dims < HEAD_DIM
+    heads = kvh * GROUP + rows
+    q = tl.load(q_ptr + seq.to(tl.int64) * stride_qt + heads[:, None] * HEAD_DIM + dims[None, :],
+                mask=row_mask[:, None] & dim_mask[None, :], other=0.0)
+    qk_scale = scale * 1.4426950408889634
+
+    m_i = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
+    acc = tl.zeros([GROUP_PAD, D_PAD], dtype=tl.float32)
+    table = tables_ptr + seq.to(tl.int64) * stride_table
+    for n0 in range(start, end, BLOCK_N):
+        tok = n0 + tl.arange(0, BLOCK_N)
+        k, v = _kv_tile(k_cache_ptr, v_cache_ptr, table, tok, end, kvh, dims, dim_mask, NUM_KV_HEADS, HEAD_DIM,
+                        BLOCK_SIZE)
+        # float8 caches widen here
+        m_i, l_i, acc = _attend_tile(q, k.to(q.dtype), v.to(q.dtype), tok < end, m_i, l_i, acc, qk_scale,
+                                     PRECISION)
+    _decode_output(acc, m_i, l_i, seq, kvh, split, active, num_splits, out_ptr, part_ptr, lse_ptr, count_ptr,
+                   stride_ot, heads, rows, dims, row_mask, dim_mask, NUM_KV_HEADS, GROUP, HEAD_DIM, SPLIT, S_PAD)
+
+
+@triton.jit
+def _packed_decode_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, slot_ptr, k_cache_ptr, v_cache_ptr,
+                          tables_ptr, lens_ptr, out_ptr, part_ptr, lse_ptr, count_ptr, stride_qkv, stride_cos,
+                          stride_ot, stride_table, scale, eps, num_splits,
+                          NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr,
+                          GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                          BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, S_PAD: tl.constexpr,
+                          PRECISION: tl.constexpr, HAS_NORM: tl.constexpr, PDL: tl.constexpr):
+    """Decode attention straight from the fused QKV projection: each program prepares its query heads and its
+    KV head's new key and value (per-head RMSNorm, rotary embedding; the split holding the new token stores
+    them in the cache), and attends. Everything but the projection's output (the step's metadata, the cached
+    context's first tile, the rotary row) is read before waiting on the kernel before it."""
+    seq = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    ctx, start, end, active = _split_range(lens_ptr, seq, split, num_splits, BLOCK_N)
+    if split >= active:
+        return
+    half: tl.constexpr = HEAD_DIM // 2
+    rows = tl.arange(0, GROUP_PAD)
+    dims = tl.arange(0, HEAD_DIM)
+    rot = (dims + half) % HEAD_DIM                  # rotate-half partner of each dimension
+    row_mask = rows < GROUP
+    dim_mask = dims < HEAD_DIM
+    table = tables_ptr + seq.to(tl.int64) * stride_table
+    tok = start + tl.arange(0, BLOCK_N)
+    k_first, v_first = _kv_tile(k_cache_ptr, v_cache_ptr, table, tok, end, kvh, dims, dim_mask, NUM_KV_HEADS,
+                                HEAD_DIM, BLOCK_SIZE)
+    pos = tl.load(pos_ptr + seq).to(tl.int64)
+    new_slot = tl.load(slot_ptr + seq).to(tl.int64)
+    cos = tl.load(cos_ptr + pos * stride_cos + dims % half).to(tl.float32)
+    sin = tl.load(sin_ptr + pos * stride_cos + dims % half).to(tl.float32) * tl.where(dims < half, -1.0, 1.0)
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
+
+    row = qkv_ptr + seq.to(tl.int64) * stride_qkv
+    heads = kvh * GROUP + rows
+    q_mask = row_mask[:, None] & dim_mask[None, :]
+    q = tl.load(row + heads[:, None] * HEAD_DIM + dims[None, :], mask=q_mask, other=0.0)
+    dtype = q.dtype
+    q = q.to(tl.float32)
+    q_rot = tl.load(row + heads[:, None] * HEAD_DIM + rot[None, :], mask=q_mask, other=0.0).to(tl.float32)
+    k_row = row + (NUM_HEADS + kvh) * HEAD_DIM
+    k = tl.load(k_row + dims).to(tl.float32)
+    k_rot = tl.load(k_row + rot).to(tl.float32)
+    v = tl.load(row + (NUM_HEADS + NUM_KV_HEADS + kvh) * HEAD_DIM + dims)
+    if HAS_NORM:  # the reference rounds the norm's output to the model dtype before the rotation
+        q_scale = tl.rsqrt(tl.sum(q * q, 1) / HEAD_DIM + eps)[:, None]
+        k_scale = tl.rsqrt(tl.sum(k * k, 0) / HEAD_DIM + eps)
+        qw, qw_rot = tl.load(qw_ptr + dims).to(tl.float32), tl.load(qw_ptr + rot).to(tl.float32)
+        kw, kw_rot = tl.load(kw_ptr + dims).to(tl.float32), tl.load(kw_ptr + rot).to(tl.float32)
+        q, q_rot = (q * q_scale * qw).to(dtype).to(tl.float32), (q_rot * q_scale * qw_rot).to(dtype).to(tl.float32)
+        k, k_rot = (k * k_scale * kw).to(dtype).to(tl.float32), (k_rot * k_scale * kw_rot).to(dtype).to(tl.float32)
+    q = (q * cos[None, :] + q_rot * sin[None, :]).to(dtype)
+    k_new = (k * cos + k_rot * sin).to(k_cache_ptr.dtype.element_ty)
+    v_new = v.to(tl.float32).to(v_cache_ptr.dtype.element_ty)
+    last = ctx - 1
+    if (last >= start) & (last < end) & (new_slot >= 0):   # one program per (sequence, KV head) stores
+        dst = new_slot * (NUM_KV_HEADS * HEAD_DIM) + kvh * HEAD_DIM + dims
+        tl.store(k_cache_ptr + dst, k_new)
+        tl.store(v_cache_ptr + dst, v_new)
+    k_new = k_new.to(dtype)
+    v_new = v_new.to(dtype)
+    qk_scale = scale * 1.4426950408889634
+
+    m_i = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
+    acc = tl.zeros([GROUP_PAD, HEAD_DIM], dtype=tl.float32)
+    if start < end:   # (an empty context: nothing to attend, zeros out)
+        is_new = (tok == last)[:, None]    # the cache row read early is stale for the new token: use its values
+        m_i, l_i, acc = _attend_tile(q, tl.where(is_new, k_new[None, :], k_first.to(dtype)),
+                                     tl.where(is_new, v_new[None, :], v_first.to(dtype)), tok < end, m_i, l_i,
+                                     acc, qk_scale, PRECISION)
+    for n0 in range(start + BLOCK_N, end, BLOCK_N):
+        tok = n0 + tl.arange(0, BLOCK_N)
+        k, v = _kv_tile(k_cache_ptr, v_cache_ptr, table, tok, end, kvh, dims, dim_mask, NUM_KV_HEADS, HEAD_DIM,
+                        BLOCK_SIZE)
+        is_new = (tok == last)[:, None]
+        m_i, l_i, acc = _attend_tile(q, tl.where(is_new, k_new[None, :], k.to(dtype)),
+                                     tl.where(is_new, v_new[None, :], v.to(dtype)), tok < end, m_i, l_i, acc,
+                                     qk_scale, PRECISION)
+    _decode_output(acc, m_i, l_i, seq, kvh, split, active, num_splits, out_ptr, part_ptr, lse_ptr, count_ptr,
+                   stride_ot, heads, rows, dims, row_mask, dim_mask, NUM_KV_HEADS, GROUP, HEAD_DIM, SPLIT, S_PAD)
+
+
 @functools.cache
 def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
@@ -168,6 +284,20 @@ def decode_splits(batch: int, num_kv_heads: int, max_splits: int = 16) -> int:
     """Context splits per sequence so that batch × KV heads × splits fills the GPU about twice."""
     target = 2 * _num_sms(torch.cuda.current_device())
     return max(1, min(max_splits, -(-target // max(1, batch * num_kv_heads))))
+
+
+def _split_buffers(batch: int, num_heads: int, num_kv_heads: int, num_splits: int, head_dim: int,
+                   counters: torch.Tensor | None, out: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """(partials, log-sum-exps, counters) of a split decode launch; ``out`` three times for one split."""
+    if num_splits == 1:
+        return out, out, out
+    part = torch.empty(batch, num_heads, num_splits, head_dim, dtype=torch.float32, device=out.device)
+    lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=out.device)
+    if counters is None:
+        counters = torch.zeros(batch * num_kv_heads, dtype=torch.int32, device=out.device)
+    elif counters.numel() < batch * num_kv_heads:
+        raise ValueError("split counters smaller than batch × KV heads")
+    return part, lse, counters
 
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -198,15 +328,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     num_warps = num_warps or (2 if small else 4)
     num_stages = num_stages or (3 if d_pad <= 128 else 2)
     heads_first = not small if heads_first is None else heads_first
-    if num_splits > 1:
-        part = torch.empty(batch, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
-        lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device)
-        if counters is None:
-            counters = torch.zeros(batch * num_kv_heads, dtype=torch.int32, device=q.device)
-        elif counters.numel() < batch * num_kv_heads:
-            raise ValueError("split counters smaller than batch × KV heads")
-    else:
-        part = lse = counters = out
+    part, lse, counters = _split_buffers(batch, num_heads, num_kv_heads, num_splits, head_dim, counters, out)
     pdl, launch = launch_options(q, batch)
     grid = (num_kv_heads, batch, num_splits) if heads_first else (batch, num_kv_heads, num_splits)
     _decode_kernel[grid](
@@ -216,6 +338,41 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         D_PAD=d_pad, BLOCK_SIZE=block_size, BLOCK_N=block_n, SPLIT=num_splits > 1, S_PAD=_pow2(num_splits),
         PRECISION=_dot_precision(q.dtype), HEADS_FIRST=heads_first, num_warps=num_warps, num_stages=num_stages,
         PDL=pdl, **launch)
+    return out
+
+
+def packed_decode_supported(head_dim: int) -> bool:
+    """Whether ``paged_decode_packed`` takes this head size (a power of two: the rotation pairs dimension
+    ``d`` with ``(d + D/2) mod D`` within one tile)."""
+    return head_dim >= 16 and head_dim & (head_dim - 1) == 0
+
+
+def paged_decode_packed(qkv: torch.Tensor, positions: torch.Tensor, cos_cache: torch.Tensor,
+                        sin_cache: torch.Tensor, q_weight: torch.Tensor | None, k_weight: torch.Tensor | None,
+                        eps: float, num_heads: int, num_kv_heads: int, head_dim: int, k_cache: torch.Tensor,
+                        v_cache: torch.Tensor, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
+                        context_lens: torch.Tensor, scale: float, num_splits: int,
+                        counters: torch.Tensor | None = None) -> torch.Tensor:
+    """One query token per sequence, from the fused projection ``qkv`` [B, (H + 2 KVH) * D]: what
+    ``qkv_prepare`` then ``paged_decode`` compute (per-head q/k RMSNorm when weights are given, rotary
+    embedding, the new key and value stored at ``slot_mapping``, attention over the context including the
+    new token) in one launch → [B, H, D]."""
+    batch = qkv.shape[0]
+    if not packed_decode_supported(head_dim) or qkv.stride(1) != 1:
+        raise ValueError("packed decode needs a power-of-two head size and a row-major projection")
+    out = torch.empty(batch, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
+    part, lse, counters = _split_buffers(batch, num_heads, num_kv_heads, num_splits, head_dim, counters, out)
+    has_norm = q_weight is not None
+    pdl, launch = launch_options(qkv, batch)
+    group = num_heads // num_kv_heads
+    _packed_decode_kernel[(batch, num_kv_heads, num_splits)](
+        qkv, positions, cos_cache, sin_cache, q_weight if has_norm else qkv, k_weight if has_norm else qkv,
+        slot_mapping, k_cache, v_cache, block_tables, context_lens, out, part, lse, counters,
+        qkv.stride(0), cos_cache.stride(0), out.stride(0), block_tables.stride(0), scale, eps, num_splits,
+        NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP=group, GROUP_PAD=max(16, _pow2(group)),
+        HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1], BLOCK_N=64 if qkv.dtype != torch.float32 else 32,
+        SPLIT=num_splits > 1, S_PAD=_pow2(num_splits), PRECISION=_dot_precision(qkv.dtype), HAS_NORM=has_norm,
+        num_warps=2 if batch <= 16 else 4, num_stages=3 if head_dim <= 128 else 2, PDL=pdl, **launch)
     return out
 
 

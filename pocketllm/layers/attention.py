@@ -9,6 +9,10 @@ from torch import nn
 
 from pocketllm.runner.attention_metadata import AttentionMetadata
 
+# Decode steps of up to this many sequences prepare Q/K/V inside the attention kernel (one launch instead of
+# two, and the cached context read while the QKV product finishes); larger batches keep two kernels.
+PACKED_DECODE_MAX_ROWS = 16
+
 
 class Attention(nn.Module):
     """Stores this step's keys/values into the cache, then attends each sequence over its context.
@@ -48,8 +52,16 @@ class Attention(nn.Module):
                        q_norm: nn.Module | None, k_norm: nn.Module | None, meta: AttentionMetadata) -> torch.Tensor:
         """CUDA kernel path from the fused projection ``qkv`` [T, (H + 2 KVH) * D]: per-head q/k norm, rotary
         embedding and the KV store in one launch, then paged attention → [T, H*D]."""
+        from pocketllm.kernels.attention import packed_decode_supported, paged_decode_packed
         from pocketllm.kernels.fused import qkv_prepare
 
+        if meta.is_decode_only and qkv.shape[0] <= PACKED_DECODE_MAX_ROWS and packed_decode_supported(self.head_dim):
+            out = paged_decode_packed(
+                qkv, positions, rotary.cos_cache, rotary.sin_cache, None if q_norm is None else q_norm.weight,
+                None if k_norm is None else k_norm.weight, q_norm.eps if q_norm is not None else 0.0,
+                self.num_heads, self.num_kv_heads, self.head_dim, self.k_cache, self.v_cache, meta.slot_mapping,
+                meta.block_tables, meta.context_lens_gpu, self.scale, meta.num_splits, meta.split_counters)
+            return out.view(qkv.shape[0], self.num_heads * self.head_dim)
         q = qkv_prepare(qkv, positions, rotary.cos_cache, rotary.sin_cache,
                         None if q_norm is None else q_norm.weight, None if k_norm is None else k_norm.weight,
                         q_norm.eps if q_norm is not None else 0.0, self.num_heads, self.num_kv_heads,
