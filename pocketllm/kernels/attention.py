@@ -264,13 +264,13 @@ def _packed_decode_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, sl
                                      tl.where(is_new, v_new[None, :], v_first.to(dtype)), tok < end, m_i, l_i,
                                      acc, qk_scale, PRECISION)
     for n0 in range(start + BLOCK_N, end, BLOCK_N):
-        tok = n0 + tl.arange(0, BLOCK_N)
-        k, v = _kv_tile(k_cache_ptr, v_cache_ptr, table, tok, end, kvh, dims, dim_mask, NUM_KV_HEADS, HEAD_DIM,
-                        BLOCK_SIZE)
-        is_new = (tok == last)[:, None]
-        m_i, l_i, acc = _attend_tile(q, tl.where(is_new, k_new[None, :], k.to(dtype)),
-                                     tl.where(is_new, v_new[None, :], v.to(dtype)), tok < end, m_i, l_i, acc,
-                                     qk_scale, PRECISION)
+        tile = n0 + tl.arange(0, BLOCK_N)
+        k_tile, v_tile = _kv_tile(k_cache_ptr, v_cache_ptr, table, tile, end, kvh, dims, dim_mask, NUM_KV_HEADS,
+                                  HEAD_DIM, BLOCK_SIZE)
+        tile_new = (tile == last)[:, None]
+        m_i, l_i, acc = _attend_tile(q, tl.where(tile_new, k_new[None, :], k_tile.to(dtype)),
+                                     tl.where(tile_new, v_new[None, :], v_tile.to(dtype)), tile < end, m_i, l_i,
+                                     acc, qk_scale, PRECISION)
     _decode_output(acc, m_i, l_i, seq, kvh, split, active, num_splits, out_ptr, part_ptr, lse_ptr, count_ptr,
                    stride_ot, heads, rows, dims, row_mask, dim_mask, NUM_KV_HEADS, GROUP, HEAD_DIM, SPLIT, S_PAD)
 
