@@ -352,7 +352,7 @@ def paged_decode_packed(qkv: torch.Tensor, positions: torch.Tensor, cos_cache: t
                         eps: float, num_heads: int, num_kv_heads: int, head_dim: int, k_cache: torch.Tensor,
                         v_cache: torch.Tensor, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
                         context_lens: torch.Tensor, scale: float, num_splits: int,
-                        counters: torch.Tensor | None = None) -> torch.Tensor:
+                        counters: torch.Tensor | None = None, num_warps: int | None = None) -> torch.Tensor:
     """One query token per sequence, from the fused projection ``qkv`` [B, (H + 2 KVH) * D]: what
     ``qkv_prepare`` then ``paged_decode`` compute (per-head q/k RMSNorm when weights are given, rotary
     embedding, the new key and value stored at ``slot_mapping``, attention over the context including the
@@ -372,7 +372,8 @@ def paged_decode_packed(qkv: torch.Tensor, positions: torch.Tensor, cos_cache: t
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP=group, GROUP_PAD=max(16, _pow2(group)),
         HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1], BLOCK_N=64 if qkv.dtype != torch.float32 else 32,
         SPLIT=num_splits > 1, S_PAD=_pow2(num_splits), PRECISION=_dot_precision(qkv.dtype), HAS_NORM=has_norm,
-        num_warps=2 if batch <= 16 else 4, num_stages=3 if head_dim <= 128 else 2, PDL=pdl, **launch)
+        num_warps=num_warps or (2 if batch <= 16 else 4), num_stages=3 if head_dim <= 128 else 2, PDL=pdl,
+        **launch)
     return out
 
 
