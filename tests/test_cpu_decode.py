@@ -47,6 +47,20 @@ def test_int4_linear_matches_dequantised_matmul(rows: int, bias: bool) -> None:
     assert (dequantize_int4(*quantize_int4(weight)) - weight).abs().max() < 0.1 * weight.abs().max()
 
 
+@pytest.mark.parametrize("rows", [1, 8, 40])
+def test_int8_linear_matches_float_matmul(rows: int) -> None:
+    """8-bit weights per output channel and 8-bit activations up to 8 rows (float32 out, within the rounding of
+    both); above, the dense bfloat16 copy."""
+    torch.manual_seed(5)
+    weight, x, b = torch.randn(48, 96), torch.randn(rows, 96), torch.randn(48)
+    layer = CpuLinear(weight, b, "int8")
+    out = layer(x)
+    assert out.dtype == (torch.float32 if rows <= 8 else torch.bfloat16)
+    reference = F.linear(x, weight, b)
+    assert (out.float() - reference).abs().max() < 0.03 * reference.abs().max()
+    assert layer.weight_bytes() == 48 * 96 + 4 * 48
+
+
 def test_bfloat16_linear_and_padded_rows() -> None:
     torch.manual_seed(2)
     weight, x = torch.randn(40, 64), torch.randn(2, 64)
@@ -108,7 +122,7 @@ def test_fast_decode_step_equals_reference_forward(arch: str, tiny_checkpoint) -
                 torch.testing.assert_close(fast, reference, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("fmt", ["auto", "int4"])
+@pytest.mark.parametrize("fmt", ["auto", "int4", "int8"])
 def test_greedy_tokens_equal_with_and_without_the_fast_path(fmt: str, tiny_checkpoint) -> None:
     """Whole generations, three requests at once: the fast path changes no greedy token (float32), and with
     int4 weights it runs end to end (prefill on the dense copy, decode on the packed kernel)."""
@@ -127,7 +141,8 @@ def test_greedy_tokens_equal_with_and_without_the_fast_path(fmt: str, tiny_check
 
 
 @pytest.mark.parametrize(("fmt", "kv", "expected"), [
-    ("auto", "auto", torch.float32), ("int4", "auto", torch.bfloat16), ("bfloat16", "auto", torch.bfloat16),
+    ("auto", "auto", torch.float32), ("int4", "auto", torch.bfloat16), ("int8", "auto", torch.bfloat16),
+    ("bfloat16", "auto", torch.bfloat16),
     ("auto", "bfloat16", torch.bfloat16)])
 def test_kv_cache_dtype_on_cpu(fmt: str, kv: str, expected: torch.dtype, tiny_checkpoint) -> None:
     """bfloat16/int4 weights keep a bfloat16 cache by default (their activations are bfloat16); a float32

@@ -1,4 +1,4 @@
-"""CPU weight formats for the linear layers and the LM head: dense bfloat16, or int4 weight-only.
+"""CPU weight formats for the linear layers and the LM head: dense bfloat16, int4 weight-only, or int8.
 
 int4 uses torch's packed CPU kernel (``_weight_int4pack_mm_for_cpu``, bfloat16 activations, float
 accumulation): each group of 32 input weights of a row is ``(q - 8) * scale + zero`` with a 4-bit code ``q``
@@ -7,6 +7,11 @@ dequantised GGUF weights recovers their codes; only the scale and offset are rou
 
 That kernel is fast for a few rows (decode) and slow for many (prefill), so each layer also keeps the same
 int4 weights dequantised to dense bfloat16 and uses them above ``INT4_MAX_ROWS`` rows.
+
+int8 holds each layer's weights in 8 bits per output channel and quantises the activations to 8 bits per
+call (fbgemm's dynamic product): slower than int4 at one row, faster at several (the int4 kernel unpacks every
+weight for every row), at a small cost in quality (docs/benchmarks.md). Above ``INT4_MAX_ROWS`` rows it uses
+the same dense bfloat16 copy. With int4 and int8 the LM head is ``RescoredLMHead``.
 """
 
 from __future__ import annotations
@@ -47,52 +52,6 @@ def int4_supported(in_features: int, out_features: int) -> bool:
     return in_features % GROUP_SIZE == 0 and in_features >= GROUP_SIZE and out_features % 16 == 0
 
 
-class CpuLinear(nn.Module):
-    """``x @ W.T (+ b)`` with ``W`` held as bfloat16 or int4; returns bfloat16 (``act_dtype``) outputs.
-
-    ``out_features`` past ``keep`` (padded LM-head rows) are dropped from the result.
-    """
-
-    act_dtype = torch.bfloat16
-
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, weight_format: str,
-                 keep: int | None = None, dense: bool = True) -> None:
-        super().__init__()
-        self.weight_format = weight_format
-        self.out_features, self.in_features = weight.shape
-        self.keep = keep if keep is not None and keep < self.out_features else None
-        self.bias = None if bias is None else bias.detach().to(torch.bfloat16)
-        self.packed: torch.Tensor | None = None
-        self.scales_zeros: torch.Tensor | None = None
-        if weight_format == "int4":
-            codes, self.scales_zeros = quantize_int4(weight)
-            self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
-            full = dequantize_int4(codes, self.scales_zeros) if dense else None
-        elif weight_format == "bfloat16":
-            full = weight.detach()
-        else:
-            raise ValueError(f"CpuLinear holds bfloat16 or int4 weights, not {weight_format!r}")
-        # The same weights dense, for many rows (prefill); None: the caller never passes many rows.
-        self.dense = None if full is None else full.to(torch.bfloat16).contiguous()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``x`` [..., K] of any float dtype → [..., N] bfloat16."""
-        x = x.to(torch.bfloat16)
-        if self.packed is not None and (self.dense is None or x.dim() == 2 and x.shape[0] <= INT4_MAX_ROWS):
-            out = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, GROUP_SIZE, self.scales_zeros)
-            if self.bias is not None:
-                out = out + self.bias
-        else:
-            out = F.linear(x, self.dense, self.bias)
-        return out if self.keep is None else out[..., : self.keep]
-
-    def weight_bytes(self) -> int:
-        """Bytes one decode step (a few rows) reads from this layer's weights."""
-        if self.packed is not None:
-            return self.packed.numel() * self.packed.element_size() + self.scales_zeros.numel() * 2
-        return self.dense.numel() * 2
-
-
 def _vnni() -> bool:
     """Whether the CPU has 8-bit dot products (VNNI): without them fbgemm's 8-bit product may saturate its
     16-bit intermediate sums, and activations must keep to 7 bits (``reduce_range``)."""
@@ -130,6 +89,64 @@ class Int8Product:
 
 
 _VNNI = _vnni()
+
+
+class CpuLinear(nn.Module):
+    """``x @ W.T (+ b)`` with ``W`` held as bfloat16 or int4; returns bfloat16 (``act_dtype``) outputs.
+
+    ``out_features`` past ``keep`` (padded LM-head rows) are dropped from the result.
+    """
+
+    act_dtype = torch.bfloat16
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, weight_format: str,
+                 keep: int | None = None, dense: bool = True) -> None:
+        super().__init__()
+        self.weight_format = weight_format
+        self.out_features, self.in_features = weight.shape
+        self.keep = keep if keep is not None and keep < self.out_features else None
+        self.bias = None if bias is None else bias.detach().to(torch.bfloat16)
+        self.packed: torch.Tensor | None = None
+        self.scales_zeros: torch.Tensor | None = None
+        self.int8: Int8Product | None = None
+        if weight_format == "int4":
+            codes, self.scales_zeros = quantize_int4(weight)
+            self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
+            full = dequantize_int4(codes, self.scales_zeros) if dense else None
+        elif weight_format == "int8":
+            self.int8 = Int8Product(weight)
+            full = weight.detach() if dense else None
+        elif weight_format == "bfloat16":
+            full = weight.detach()
+        else:
+            raise ValueError(f"CpuLinear holds bfloat16, int4 or int8 weights, not {weight_format!r}")
+        # The same weights dense, for many rows (prefill); None: the caller never passes many rows.
+        self.dense = None if full is None else full.to(torch.bfloat16).contiguous()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` [..., K] of any float dtype → [..., N] bfloat16 (float32 from the 8-bit product)."""
+        few = self.dense is None or x.dim() == 2 and x.shape[0] <= INT4_MAX_ROWS
+        if self.int8 is not None and few:
+            out = self.int8(x)
+            if self.bias is not None:
+                out = out + self.bias
+            return out if self.keep is None else out[..., : self.keep]
+        x = x.to(torch.bfloat16)
+        if self.packed is not None and few:
+            out = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, GROUP_SIZE, self.scales_zeros)
+            if self.bias is not None:
+                out = out + self.bias
+        else:
+            out = F.linear(x, self.dense, self.bias)
+        return out if self.keep is None else out[..., : self.keep]
+
+    def weight_bytes(self) -> int:
+        """Bytes one decode step (a few rows) reads from this layer's weights."""
+        if self.packed is not None:
+            return self.packed.numel() * self.packed.element_size() + self.scales_zeros.numel() * 2
+        if self.int8 is not None:
+            return self.int8.nbytes
+        return self.dense.numel() * 2
 
 
 class RescoredLMHead(nn.Module):
@@ -190,7 +207,8 @@ def convert_model(model: nn.Module, weight_format: str) -> int:
                 setattr(parent, name, FloatOutput(CpuLinear(child.weight.data, child.bias, weight_format)))
                 replaced += 1
             elif isinstance(child, ParallelLMHead):
-                if weight_format == "int4" and int4_supported(child.weight.shape[1], child.weight.shape[0]):
+                if weight_format == "int8" or (
+                        weight_format == "int4" and int4_supported(child.weight.shape[1], child.weight.shape[0])):
                     setattr(parent, name, RescoredLMHead(child.weight.data, child.vocab_size))
                 else:
                     setattr(parent, name, FloatOutput(CpuLinear(child.weight.data, None, "bfloat16",

@@ -23,11 +23,11 @@ logger = logging.getLogger("pocketllm.runner")
 
 
 def setup_cpu(model: torch.nn.Module, weight_format: str, block_size: int) -> CpuDecodeStep | None:
-    """Convert ``model``'s linear layers to ``weight_format`` (bfloat16, int4; float32/auto: as loaded) and
+    """Convert ``model``'s linear layers to ``weight_format`` (bfloat16, int4, int8; float32/auto: as loaded) and
     return the decode fast path when the model's layers are ones it computes (else None)."""
-    if weight_format in ("bfloat16", "int4"):
+    if weight_format in ("bfloat16", "int4", "int8"):
         if tp_size() != 1:
-            raise InvalidRequestError("cpu_weight_format bfloat16/int4 runs on one rank only",
+            raise InvalidRequestError("cpu_weight_format bfloat16/int4/int8 runs on one rank only",
                                       param="cpu_weight_format")
         from pocketllm.layers.quantized_linear import convert_model
 
