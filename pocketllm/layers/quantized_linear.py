@@ -131,7 +131,8 @@ class CpuLinear(nn.Module):
             if self.bias is not None:
                 out = out + self.bias
             return out if self.keep is None else out[..., : self.keep]
-        x = x.to(torch.bfloat16)
+        if x.dtype != torch.bfloat16:
+            x = x.to(torch.bfloat16)
         if self.packed is not None and few:
             out = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, GROUP_SIZE, self.scales_zeros)
             if self.bias is not None:
