@@ -91,6 +91,11 @@ class Int8Product:
 _VNNI = _vnni()
 
 
+def int8_available() -> bool:
+    """Whether this torch build has fbgemm's 8-bit CPU product (x86 builds do)."""
+    return "fbgemm" in torch.backends.quantized.supported_engines
+
+
 class CpuLinear(nn.Module):
     """``x @ W.T (+ b)`` with ``W`` held as bfloat16 or int4; returns bfloat16 (``act_dtype``) outputs.
 
@@ -151,10 +156,10 @@ class CpuLinear(nn.Module):
 
 
 class RescoredLMHead(nn.Module):
-    """LM head in 8 bits (``Int8Product``) whose ``rescore`` highest logits per row are recomputed from the
-    float weight.
+    """LM head in 8 bits (``Int8Product``; int4 where fbgemm is missing) whose ``rescore`` highest logits per
+    row are recomputed from the float weight.
 
-    The 8-bit weights and activations lose precision that decides close calls; recomputing the top candidates
+    The quantised weights and activations lose precision that decides close calls; recomputing the top candidates
     exactly keeps the argmax, and so greedy output, that of the float head whenever the true best token is
     among them. Logits outside the top ``rescore`` keep their 8-bit value (float32 out). More than
     ``INT4_MAX_ROWS`` rows use the float weight rounded to bfloat16 throughout.
@@ -166,21 +171,25 @@ class RescoredLMHead(nn.Module):
         super().__init__()
         self.exact = weight.detach()  # the tied embedding table itself: no copy
         self.vocab_size = vocab_size
-        self.inner = Int8Product(self.exact[:vocab_size])
+        if int8_available():
+            self.inner = Int8Product(self.exact[:vocab_size])
+        else:
+            self.inner = CpuLinear(self.exact, None, "int4", keep=vocab_size, dense=False)
         self.dense = self.exact.to(torch.bfloat16)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() != 2 or x.shape[0] > INT4_MAX_ROWS:
             return F.linear(x.to(torch.bfloat16), self.dense)[..., : self.vocab_size].float()
-        logits = self.inner(x)
+        logits = self.inner(x).float()
         top = logits.topk(min(self.rescore, self.vocab_size), dim=-1).indices
         rows = self.exact.index_select(0, top.reshape(-1)).view(*top.shape, -1)
         exact = torch.bmm(rows, x.to(rows.dtype).unsqueeze(-1)).squeeze(-1)
         return logits.scatter_(1, top, exact.float())
 
     def weight_bytes(self) -> int:
-        """Bytes one decode step (a few rows) reads: the 8-bit head and the rescored rows (ignored: 64)."""
-        return self.inner.nbytes
+        """Bytes one decode step (a few rows) reads from the quantised head (the 64 rescored rows ignored)."""
+        inner = self.inner
+        return inner.weight_bytes() if isinstance(inner, CpuLinear) else inner.nbytes
 
 
 class FloatOutput(nn.Module):
@@ -208,8 +217,8 @@ def convert_model(model: nn.Module, weight_format: str) -> int:
                 setattr(parent, name, FloatOutput(CpuLinear(child.weight.data, child.bias, weight_format)))
                 replaced += 1
             elif isinstance(child, ParallelLMHead):
-                if weight_format == "int8" or (
-                        weight_format == "int4" and int4_supported(child.weight.shape[1], child.weight.shape[0])):
+                if weight_format == "int8" or (weight_format == "int4" and (
+                        int8_available() or int4_supported(child.weight.shape[1], child.weight.shape[0]))):
                     setattr(parent, name, RescoredLMHead(child.weight.data, child.vocab_size))
                 else:
                     setattr(parent, name, FloatOutput(CpuLinear(child.weight.data, None, "bfloat16",

@@ -29,8 +29,11 @@ def setup_cpu(model: torch.nn.Module, weight_format: str, block_size: int) -> Cp
         if tp_size() != 1:
             raise InvalidRequestError("cpu_weight_format bfloat16/int4/int8 runs on one rank only",
                                       param="cpu_weight_format")
-        from pocketllm.layers.quantized_linear import convert_model
+        from pocketllm.layers.quantized_linear import convert_model, int8_available
 
+        if weight_format == "int8" and not int8_available():
+            raise InvalidRequestError("cpu_weight_format int8 needs fbgemm (an x86 build of torch); use int4",
+                                      param="cpu_weight_format")
         count = convert_model(model, weight_format)
         logger.info("CPU weights: %d linear layers (LM head included) as %s", count, weight_format)
     if not CpuDecodeStep.supports(model):
