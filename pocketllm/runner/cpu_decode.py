@@ -172,7 +172,9 @@ class CpuDecodeStep:
         q_width = heads * dim
         hidden = F.embedding(batch.ids, self.model.embed_tokens.weight)
         residual = None
-        for layer, (k_flat, v_flat) in zip(self.layers, self._cache_views()):
+        views = self._cache_views()
+        as_positions = self.grouped and views[0][0].dtype == torch.float32
+        for layer, (k_flat, v_flat) in zip(self.layers, views):
             norm1, eps1, qkv_proj, q_norm, k_norm, attn, o_proj, norm2, eps2, gate_up, down = layer
             # The first residual is the embedding's fresh output; later ones are added to in place.
             residual = hidden if residual is None else residual.add_(hidden)
@@ -199,11 +201,16 @@ class CpuDecodeStep:
                 keys, values = attn.k_cache.index_select(0, index), attn.v_cache.index_select(0, index)
             keys = keys.view(rows, -1, kv_heads, dim).transpose(1, 2)
             values = values.view(rows, -1, kv_heads, dim).transpose(1, 2)
-            # One fused kernel reads the strided context in place, in the cache's dtype (grouped heads share
-            # their KV head).
-            query = q.unsqueeze(2)
+            # One fused kernel reads the strided context in place, in the cache's dtype. A float32 cache: a KV
+            # head's query heads go in as query positions of that head (measured 8-41% faster than grouped heads
+            # at 1-8 rows); bfloat16: grouped heads (measured as fast or faster).
+            if as_positions:
+                query = q.reshape(rows, kv_heads, heads // kv_heads, dim)
+            else:
+                query = q.unsqueeze(2)
             out = F.scaled_dot_product_attention(query if query.dtype == kv_dtype else query.to(kv_dtype), keys,
-                                                 values, attn_mask=bias, scale=self.scale, enable_gqa=self.grouped)
+                                                 values, attn_mask=bias, scale=self.scale,
+                                                 enable_gqa=self.grouped and not as_positions)
             out = out.reshape(rows, q_width)
             hidden = o_proj(out if out.dtype == qkv.dtype else out.to(qkv.dtype))
             residual.add_(hidden)
