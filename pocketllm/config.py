@@ -16,7 +16,7 @@ BACKENDS = ("auto", "torch", "cpp")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "dummy")
 DEVICES = ("auto", "cpu", "cuda")
-CPU_WEIGHT_FORMATS = ("auto", "float32", "bfloat16", "int4")
+CPU_WEIGHT_FORMATS = ("auto", "float32", "bfloat16", "int4", "int8")
 
 
 def _opt(default: Any, help_text: str) -> Any:
@@ -36,8 +36,9 @@ class EngineArgs:
                               "float16.")
     cpu_weight_format: str = _opt("auto", "CPU weights of the linear layers and LM head: auto (as --dtype) | "
                                           "float32 | bfloat16 | int4 (weight-only, groups of 32: a Q4 GGUF keeps "
-                                          "its 4-bit codes). bfloat16 and int4 run bfloat16 activations and change "
-                                          "results slightly (docs/benchmarks.md).")
+                                          "its 4-bit codes) | int8 (8-bit weights and activations: faster than "
+                                          "int4 for batches of 2-8 rows). bfloat16, int4 and int8 change results "
+                                          "slightly (docs/benchmarks.md).")
     max_model_len: int | None = _opt(None, "Longest prompt + output in tokens (default: the checkpoint's "
                                            "context, capped by the KV cache).")
     max_num_seqs: int = _opt(64, "Most requests running at once.")
@@ -49,7 +50,7 @@ class EngineArgs:
     num_kv_blocks: int | None = _opt(None, "Size the KV cache in blocks explicitly (default: from memory).")
     cpu_kv_cache_gb: float = _opt(2.0, "KV-cache size on CPU, in GiB.")
     gpu_memory_utilization: float = _opt(0.9, "Fraction of GPU memory the engine may use.")
-    kv_cache_dtype: str = _opt("auto", "auto (the compute dtype; on CPU with bfloat16/int4 weights, bfloat16) | "
+    kv_cache_dtype: str = _opt("auto", "auto (the compute dtype; on CPU with bfloat16/int4/int8 weights, bfloat16) | "
                                        "bfloat16 | fp8 (CUDA: float8 e4m3 with scale 1, half the KV bytes of "
                                        "bfloat16; magnitudes beyond 448 saturate).")
     async_scheduling: str = _opt("auto", "auto (on for CUDA) | on | off: schedule and launch step N+1 before "

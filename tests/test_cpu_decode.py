@@ -12,7 +12,8 @@ from pocketllm.api import LLM
 from pocketllm.config import EngineArgs
 from pocketllm.engine.scheduler import ScheduledChunk
 from pocketllm.errors import InvalidRequestError
-from pocketllm.layers.quantized_linear import CpuLinear, Int4LMHead, dequantize_int4, quantize_int4
+from pocketllm.layers import quantized_linear
+from pocketllm.layers.quantized_linear import CpuLinear, RescoredLMHead, dequantize_int4, quantize_int4
 from pocketllm.runner.host_batch import gather_host_batch
 from pocketllm.sampling_params import SamplingParams
 
@@ -47,6 +48,20 @@ def test_int4_linear_matches_dequantised_matmul(rows: int, bias: bool) -> None:
     assert (dequantize_int4(*quantize_int4(weight)) - weight).abs().max() < 0.1 * weight.abs().max()
 
 
+@pytest.mark.parametrize("rows", [1, 8, 40])
+def test_int8_linear_matches_float_matmul(rows: int) -> None:
+    """8-bit weights per output channel and 8-bit activations up to 8 rows (float32 out, within the rounding of
+    both); above, the dense bfloat16 copy."""
+    torch.manual_seed(5)
+    weight, x, b = torch.randn(48, 96), torch.randn(rows, 96), torch.randn(48)
+    layer = CpuLinear(weight, b, "int8")
+    out = layer(x)
+    assert out.dtype == (torch.float32 if rows <= 8 else torch.bfloat16)
+    reference = F.linear(x, weight, b)
+    assert (out.float() - reference).abs().max() < 0.03 * reference.abs().max()
+    assert layer.weight_bytes() == 48 * 96 + 4 * 48
+
+
 def test_bfloat16_linear_and_padded_rows() -> None:
     torch.manual_seed(2)
     weight, x = torch.randn(40, 64), torch.randn(2, 64)
@@ -56,17 +71,22 @@ def test_bfloat16_linear_and_padded_rows() -> None:
     torch.testing.assert_close(out.float(), F.linear(x.bfloat16(), weight.bfloat16())[:, :33].float())
 
 
-def test_int4_lm_head_rescores_its_top_candidates_exactly() -> None:
-    """The top logits (and so the argmax) are the float head's; many rows use it in bfloat16 throughout."""
+@pytest.mark.parametrize("fbgemm", [True, False])
+def test_lm_head_rescores_its_top_candidates_exactly(fbgemm: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The top logits (and so the argmax) are the float head's, from an 8-bit head (an int4 one where fbgemm is
+    missing); many rows use it in bfloat16 throughout."""
+    monkeypatch.setattr(quantized_linear, "int8_available", lambda: fbgemm)
     torch.manual_seed(4)
     weight, x = torch.randn(304, 64) * 0.1, torch.randn(3, 64)
-    head = Int4LMHead(weight, vocab_size=290)
+    head = RescoredLMHead(weight, vocab_size=290)
     exact = F.linear(x, weight)[:, :290]
     logits = head(x)
     assert logits.shape == (3, 290) and logits.dtype == torch.float32
     top = exact.topk(8, dim=-1).indices
     torch.testing.assert_close(logits.gather(1, top), exact.gather(1, top), rtol=1e-5, atol=1e-5)
     assert torch.equal(logits.argmax(-1), exact.argmax(-1))
+    assert isinstance(head.inner, quantized_linear.Int8Product if fbgemm else CpuLinear)
+    assert (logits - exact).abs().max() < (0.02 if fbgemm else 0.2) * exact.abs().max()  # the rest: quantised
     many = torch.randn(40, 64)
     torch.testing.assert_close(head(many), F.linear(many.bfloat16(), weight.bfloat16())[:, :290].float())
 
@@ -107,7 +127,7 @@ def test_fast_decode_step_equals_reference_forward(arch: str, tiny_checkpoint) -
                 torch.testing.assert_close(fast, reference, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("fmt", ["auto", "int4"])
+@pytest.mark.parametrize("fmt", ["auto", "int4", "int8"])
 def test_greedy_tokens_equal_with_and_without_the_fast_path(fmt: str, tiny_checkpoint) -> None:
     """Whole generations, three requests at once: the fast path changes no greedy token (float32), and with
     int4 weights it runs end to end (prefill on the dense copy, decode on the packed kernel)."""
@@ -126,7 +146,8 @@ def test_greedy_tokens_equal_with_and_without_the_fast_path(fmt: str, tiny_check
 
 
 @pytest.mark.parametrize(("fmt", "kv", "expected"), [
-    ("auto", "auto", torch.float32), ("int4", "auto", torch.bfloat16), ("bfloat16", "auto", torch.bfloat16),
+    ("auto", "auto", torch.float32), ("int4", "auto", torch.bfloat16), ("int8", "auto", torch.bfloat16),
+    ("bfloat16", "auto", torch.bfloat16),
     ("auto", "bfloat16", torch.bfloat16)])
 def test_kv_cache_dtype_on_cpu(fmt: str, kv: str, expected: torch.dtype, tiny_checkpoint) -> None:
     """bfloat16/int4 weights keep a bfloat16 cache by default (their activations are bfloat16); a float32

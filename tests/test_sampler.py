@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from pocketllm.runner.sampler import SampledToken, Sampler, SamplingRow
+from pocketllm.runner.sampler import ARGMAX_CHUNK, SampledToken, Sampler, SamplingRow, argmax_rows
 from pocketllm.sampling_params import SamplingParams
 
 VOCAB = 64
@@ -39,6 +39,24 @@ def test_greedy_is_argmax() -> None:
     assert _tokens(out) == logits.argmax(-1).tolist()
     assert all(t.logprob is None and t.top_ids == [] and t.top_logprobs == [] for t in out)
     assert torch.equal(logits, before)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_chunked_argmax_equals_torch_argmax(dtype: torch.dtype) -> None:
+    """The CPU argmax through chunk maxima picks torch's index: the first of tied maxima (ties within and
+    across chunks), NaN counted as largest, all -inf rows, padded (non-contiguous) rows."""
+    gen = torch.Generator().manual_seed(7)
+    vocab = 6 * ARGMAX_CHUNK
+    x = torch.randn(6, vocab + 5, generator=gen)[:, :vocab].round().to(dtype)  # rounded: many ties
+    x[1, 3 * ARGMAX_CHUNK + 17] = x[1, ARGMAX_CHUNK + 4] = 100.0
+    x[2, [40, 5000, 9]] = float("nan")
+    x[3] = float("-inf")
+    x[4, vocab - 1] = 50.0
+    assert torch.equal(argmax_rows(x), x.argmax(dim=-1))
+    assert argmax_rows(x).tolist()[1:5] == [ARGMAX_CHUNK + 4, 9, 0, vocab - 1]
+    for seed in range(20):
+        y = torch.randn(seed % 5 + 1, vocab, generator=gen.manual_seed(seed)).to(dtype)
+        assert torch.equal(argmax_rows(y), y.argmax(dim=-1))
 
 
 def test_empty_batch() -> None:

@@ -124,9 +124,9 @@ def weight_bytes(model: torch.nn.Module) -> int:
     table (one row per token is read from it) and routed experts (``top_k`` of ``num_experts`` per layer), plus
     the layers held in a CPU weight format (bfloat16, int4), whose own LM head then replaces the tied table."""
     from pocketllm.layers.embedding import ParallelLMHead
-    from pocketllm.layers.quantized_linear import CpuLinear
+    from pocketllm.layers.quantized_linear import CpuLinear, RescoredLMHead
 
-    total = sum(m.weight_bytes() for m in model.modules() if isinstance(m, CpuLinear))
+    total = sum(m.weight_bytes() for m in model.modules() if isinstance(m, (CpuLinear, RescoredLMHead)))
     own_head = hasattr(model, "lm_head") and not isinstance(model.lm_head, ParallelLMHead)
     seen = set()
     tied = bool(getattr(model, "tie_word_embeddings", False)) and not own_head

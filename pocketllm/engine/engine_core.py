@@ -25,12 +25,13 @@ GiB = 1 << 30
 
 
 def _kv_dtype(args: EngineArgs, device: torch.device) -> torch.dtype | None:
-    """The KV cache's dtype (None: the compute dtype). On CPU, bfloat16/int4 weights run bfloat16 activations,
-    and their decode steps read a bfloat16 cache in place (half the bytes of float32)."""
+    """The KV cache's dtype (None: the compute dtype). On CPU, bfloat16/int4/int8 weights keep a bfloat16 cache:
+    their decode steps read it in place (half the bytes of float32) and already round activations."""
     if args.kv_cache_dtype == "fp8":
         return torch.float8_e4m3fn
     if args.kv_cache_dtype == "bfloat16" or (
-            device.type == "cpu" and args.kv_cache_dtype == "auto" and args.cpu_weight_format in ("bfloat16", "int4")):
+            device.type == "cpu" and args.kv_cache_dtype == "auto"
+            and args.cpu_weight_format in ("bfloat16", "int4", "int8")):
         return torch.bfloat16
     return None
 

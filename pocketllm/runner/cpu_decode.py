@@ -23,14 +23,17 @@ logger = logging.getLogger("pocketllm.runner")
 
 
 def setup_cpu(model: torch.nn.Module, weight_format: str, block_size: int) -> CpuDecodeStep | None:
-    """Convert ``model``'s linear layers to ``weight_format`` (bfloat16, int4; float32/auto: as loaded) and
+    """Convert ``model``'s linear layers to ``weight_format`` (bfloat16, int4, int8; float32/auto: as loaded) and
     return the decode fast path when the model's layers are ones it computes (else None)."""
-    if weight_format in ("bfloat16", "int4"):
+    if weight_format in ("bfloat16", "int4", "int8"):
         if tp_size() != 1:
-            raise InvalidRequestError("cpu_weight_format bfloat16/int4 runs on one rank only",
+            raise InvalidRequestError("cpu_weight_format bfloat16/int4/int8 runs on one rank only",
                                       param="cpu_weight_format")
-        from pocketllm.layers.quantized_linear import convert_model
+        from pocketllm.layers.quantized_linear import convert_model, int8_available
 
+        if weight_format == "int8" and not int8_available():
+            raise InvalidRequestError("cpu_weight_format int8 needs fbgemm (an x86 build of torch); use int4",
+                                      param="cpu_weight_format")
         count = convert_model(model, weight_format)
         logger.info("CPU weights: %d linear layers (LM head included) as %s", count, weight_format)
     if not CpuDecodeStep.supports(model):
@@ -93,6 +96,8 @@ class CpuDecodeStep:
         self.norm = (model.norm.weight, model.norm.eps)
         self.scale = first.attn.scale
         self.first_attention = first.attn   # its cache (bound later by the runner) gives the KV dtype
+        self._views: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._views_of: torch.Tensor | None = None
 
     @staticmethod
     def supports(model: torch.nn.Module) -> bool:
@@ -149,6 +154,16 @@ class CpuDecodeStep:
         """The hidden states after the final norm, one row per chunk (float32)."""
         return self.run(self._metadata(chunks))
 
+    def _cache_views(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Every layer's K and V cache as ``[slots, kv_heads, head_dim]`` views, made again only when the runner
+        has allocated new caches."""
+        first = self.first_attention.k_cache
+        if self._views_of is not first:
+            shape = (-1, self.num_kv_heads, self.head_dim)
+            self._views = [(layer[5].k_cache.view(shape), layer[5].v_cache.view(shape)) for layer in self.layers]
+            self._views_of = first
+        return self._views
+
     def run(self, batch: DecodeBatch) -> torch.Tensor:
         """The layers over a built decode batch."""
         slots, cos, sin, span, index, bias = batch.slots, batch.cos, batch.sin, batch.span, batch.index, batch.bias
@@ -157,8 +172,12 @@ class CpuDecodeStep:
         q_width = heads * dim
         hidden = F.embedding(batch.ids, self.model.embed_tokens.weight)
         residual = None
-        for norm1, eps1, qkv_proj, q_norm, k_norm, attn, o_proj, norm2, eps2, gate_up, down in self.layers:
-            residual = hidden if residual is None else residual + hidden
+        views = self._cache_views()
+        as_positions = self.grouped and views[0][0].dtype == torch.float32
+        for layer, (k_flat, v_flat) in zip(self.layers, views):
+            norm1, eps1, qkv_proj, q_norm, k_norm, attn, o_proj, norm2, eps2, gate_up, down = layer
+            # The first residual is the embedding's fresh output; later ones are added to in place.
+            residual = hidden if residual is None else residual.add_(hidden)
             x = F.rms_norm(residual, norm1.shape, norm1, eps1)
             qkv = qkv_proj(x)  # float32, or bfloat16 from bfloat16/int4 weights: rotary runs in that dtype
             if q_norm is not None:
@@ -173,22 +192,28 @@ class CpuDecodeStep:
             q = qk[:, :heads]
             k = qk[:, heads:]
             v = qkv[:, q_width + kv_heads * dim:].view(rows, kv_heads, dim)
-            k_flat = attn.k_cache.view(-1, kv_heads, dim)
-            v_flat = attn.v_cache.view(-1, kv_heads, dim)
-            k_flat.index_copy_(0, slots, k.to(k_flat.dtype))
-            v_flat.index_copy_(0, slots, v.to(v_flat.dtype))
+            kv_dtype = k_flat.dtype
+            k_flat.index_copy_(0, slots, k if k.dtype == kv_dtype else k.to(kv_dtype))
+            v_flat.index_copy_(0, slots, v if v.dtype == kv_dtype else v.to(kv_dtype))
             if span is not None:
                 keys, values = k_flat[span[0]:span[1]], v_flat[span[0]:span[1]]
             else:
                 keys, values = attn.k_cache.index_select(0, index), attn.v_cache.index_select(0, index)
             keys = keys.view(rows, -1, kv_heads, dim).transpose(1, 2)
             values = values.view(rows, -1, kv_heads, dim).transpose(1, 2)
-            # One fused kernel reads the strided context in place, in the cache's dtype (grouped heads share
-            # their KV head).
-            out = F.scaled_dot_product_attention(q.unsqueeze(2).to(keys.dtype), keys, values, attn_mask=bias,
-                                                 scale=self.scale, enable_gqa=self.grouped)
-            hidden = o_proj(out.reshape(rows, q_width).to(qkv.dtype))
-            residual = residual + hidden
+            # One fused kernel reads the strided context in place, in the cache's dtype. A float32 cache: a KV
+            # head's query heads go in as query positions of that head (measured 8-41% faster than grouped heads
+            # at 1-8 rows); bfloat16: grouped heads (measured as fast or faster).
+            if as_positions:
+                query = q.reshape(rows, kv_heads, heads // kv_heads, dim)
+            else:
+                query = q.unsqueeze(2)
+            out = F.scaled_dot_product_attention(query if query.dtype == kv_dtype else query.to(kv_dtype), keys,
+                                                 values, attn_mask=bias, scale=self.scale,
+                                                 enable_gqa=self.grouped and not as_positions)
+            out = out.reshape(rows, q_width)
+            hidden = o_proj(out if out.dtype == qkv.dtype else out.to(qkv.dtype))
+            residual.add_(hidden)
             x = F.rms_norm(residual, norm2.shape, norm2, eps2)
             gu = gate_up(x)
             width = gu.shape[-1] // 2

@@ -131,6 +131,23 @@ def _needs_processing(params: SamplingParams) -> bool:
     return bool(params.logit_bias) or params.needs_penalties
 
 
+ARGMAX_CHUNK = 1024
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """``x.argmax(dim=-1)`` of a ``[B, V]`` tensor, the same index (first of equal maxima, NaN counting as
+    largest). On CPU through the maxima of chunks of ``ARGMAX_CHUNK``: torch's CPU argmax of a long row runs
+    ~10x slower than its max (measured 100 µs against 10 µs for 49,152 logits), so this takes the max of
+    every chunk, the argmax over those few maxima, and the argmax inside the one chunk that won."""
+    rows, vocab = x.shape
+    if x.device.type != "cpu" or vocab % ARGMAX_CHUNK or vocab < 4 * ARGMAX_CHUNK:
+        return x.argmax(dim=-1)
+    chunks = x.reshape(rows, vocab // ARGMAX_CHUNK, ARGMAX_CHUNK)
+    best = chunks.amax(dim=-1).argmax(dim=-1)
+    inside = chunks[torch.arange(rows), best].argmax(dim=-1)
+    return best * ARGMAX_CHUNK + inside
+
+
 class Sampler:
     """Turns a batch of logits into one token per row according to each row's :class:`SamplingParams`."""
 
@@ -164,7 +181,7 @@ class Sampler:
                 from pocketllm.kernels.sampling import greedy_argmax
 
                 return SampleResult(greedy_argmax(logits), params)
-            return SampleResult(logits.argmax(dim=-1), params)
+            return SampleResult(argmax_rows(logits), params)
 
         device = logits.device
         vocab = logits.shape[-1]
@@ -196,11 +213,11 @@ class Sampler:
         # 3. Greedy rows take the argmax; sampling rows overwrite their entries below.
         sample_rows = [i for i, p in enumerate(params) if not p.greedy]
         if not sample_rows:
-            tokens = x.argmax(dim=-1)
+            tokens = argmax_rows(x)
         elif len(sample_rows) == batch:
             tokens = self._sample(x, rows, sample_rows)
         else:
-            tokens = x.argmax(dim=-1)
+            tokens = argmax_rows(x)
             tokens[self._index(sample_rows, device)] = self._sample(x, rows, sample_rows)
 
         picked = None

@@ -1,0 +1,117 @@
+"""Quality of the CPU weight formats through the decode path itself.
+
+Perplexity: a fixed English text, teacher-forced token by token through the CPU decode step and the LM head
+that decode runs, ``--rows`` windows of the text at once (each its own KV blocks; one row reads its cache in
+place, several gather it, as in serving). Greedy agreement: six chat prompts x ``--tokens`` greedy tokens,
+generated one request at a time, compared with the first format's tokens.
+
+    python scripts/cpu_quality.py --formats auto int4 --rows 1 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from types import SimpleNamespace
+
+import torch
+
+from pocketllm.api import LLM
+from pocketllm.config import EngineArgs
+from pocketllm.engine.scheduler import ScheduledChunk
+from pocketllm.sampling_params import SamplingParams
+
+TEXT = (
+    "The old lighthouse stood at the end of a narrow spit of rock, and for most of the year nobody went "
+    "there except the keeper, who rowed out every Monday with bread, oil and a week of newspapers. He had "
+    "kept the light for thirty years. In that time the lamp had changed from paraffin to electricity, the "
+    "fog horn had been replaced by a recording, and the ships that passed had grown larger and fewer. "
+    "What had not changed was the weather. Storms came in from the west in October and stayed until March, "
+    "and on the worst nights the spray reached the gallery eighty feet above the sea. The keeper did not "
+    "mind. He liked the noise of the wind against the glass, and he liked the quiet mornings afterwards, "
+    "when the water lay flat and grey and the gulls came back to sit on the rocks. Each evening he wrote "
+    "two lines in the log: the time the lamp was lit and the state of the sea. When the company wrote to "
+    "say that the light would be run from the mainland and his post would end in the spring, he read the "
+    "letter twice, folded it into the log, and went up the stairs to clean the lens as he did every day. "
+    "On his last morning he wrote a third line under the usual two. It said only that the sea was calm."
+)
+
+PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about autumn leaves.",
+    "Explain in two sentences why the sky is blue.",
+    "List three uses of a paperclip.",
+    "How do I reverse a list in Python?",
+    "Give me a short tip for sleeping better.",
+]
+
+
+def _chunk(ids: list[int], table: list[int]) -> ScheduledChunk:
+    """A decode chunk whose new token is the last of ``ids`` (the others are in the cache)."""
+    request = SimpleNamespace(prompt_token_ids=ids[:1], output_token_ids=ids[1:], all_token_ids=ids,
+                              num_computed_tokens=len(ids) - 1, num_tokens=len(ids), block_table=table,
+                              state_slot=-1)
+    return ScheduledChunk(request, 1, len(ids) - 1, True)
+
+
+@torch.inference_mode()
+def perplexity(llm: LLM, ids: list[int], rows: int, length: int) -> float:
+    """exp(mean negative log-likelihood) of ``rows`` windows of ``ids``, teacher-forced through the decode
+    step (every window's tokens 1..length-1 predicted from the ones before)."""
+    runner = llm._client.backend.core.runner
+    if runner.cpu_decode is None:
+        raise SystemExit("this model has no CPU decode step")
+    block = runner.block_size
+    per_row = -(-length // block)
+    stride = max(1, (len(ids) - length) // max(1, rows - 1))
+    windows = [ids[r * stride: r * stride + length] for r in range(rows)]
+    tables = [list(range(r * per_row, (r + 1) * per_row)) for r in range(rows)]
+    total, count = 0.0, 0
+    for pos in range(length - 1):
+        chunks = [_chunk(w[: pos + 1], t) for w, t in zip(windows, tables)]
+        hidden = runner.cpu_decode.forward(chunks)
+        logprobs = torch.log_softmax(runner.model.compute_logits(hidden).float(), dim=-1)
+        target = torch.tensor([w[pos + 1] for w in windows])
+        total -= float(logprobs.gather(1, target[:, None]).sum())
+        count += rows
+    return math.exp(total / count)
+
+
+def greedy(llm: LLM, tokens: int) -> list[list[int]]:
+    """Greedy tokens of each chat prompt, one request at a time."""
+    params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
+    return [llm.chat([{"role": "user", "content": p}], params)[0].token_ids for p in PROMPTS]
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None, help="Model (default: the engine's default model).")
+    parser.add_argument("--formats", nargs="+", default=["auto", "int4"], help="cpu_weight_format values.")
+    parser.add_argument("--rows", nargs="+", type=int, default=[1, 8], help="Rows per teacher-forced step.")
+    parser.add_argument("--length", type=int, default=128, help="Tokens per window.")
+    parser.add_argument("--tokens", type=int, default=64, help="Greedy tokens per chat prompt.")
+    args = parser.parse_args()
+    reference = None
+    for fmt in args.formats:
+        extra = {} if args.model is None else {"model": args.model}
+        with LLM(EngineArgs(device="cpu", cpu_weight_format=fmt, max_model_len=512, **extra)) as llm:
+            ids = llm._client.encode_prompt(TEXT)
+            ppl = {rows: perplexity(llm, ids, rows, args.length) for rows in args.rows}
+            tokens = greedy(llm, args.tokens)
+        reference = reference or tokens
+        agree = [common_prefix(a, b) for a, b in zip(tokens, reference)]
+        print(f"{fmt}: perplexity " + ", ".join(f"{p:.3f} ({r} rows)" for r, p in ppl.items())
+              + f"; identical greedy prefix vs {args.formats[0]}: {agree}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
