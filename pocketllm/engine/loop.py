@@ -40,6 +40,9 @@ class EngineLoop:
         self.active: set[str] = set()
         self.error: BaseException | None = None
         self._stopping = False
+        # Held while a caller queues a command and while a crash fails the queued ones: a command is either
+        # queued before the crash (and failed by it) or refused afterwards, never left waiting.
+        self._queue_lock = threading.Lock()
         self.thread = threading.Thread(target=self._run, name="pocketllm-engine", daemon=True)
         self.thread.start()
 
@@ -62,18 +65,23 @@ class EngineLoop:
 
     def call(self, fn: Callable[[], Any], on_error: Callable[[], None] | None = None) -> Future:
         """Run ``fn`` on the engine thread between steps; its result comes back through the future."""
-        self._check_alive()
         future: Future = Future()
+
+        def fail(exc: BaseException) -> None:
+            if on_error is not None:
+                on_error()
+            future.set_exception(exc)
 
         def command() -> None:
             try:
                 future.set_result(fn())
             except BaseException as exc:  # handed to the caller through the future
-                if on_error is not None:
-                    on_error()
-                future.set_exception(exc)
+                fail(exc)
 
-        self.commands.put(command)
+        command.fail = fail  # what a crash of the engine thread does with this command if it never runs
+        with self._queue_lock:
+            self._check_alive()
+            self.commands.put(command)
         return future
 
     def shutdown(self, timeout: float = 30.0) -> None:
@@ -155,6 +163,17 @@ class EngineLoop:
         for output in outputs:
             self._deliver(output.request, output.token)
 
+    def _fail_queued(self, exc: BaseException) -> None:
+        """Fail the futures of the commands still queued (a crash means they will never run)."""
+        while True:
+            try:
+                command = self.commands.get_nowait()
+            except queue.Empty:
+                return
+            fail = getattr(command, "fail", None)
+            if fail is not None:
+                fail(EngineDeadError(f"the engine stopped after an error: {exc!r}"))
+
     def _drain(self, block: bool) -> bool:
         """Run queued commands; False once asked to stop."""
         try:
@@ -181,7 +200,9 @@ class EngineLoop:
                     self._deliver(output.request, output.token)
         except BaseException as exc:
             logger.exception("engine loop crashed")
-            self.error = exc
+            with self._queue_lock:
+                self.error = exc
+                self._fail_queued(exc)
             for request_id, sink in list(self.sinks.items()):
                 try:
                     sink.on_error(exc)

@@ -117,6 +117,12 @@ class LinearBase(nn.Module):
         return self._finish(_add_bias(out, self._bias())), residual
 
 
+def uses_silu_epilogue(proj: nn.Module, x: torch.Tensor) -> bool:
+    """Whether ``proj`` (a [gate; up] projection) computes SiLU·mul of its output in its own kernel for ``x``
+    (``forward_silu``); any other module, such as the CPU's quantised layers, does not."""
+    return isinstance(proj, LinearBase) and proj.uses_silu_epilogue(x)
+
+
 def silu_mul_projection(proj: nn.Module, gate_up: torch.Tensor) -> torch.Tensor:
     """``proj(silu(gate) * up)`` for ``gate_up`` [..., 2 * in_features] holding [gate | up]; one kernel where the
     model runner measured that faster for ``proj``."""

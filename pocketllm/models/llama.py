@@ -15,6 +15,7 @@ from pocketllm.layers.linear import (
     RowParallelLinear,
     normed_projection,
     silu_mul_projection,
+    uses_silu_epilogue,
 )
 from pocketllm.layers.norm import RMSNorm
 from pocketllm.layers.rotary import RotaryEmbedding, rope_settings
@@ -74,7 +75,7 @@ class GatedMLP(nn.Module):
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, prologue="silu_mul")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gate_up_proj.uses_silu_epilogue(x):
+        if uses_silu_epilogue(self.gate_up_proj, x):
             return self.down_proj(self.gate_up_proj.forward_silu(x)[0])
         return silu_mul_projection(self.down_proj, self.gate_up_proj(x))
 
@@ -82,7 +83,7 @@ class GatedMLP(nn.Module):
                        norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
         """``(forward(norm(x + residual)), x + residual)``, the norm fused into the first projection where the
         model runner measured that faster."""
-        if self.gate_up_proj.uses_silu_epilogue(x):
+        if uses_silu_epilogue(self.gate_up_proj, x):
             activated, residual = self.gate_up_proj.forward_silu(x, residual, norm)
             return self.down_proj(activated), residual
         gate_up, residual = normed_projection(self.gate_up_proj, x, residual, norm)

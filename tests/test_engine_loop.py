@@ -1,0 +1,41 @@
+"""The engine thread's loop: what happens to queued work when a step raises."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from pocketllm.engine.loop import EngineLoop
+from pocketllm.errors import EngineDeadError
+
+
+class _CrashingCore:
+    """A core whose first step waits until the test has queued a command, then raises."""
+
+    pipelined = False
+
+    def __init__(self) -> None:
+        self.entered = threading.Event()
+        self.release = threading.Event()
+
+    def has_work(self) -> bool:
+        return True
+
+    def step(self) -> list:
+        self.entered.set()
+        self.release.wait(10)
+        raise RuntimeError("step failed")
+
+
+def test_commands_queued_during_a_crashing_step_fail_instead_of_hanging() -> None:
+    core = _CrashingCore()
+    loop = EngineLoop(core)
+    assert core.entered.wait(10)
+    queued = loop.call(lambda: 42)          # queued while the step runs; the step then raises
+    core.release.set()
+    with pytest.raises(EngineDeadError, match="step failed"):
+        queued.result(timeout=10)
+    loop.thread.join(10)
+    with pytest.raises(EngineDeadError):    # and later calls are refused at once
+        loop.call(lambda: 42)
