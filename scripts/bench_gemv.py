@@ -73,7 +73,7 @@ def shape_rows(name: str, n: int, k: int, prologue: str | None, configs: list[On
     weight, nbytes = rotating(n, k), n * k * 2
     x = torch.randn(1, k, dtype=torch.bfloat16, device="cuda")
     cublas = us(lambda: F.linear(x, weight()))
-    default = one_row_config(n, k)
+    default = one_row_config(k)
     times = {}
     for c in configs + [default]:
         try:

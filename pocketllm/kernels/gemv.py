@@ -222,7 +222,7 @@ def _one_row(block_n: int, block_k: int, reduce_each: bool, num_warps: int, k: i
     return OneRowConfig(block_n, min(block_k, max(128, triton.next_power_of_2(k))), reduce_each, num_warps, 1)
 
 
-def one_row_candidates(n: int, k: int) -> list[OneRowConfig]:
+def one_row_candidates(k: int) -> list[OneRowConfig]:
     """The settings the model runner times on each weight shape. Swept on an H200 over 172 settings on the
     decode shapes of Qwen3-0.6B and Llama-3-8B, one of these was within 3% of the fastest on nine of the ten
     shapes and within 8% on the tenth: narrow tiles (1-8 weight rows) 1024-2048 columns wide, many programs."""
@@ -230,7 +230,13 @@ def one_row_candidates(n: int, k: int) -> list[OneRowConfig]:
             _one_row(8, 1024, True, 4, k), _one_row(8, 2048, True, 4, k)]
 
 
-def one_row_config(n: int, k: int) -> OneRowConfig:
+def fused_candidates(k: int, plain: OneRowConfig) -> list[OneRowConfig]:
+    """Settings timed for a product with a fused prologue: the plain product's best and the 8-row ones (every
+    program recomputes the prologue over its input, which fewer, wider programs do less often)."""
+    return [plain, *(c for c in one_row_candidates(k) if c.block_n == 8)]
+
+
+def one_row_config(k: int) -> OneRowConfig:
     """The setting used without timing (a module the model runner did not time)."""
     return _one_row(4, 1024, False, 4, k) if k <= 1024 else _one_row(2, 2048, False, 8, k)
 
@@ -261,7 +267,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, prologue: int, residual: torc
     nw_arg = x if norm_weight is None else norm_weight
     res_out_arg = out if res_out is None else res_out
     if m == 1:
-        c = config or one_row_config(n_out, k)
+        c = config or one_row_config(k)
         _one_row_kernel[(triton.cdiv(n_out, c.block_n),)](
             x, weight, out, res_arg, nw_arg, res_out_arg, n_out, k, weight.stride(0), eps, BLOCK_N=c.block_n,
             BLOCK_K=c.block_k, REDUCE_EACH=c.reduce_each, PROLOGUE=prologue, HAS_RESIDUAL=residual is not None,
@@ -354,8 +360,8 @@ def best_one_row_config(weight: torch.Tensor, prologue: int = NO_PROLOGUE,
                         candidates: list[OneRowConfig] | None = None) -> OneRowConfig:
     """The fastest of ``candidates`` (default: ``one_row_candidates``) for one row times this weight, with
     ``prologue`` fused, timed on the weight and copies of it in turn."""
-    n, k = weight.shape
-    candidates = candidates or one_row_candidates(n, k)
+    k = weight.shape[1]
+    candidates = candidates or one_row_candidates(k)
     next_weight = _rotating(weight)
     x = torch.randn(1, 2 * k if prologue == SILU_MUL else k, dtype=weight.dtype, device=weight.device)
     residual = torch.randn(1, k, dtype=weight.dtype, device=weight.device)
@@ -434,7 +440,7 @@ def silu_epilogue_choice(weight: torch.Tensor, norm: bool, plain: OneRowConfig |
     from pocketllm.kernels.fused import rms_norm, silu_and_mul
 
     next_weight = _rotating(weight)
-    n, k = weight.shape
+    k = weight.shape[1]
     x, residual = torch.randn(2, 1, k, dtype=weight.dtype, device=weight.device)
     norm_weight = torch.rand(k, dtype=weight.dtype, device=weight.device) + 0.5
 
@@ -449,7 +455,7 @@ def silu_epilogue_choice(weight: torch.Tensor, norm: bool, plain: OneRowConfig |
                             else torch.nn.functional.linear(h, next_weight()))
 
     best: tuple[float, OneRowConfig | None, bool] = (time_in_graph(baseline), None, False)
-    for config in one_row_candidates(n // 2, k)[1:4]:
+    for config in one_row_candidates(k)[1:4]:   # 2-8 rows: each program streams twice that (gate and up)
         options = [(False, lambda c=config: one_row_silu_product(normed(), next_weight(), c))]
         if norm:
             options.append((True, lambda c=config: one_row_silu_product(x, next_weight(), c, residual, norm_weight,

@@ -61,10 +61,9 @@ class Attention(nn.Module):
         if (meta.is_decode_only and qkv.shape[0] <= PACKED_DECODE_MAX_ROWS and q_norm is None
                 and packed_decode_supported(self.head_dim)):
             out = paged_decode_packed(
-                qkv, positions, rotary.cos_cache, rotary.sin_cache, None if q_norm is None else q_norm.weight,
-                None if k_norm is None else k_norm.weight, q_norm.eps if q_norm is not None else 0.0,
-                self.num_heads, self.num_kv_heads, self.head_dim, self.k_cache, self.v_cache, meta.slot_mapping,
-                meta.block_tables, meta.context_lens_gpu, self.scale, meta.num_splits, meta.split_counters)
+                qkv, positions, rotary.cos_cache, rotary.sin_cache, None, None, 0.0, self.num_heads,
+                self.num_kv_heads, self.head_dim, self.k_cache, self.v_cache, meta.slot_mapping, meta.block_tables,
+                meta.context_lens_gpu, self.scale, meta.num_splits, meta.split_counters)
             return out.view(qkv.shape[0], self.num_heads * self.head_dim)
         q = qkv_prepare(qkv, positions, rotary.cos_cache, rotary.sin_cache,
                         None if q_norm is None else q_norm.weight, None if k_norm is None else k_norm.weight,

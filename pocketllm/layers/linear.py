@@ -84,6 +84,7 @@ class LinearBase(nn.Module):
     def fuses(self, x: torch.Tensor) -> bool:
         """Whether the input prologue runs fused into this layer's kernel for ``x``."""
         return x.dim() == 2 and 0 < x.shape[0] <= self.fused_rows
+
     def uses_silu_epilogue(self, x: torch.Tensor) -> bool:
         """Whether ``forward_silu`` runs one kernel for ``x`` (one row, where the model runner measured it)."""
         return self.silu_epilogue is not None and x.dim() == 2 and x.shape[0] == 1

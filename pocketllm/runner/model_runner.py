@@ -152,8 +152,8 @@ class ModelRunner:
             SILU_MUL,
             OneRowConfig,
             best_one_row_config,
+            fused_candidates,
             fused_rows_for,
-            one_row_candidates,
             silu_epilogue_choice,
             skinny_rows_for,
         )
@@ -177,8 +177,7 @@ class ModelRunner:
             if prologue is not None and module.one_row is not None:
                 key = (prologue, *shape)
                 if key not in fused:
-                    n, k = shape
-                    candidates = [module.one_row, *one_row_candidates(n, k)[3:]]
+                    candidates = fused_candidates(shape[1], module.one_row)
                     config = best_one_row_config(weight, prologues[prologue], candidates)
                     fused[key] = config, fused_rows_for(weight, prologues[prologue], module.skinny_rows,
                                                         module.one_row, config)
