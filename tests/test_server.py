@@ -307,7 +307,7 @@ def _wait_idle(server, timeout: float = 10) -> None:
 
 def test_disconnect_frees_blocks(server):
     _wait_idle(server)
-    body = {**CHAT, "max_tokens": 3000, "stream": True, "temperature": 0.8}
+    body = {**CHAT, "max_tokens": 3000, "ignore_eos": True, "stream": True, "temperature": 0.8}
     with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=60) as response:
         lines = response.iter_lines()
         for _ in range(4):
@@ -319,7 +319,7 @@ def test_disconnect_frees_blocks(server):
 
 def test_non_streaming_disconnect_frees_blocks(server):
     _wait_idle(server)
-    body = {**CHAT, "max_tokens": 3000, "temperature": 0.8}
+    body = {**CHAT, "max_tokens": 3000, "ignore_eos": True, "temperature": 0.8}
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(server.url + "/v1/chat/completions", json=body, timeout=1.5)
     _wait_idle(server)
@@ -327,7 +327,8 @@ def test_non_streaming_disconnect_frees_blocks(server):
 
 def test_delete_cancels_active_request_and_404s_otherwise(server):
     assert httpx.delete(server.url + "/v1/requests/never-seen").status_code == 404
-    body = {**CHAT, "max_tokens": 3000, "stream": True, "temperature": 0.8, "request_id": "cancel-me"}
+    body = {**CHAT, "max_tokens": 3000, "ignore_eos": True, "stream": True, "temperature": 0.8,
+            "request_id": "cancel-me"}
     with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=60) as response:
         lines = response.iter_lines()
         next(lines)
