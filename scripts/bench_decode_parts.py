@@ -1,17 +1,25 @@
 """The parts of a batch-1 decode layer, timed inside CUDA graphs: each projection with and without its fused
 prologue (RMSNorm or SiLU·mul) against the prologue's own kernel plus cuBLAS, and split-KV decode attention
-at several split counts (one split: no merge)."""
+at several split counts (one split: no merge).
+
+    python scripts/bench_decode_parts.py               # projections and attention at batch 1
+    python scripts/bench_decode_parts.py large-batch   # attention settings at batch 256 and 64
+    python scripts/bench_decode_parts.py packed        # QKV projection then attention: two kernels or one
+"""
 
 from __future__ import annotations
 
 import sys
+from functools import partial
 
 import torch
 import torch.nn.functional as F
 
-from pocketllm.kernels.attention import decode_splits, paged_decode
-from pocketllm.kernels.fused import rms_norm, silu_and_mul
+from pocketllm.kernels import attention
+from pocketllm.kernels.attention import decode_splits, paged_decode, paged_decode_packed
+from pocketllm.kernels.fused import qkv_prepare, rms_norm, silu_and_mul
 from pocketllm.kernels.gemv import skinny_linear, skinny_rms_norm_linear, skinny_silu_mul_linear, time_in_graph
+from pocketllm.layers.rotary import RotaryEmbedding
 
 PROJECTIONS = {  # name: (N, K, prologue); qwen3-0.6b then llama3-8b
     "q06 qkv": (4096, 1024, "norm"), "q06 o": (1024, 2048, None), "q06 gate_up": (6144, 1024, "norm"),
@@ -120,7 +128,94 @@ def large_batch_variants(heads: int, kv_heads: int, dim: int, batch: int, ctx: i
         print(f"    {t:7.1f} {nbytes / t / 1e3:7,.0f}", *rest)
 
 
+class PackedLayers:
+    """``layers`` decode layers' QKV projection and attention inputs (own weights and caches each, so nothing is
+    served from L2 across layers), batch rows at context ``ctx`` with pages spread over the cache."""
+
+    def __init__(self, heads: int, kv_heads: int, dim: int, hidden: int, batch: int, ctx: int, qk_norm: bool,
+                 layers: int) -> None:
+        self.shape = (heads, kv_heads, dim)
+        self.batch = batch
+        pages = ctx // 16 + 1
+        width = (heads + 2 * kv_heads) * dim
+        self.weights = [torch.randn(width, hidden, dtype=torch.bfloat16, device="cuda") * 0.02
+                        for _ in range(layers)]
+        self.caches = [(torch.randn(batch * pages, 16, kv_heads, dim, dtype=torch.bfloat16, device="cuda"),
+                        torch.randn(batch * pages, 16, kv_heads, dim, dtype=torch.bfloat16, device="cuda"))
+                       for _ in range(layers)]
+        self.tables = torch.randperm(batch * pages, device="cuda").to(torch.int32).view(batch, pages)
+        self.lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
+        self.positions = torch.full((batch,), ctx - 1, dtype=torch.int64, device="cuda")
+        last = (ctx - 1) // 16
+        self.slots = (self.tables[:, last].to(torch.int64) * 16 + (ctx - 1) % 16).to(torch.int32)
+        self.rope = RotaryEmbedding(dim, dim, ctx + 16, 1_000_000.0).to("cuda")
+        self.norms = (torch.rand(dim, dtype=torch.bfloat16, device="cuda") + 0.5,
+                      torch.rand(dim, dtype=torch.bfloat16, device="cuda") + 0.5) if qk_norm else (None, None)
+        self.x = torch.randn(batch, hidden, dtype=torch.bfloat16, device="cuda")
+        self.input_norm = torch.rand(hidden, dtype=torch.bfloat16, device="cuda")
+        self.splits = decode_splits(batch, kv_heads)
+        self.counters = torch.zeros(batch * kv_heads, dtype=torch.int32, device="cuda")
+
+    def qkv(self, weight: torch.Tensor) -> torch.Tensor:
+        if self.batch == 1:
+            return skinny_rms_norm_linear(self.x, None, self.input_norm, 1e-6, weight)
+        return F.linear(rms_norm(self.x, self.input_norm, 1e-6)[0], weight)
+
+    def two_kernels(self) -> None:
+        heads, kv_heads, dim = self.shape
+        for weight, (k_cache, v_cache) in zip(self.weights, self.caches):
+            q = qkv_prepare(self.qkv(weight), self.positions, self.rope.cos_cache, self.rope.sin_cache,
+                            *self.norms, 1e-6, heads, kv_heads, dim, k_cache, v_cache, self.slots)
+            paged_decode(q, k_cache, v_cache, self.tables, self.lens, dim ** -0.5, self.splits,
+                         counters=self.counters)
+
+    def packed(self, **options) -> None:
+        heads, kv_heads, dim = self.shape
+        for weight, (k_cache, v_cache) in zip(self.weights, self.caches):
+            paged_decode_packed(self.qkv(weight), self.positions, self.rope.cos_cache, self.rope.sin_cache,
+                                *self.norms, 1e-6, heads, kv_heads, dim, k_cache, v_cache, self.slots, self.tables,
+                                self.lens, dim ** -0.5, self.splits, self.counters, **options)
+
+    def projections_only(self) -> None:
+        for weight in self.weights:
+            self.qkv(weight)
+
+
+def kernel_registers(kernel) -> list[str]:
+    """Registers and spills of each compiled variant of a Triton kernel (empty where Triton hides them)."""
+    found = []
+    try:
+        for cache in kernel.device_caches.values():
+            for compiled in cache[0].values():
+                found.append(f"regs {compiled.n_regs} spills {compiled.n_spills}")
+    except (AttributeError, IndexError, TypeError):
+        pass
+    return found
+
+
+def packed_variants() -> None:
+    """µs per layer of QKV projection + attention: qkv_prepare then paged_decode, against the packed kernel
+    (first KV tile read before or after the wait; grid in sequence or KV-head order)."""
+    layers = 8
+    print(f"{'shape':24s} {'proj':>7s} {'two':>7s} {'packed':>7s} {'no pref':>7s} {'other order':>11s}  µs/layer")
+    for name, heads, kv_heads, dim, hidden in (("q06", 16, 8, 128, 1024), ("l8", 32, 8, 128, 4096)):
+        for qk_norm in (True, False):
+            for batch, ctx in ((1, 256), (1, 1024), (256, 800)):
+                case = PackedLayers(heads, kv_heads, dim, hidden, batch, ctx, qk_norm, layers)
+                small = batch <= 16
+                times = [us(case.projections_only), us(case.two_kernels), us(case.packed),
+                         us(partial(case.packed, prefetch=False)), us(partial(case.packed, heads_first=small))]
+                label = f"{name} {'norm' if qk_norm else 'plain'} b{batch} c{ctx}"
+                print(f"{label:24s} " + " ".join(f"{t / layers:7.2f}" for t in times[:4])
+                      + f" {times[4] / layers:11.2f}")
+    print("packed kernel variants:", kernel_registers(attention._packed_decode_kernel))
+    print("decode kernel variants:", kernel_registers(attention._decode_kernel))
+
+
 def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "packed":
+        packed_variants()
+        return
     if len(sys.argv) > 1 and sys.argv[1] == "large-batch":
         large_batch_variants(16, 8, 128, 256, 800)
         large_batch_variants(32, 8, 128, 64, 1024)

@@ -171,6 +171,14 @@ def test_packed_decode_equals_prepare_then_decode(dtype, heads, kv_heads, head_d
     assert torch.equal(v_cache, ref_v)
     assert _rel(out, ref) < TOL[dtype]
     assert torch.all(out[[i for i, n in enumerate(lens) if n == 0]] == 0)
+    # the grid ordered KV heads first, and the first tile read after the wait, compute the same thing
+    for heads_first, prefetch in ((True, True), (False, False)):
+        again_k, again_v = k_cache.clone(), v_cache.clone()
+        again = paged_decode_packed(qkv, positions, rope.cos_cache, rope.sin_cache, qw, kw, 1e-6, heads, kv_heads,
+                                    head_dim, again_k, again_v, slots, tables, ctx, head_dim ** -0.5, splits,
+                                    counters, heads_first=heads_first, prefetch=prefetch)
+        torch.testing.assert_close(again, out)
+        assert torch.equal(again_k, k_cache) and torch.equal(again_v, v_cache)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

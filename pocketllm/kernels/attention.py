@@ -67,6 +67,16 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 # ------------------------------------------------------------------------------------------------ decode
 
 @triton.jit
+def _program_ids(HEADS_FIRST: tl.constexpr):
+    """(sequence, KV head, split) of a decode program. With ``HEADS_FIRST`` the KV heads of one sequence run
+    side by side (their rows share DRAM pages)."""
+    if HEADS_FIRST:
+        return tl.program_id(1), tl.program_id(0), tl.program_id(2)
+    else:
+        return tl.program_id(0), tl.program_id(1), tl.program_id(2)
+
+
+@triton.jit
 def _split_range(lens_ptr, seq, split, num_splits, BLOCK_N: tl.constexpr):
     """(context length, first token, end token, active splits) of a decode program's split. Splits are whole
     KV tiles, so a short context fills fewer than ``num_splits``: the others have nothing to do and the merge
@@ -154,13 +164,7 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, lens_ptr, out_pt
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
-    if HEADS_FIRST:  # the KV heads of one sequence run side by side: their rows share DRAM pages
-        seq = tl.program_id(1)
-        kvh = tl.program_id(0)
-    else:
-        seq = tl.program_id(0)
-        kvh = tl.program_id(1)
-    split = tl.program_id(2)
+    seq, kvh, split = _program_ids(HEADS_FIRST)
     ctx, start, end, active = _split_range(lens_ptr, seq, split, num_splits, BLOCK_N)
     if split >= active:
         return
@@ -196,14 +200,14 @@ def _packed_decode_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, sl
                           NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr,
                           GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                           BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, S_PAD: tl.constexpr,
-                          PRECISION: tl.constexpr, HAS_NORM: tl.constexpr, PDL: tl.constexpr):
+                          PRECISION: tl.constexpr, HAS_NORM: tl.constexpr, HEADS_FIRST: tl.constexpr,
+                          PREFETCH: tl.constexpr, PDL: tl.constexpr):
     """Decode attention straight from the fused QKV projection: each program prepares its query heads and its
     KV head's new key and value (per-head RMSNorm, rotary embedding; the split holding the new token stores
     them in the cache), and attends. Everything but the projection's output (the step's metadata, the cached
-    context's first tile, the rotary row) is read before waiting on the kernel before it."""
-    seq = tl.program_id(0)
-    kvh = tl.program_id(1)
-    split = tl.program_id(2)
+    context's first tile (with ``PREFETCH``), the rotary row, the norm weights) is read before waiting on the
+    kernel before it."""
+    seq, kvh, split = _program_ids(HEADS_FIRST)
     ctx, start, end, active = _split_range(lens_ptr, seq, split, num_splits, BLOCK_N)
     if split >= active:
         return
@@ -215,15 +219,22 @@ def _packed_decode_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, sl
     dim_mask = dims < HEAD_DIM
     table = tables_ptr + seq.to(tl.int64) * stride_table
     tok = start + tl.arange(0, BLOCK_N)
-    k_first, v_first = _kv_tile(k_cache_ptr, v_cache_ptr, table, tok, end, kvh, dims, dim_mask, NUM_KV_HEADS,
-                                HEAD_DIM, BLOCK_SIZE)
+    if PREFETCH:
+        k_first, v_first = _kv_tile(k_cache_ptr, v_cache_ptr, table, tok, end, kvh, dims, dim_mask,
+                                    NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE)
     pos = tl.load(pos_ptr + seq).to(tl.int64)
     new_slot = tl.load(slot_ptr + seq).to(tl.int64)
     cos = tl.load(cos_ptr + pos * stride_cos + dims % half).to(tl.float32)
     sin = tl.load(sin_ptr + pos * stride_cos + dims % half).to(tl.float32) * tl.where(dims < half, -1.0, 1.0)
+    if HAS_NORM:
+        qw, qw_rot = tl.load(qw_ptr + dims).to(tl.float32), tl.load(qw_ptr + rot).to(tl.float32)
+        kw, kw_rot = tl.load(kw_ptr + dims).to(tl.float32), tl.load(kw_ptr + rot).to(tl.float32)
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
+    if not PREFETCH:
+        k_first, v_first = _kv_tile(k_cache_ptr, v_cache_ptr, table, tok, end, kvh, dims, dim_mask,
+                                    NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE)
 
     row = qkv_ptr + seq.to(tl.int64) * stride_qkv
     heads = kvh * GROUP + rows
@@ -239,8 +250,6 @@ def _packed_decode_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, sl
     if HAS_NORM:  # the reference rounds the norm's output to the model dtype before the rotation
         q_scale = tl.rsqrt(tl.sum(q * q, 1) / HEAD_DIM + eps)[:, None]
         k_scale = tl.rsqrt(tl.sum(k * k, 0) / HEAD_DIM + eps)
-        qw, qw_rot = tl.load(qw_ptr + dims).to(tl.float32), tl.load(qw_ptr + rot).to(tl.float32)
-        kw, kw_rot = tl.load(kw_ptr + dims).to(tl.float32), tl.load(kw_ptr + rot).to(tl.float32)
         q, q_rot = (q * q_scale * qw).to(dtype).to(tl.float32), (q_rot * q_scale * qw_rot).to(dtype).to(tl.float32)
         k, k_rot = (k * k_scale * kw).to(dtype).to(tl.float32), (k_rot * k_scale * kw_rot).to(dtype).to(tl.float32)
     q = (q * cos[None, :] + q_rot * sin[None, :]).to(dtype)
@@ -352,7 +361,8 @@ def paged_decode_packed(qkv: torch.Tensor, positions: torch.Tensor, cos_cache: t
                         eps: float, num_heads: int, num_kv_heads: int, head_dim: int, k_cache: torch.Tensor,
                         v_cache: torch.Tensor, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
                         context_lens: torch.Tensor, scale: float, num_splits: int,
-                        counters: torch.Tensor | None = None, num_warps: int | None = None) -> torch.Tensor:
+                        counters: torch.Tensor | None = None, num_warps: int | None = None,
+                        heads_first: bool | None = None, prefetch: bool = True) -> torch.Tensor:
     """One query token per sequence, from the fused projection ``qkv`` [B, (H + 2 KVH) * D]: what
     ``qkv_prepare`` then ``paged_decode`` compute (per-head q/k RMSNorm when weights are given, rotary
     embedding, the new key and value stored at ``slot_mapping``, attention over the context including the
@@ -365,15 +375,18 @@ def paged_decode_packed(qkv: torch.Tensor, positions: torch.Tensor, cos_cache: t
     has_norm = q_weight is not None
     pdl, launch = launch_options(qkv, batch)
     group = num_heads // num_kv_heads
-    _packed_decode_kernel[(batch, num_kv_heads, num_splits)](
+    small = batch <= 16   # as in paged_decode
+    heads_first = not small if heads_first is None else heads_first
+    grid = (num_kv_heads, batch, num_splits) if heads_first else (batch, num_kv_heads, num_splits)
+    _packed_decode_kernel[grid](
         qkv, positions, cos_cache, sin_cache, q_weight if has_norm else qkv, k_weight if has_norm else qkv,
         slot_mapping, k_cache, v_cache, block_tables, context_lens, out, part, lse, counters,
         qkv.stride(0), cos_cache.stride(0), out.stride(0), block_tables.stride(0), scale, eps, num_splits,
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP=group, GROUP_PAD=max(16, _pow2(group)),
         HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1], BLOCK_N=64 if qkv.dtype != torch.float32 else 32,
         SPLIT=num_splits > 1, S_PAD=_pow2(num_splits), PRECISION=_dot_precision(qkv.dtype), HAS_NORM=has_norm,
-        num_warps=num_warps or (2 if batch <= 16 else 4), num_stages=3 if head_dim <= 128 else 2, PDL=pdl,
-        **launch)
+        HEADS_FIRST=heads_first, PREFETCH=prefetch, num_warps=num_warps or (2 if small else 4),
+        num_stages=3 if head_dim <= 128 else 2, PDL=pdl, **launch)
     return out
 
 

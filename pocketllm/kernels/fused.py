@@ -134,7 +134,7 @@ def _qkv_prep_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, q_out_p
     kv_row = NUM_KV_HEADS * HEAD_DIM
     if is_v:
         dst = v_cache_ptr + slot * kv_row + (head - NUM_HEADS - NUM_KV_HEADS) * HEAD_DIM
-        ok = cmask & (slot >= 0)
+        ok = cmask & (cols * 0 + slot >= 0)   # (a scalar condition as a mask fails in Triton's interpreter)
         tl.store(dst + cols, x1.to(tl.float32).to(v_cache_ptr.dtype.element_ty), mask=ok)
         tl.store(dst + half + cols, x2.to(tl.float32).to(v_cache_ptr.dtype.element_ty), mask=ok)
     else:
@@ -160,7 +160,7 @@ def _qkv_prep_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, q_out_p
             tl.store(dst + half + cols, o2.to(q_out_ptr.dtype.element_ty), mask=cmask)
         if is_k:
             dst = k_cache_ptr + slot * kv_row + (head - NUM_HEADS) * HEAD_DIM
-            ok = cmask & (slot >= 0)
+            ok = cmask & (cols * 0 + slot >= 0)   # (a scalar condition as a mask fails in Triton's interpreter)
             tl.store(dst + cols, o1.to(k_cache_ptr.dtype.element_ty), mask=ok)
             tl.store(dst + half + cols, o2.to(k_cache_ptr.dtype.element_ty), mask=ok)
 

@@ -15,6 +15,7 @@ from pocketllm.runner.attention_metadata import AttentionMetadata
 # tok/s with it, while Qwen3-0.6B (q/k norms) went from 1,392.9 to 1,300.9 tok/s (two warps; 1,275.9 with
 # four), so models with the norms keep the two kernels.
 PACKED_DECODE_MAX_ROWS = 16
+PACKED_DECODE_WITH_QK_NORM = False
 
 
 class Attention(nn.Module):
@@ -58,10 +59,11 @@ class Attention(nn.Module):
         from pocketllm.kernels.attention import packed_decode_supported, paged_decode_packed
         from pocketllm.kernels.fused import qkv_prepare
 
-        if (meta.is_decode_only and qkv.shape[0] <= PACKED_DECODE_MAX_ROWS and q_norm is None
-                and packed_decode_supported(self.head_dim)):
+        if (meta.is_decode_only and qkv.shape[0] <= PACKED_DECODE_MAX_ROWS
+                and (q_norm is None or PACKED_DECODE_WITH_QK_NORM) and packed_decode_supported(self.head_dim)):
             out = paged_decode_packed(
-                qkv, positions, rotary.cos_cache, rotary.sin_cache, None, None, 0.0, self.num_heads,
+                qkv, positions, rotary.cos_cache, rotary.sin_cache, None if q_norm is None else q_norm.weight,
+                None if k_norm is None else k_norm.weight, q_norm.eps if q_norm is not None else 0.0, self.num_heads,
                 self.num_kv_heads, self.head_dim, self.k_cache, self.v_cache, meta.slot_mapping, meta.block_tables,
                 meta.context_lens_gpu, self.scale, meta.num_splits, meta.split_counters)
             return out.view(qkv.shape[0], self.num_heads * self.head_dim)
