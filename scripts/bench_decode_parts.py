@@ -158,7 +158,7 @@ class PackedLayers:
 
     def qkv(self, weight: torch.Tensor) -> torch.Tensor:
         if self.batch == 1:
-            return skinny_rms_norm_linear(self.x, None, self.input_norm, 1e-6, weight)
+            return skinny_rms_norm_linear(self.x, None, self.input_norm, 1e-6, weight)[0]
         return F.linear(rms_norm(self.x, self.input_norm, 1e-6)[0], weight)
 
     def two_kernels(self) -> None:

@@ -18,6 +18,7 @@ import sys
 import time
 from collections import defaultdict
 
+import triton
 from torch.profiler import ProfilerActivity, profile
 
 from pocketllm.api import AsyncLLM
@@ -114,6 +115,27 @@ class HostClock:
         return "\n".join(rows)
 
 
+class CompileLog:
+    """Triton kernels compiled while the workload runs (each one stalls the engine thread)."""
+
+    def __init__(self) -> None:
+        self.entries: list[tuple[float, str]] = []
+        self.started = time.perf_counter()
+
+    def install(self) -> None:
+        def hook(*args, **kwargs) -> None:
+            name = kwargs.get("repr") or str(kwargs.get("fn", args[:1]))
+            self.entries.append((time.perf_counter() - self.started, name))
+
+        try:
+            triton.knobs.runtime.jit_post_compile_hook = hook
+        except AttributeError:
+            print("(this Triton has no compile hook)")
+
+    def table(self) -> str:
+        return "\n".join(f"  {t:7.2f} s  {name[:400]}" for t, name in self.entries) or "  none"
+
+
 async def run(preset: str, num_requests: int) -> None:
     args = EngineArgs(model=preset, load_format="dummy", max_num_seqs=256, max_num_batched_tokens=8192)
     clock = HostClock()
@@ -128,6 +150,8 @@ async def run(preset: str, num_requests: int) -> None:
 
         await generate(common.Workload([p[:32] for p in workload.prompts[:4]], [8] * 4))
         clock.install()
+        compiles = CompileLog()
+        compiles.install()
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             start = time.perf_counter()
             generated = await generate(workload)
@@ -139,6 +163,8 @@ async def run(preset: str, num_requests: int) -> None:
           f"({generated / wall:,.0f} tok/s under the profiler); device busy {busy:.2f} s ({busy / wall:.0%}), "
           f"idle {wall - busy:.2f} s; first to last kernel {(spans[-1][1] - spans[0][0]) / 1e6:.2f} s")
     print(gap_table(gaps))
+    print("Triton compiles during the run (seconds from its start):")
+    print(compiles.table())
     print("engine thread per step (host time):")
     print(clock.table())
     print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=16, max_name_column_width=50))

@@ -67,7 +67,7 @@ def _inverse_rms(x_ptr, res_ptr, rows, m_mask, K, stride_xm, stride_rm, eps, HAS
     return tl.rsqrt(tl.sum(squares, 1) / K + eps)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])   # the row count changes step to step: one compiled variant for all
 def _skinny_kernel(x_ptr, w_ptr, out_ptr, res_ptr, nw_ptr, res_out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
                    stride_rm, eps, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                    PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, NORM_OFFSET: tl.constexpr,

@@ -115,9 +115,11 @@ class CudaStepRunner:
 
     def _eager(self, host: HostBatch, previous_tokens: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         t, n, s = host.num_tokens, host.num_seqs, len(host.sample_index)
-        width = max(len(tb) for tb in host.tables)
         # Segments start at multiples of 16 elements, so kernels see the same pointer alignment every step
-        # (Triton specialises on it; unaligned views would compile extra variants).
+        # (Triton specialises on it; unaligned views would compile extra variants). The block table's width
+        # (its row stride) is a multiple of 16 for the same reason: a stride that became divisible by 16 in
+        # the middle of a run would compile another prefill kernel then, stalling the engine thread.
+        width = _align(max(len(tb) for tb in host.tables))
         hybrid = self.state_padding_slot is not None
         size = _align(t) * 3 + _align(n) * (2 if hybrid else 1) + _align(n + 1) + _align(s) + n * width
         i, buf = self.ring.take(size)
