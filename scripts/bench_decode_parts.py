@@ -5,6 +5,7 @@ at several split counts (one split: no merge).
     python scripts/bench_decode_parts.py               # projections and attention at batch 1
     python scripts/bench_decode_parts.py large-batch   # attention settings at batch 256 and 64
     python scripts/bench_decode_parts.py packed        # QKV projection then attention: two kernels or one
+    python scripts/bench_decode_parts.py prefill       # prefill attention settings on a throughput chunk
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from pocketllm.kernels import attention
-from pocketllm.kernels.attention import decode_splits, paged_decode, paged_decode_packed
+from pocketllm.kernels.attention import decode_splits, paged_decode, paged_decode_packed, paged_prefill
 from pocketllm.kernels.fused import qkv_prepare, rms_norm, silu_and_mul
 from pocketllm.kernels.gemv import skinny_linear, skinny_rms_norm_linear, skinny_silu_mul_linear, time_in_graph
 from pocketllm.layers.rotary import RotaryEmbedding
@@ -159,22 +160,22 @@ class PackedLayers:
     def qkv(self, weight: torch.Tensor) -> torch.Tensor:
         if self.batch == 1:
             return skinny_rms_norm_linear(self.x, None, self.input_norm, 1e-6, weight)[0]
-        return F.linear(rms_norm(self.x, self.input_norm, 1e-6)[0], weight)
+        return F.linear(rms_norm(self.x, self.input_norm, 1e-6), weight)
 
-    def two_kernels(self) -> None:
+    def two_kernels(self, splits: int | None = None) -> None:
         heads, kv_heads, dim = self.shape
         for weight, (k_cache, v_cache) in zip(self.weights, self.caches):
             q = qkv_prepare(self.qkv(weight), self.positions, self.rope.cos_cache, self.rope.sin_cache,
                             *self.norms, 1e-6, heads, kv_heads, dim, k_cache, v_cache, self.slots)
-            paged_decode(q, k_cache, v_cache, self.tables, self.lens, dim ** -0.5, self.splits,
+            paged_decode(q, k_cache, v_cache, self.tables, self.lens, dim ** -0.5, splits or self.splits,
                          counters=self.counters)
 
-    def packed(self, **options) -> None:
+    def packed(self, splits: int | None = None, **options) -> None:
         heads, kv_heads, dim = self.shape
         for weight, (k_cache, v_cache) in zip(self.weights, self.caches):
             paged_decode_packed(self.qkv(weight), self.positions, self.rope.cos_cache, self.rope.sin_cache,
                                 *self.norms, 1e-6, heads, kv_heads, dim, k_cache, v_cache, self.slots, self.tables,
-                                self.lens, dim ** -0.5, self.splits, self.counters, **options)
+                                self.lens, dim ** -0.5, splits or self.splits, self.counters, **options)
 
     def projections_only(self) -> None:
         for weight in self.weights:
@@ -197,22 +198,72 @@ def packed_variants() -> None:
     """µs per layer of QKV projection + attention: qkv_prepare then paged_decode, against the packed kernel
     (first KV tile read before or after the wait; grid in sequence or KV-head order)."""
     layers = 8
-    print(f"{'shape':24s} {'proj':>7s} {'two':>7s} {'packed':>7s} {'no pref':>7s} {'other order':>11s}  µs/layer")
+    print(f"{'shape':24s} {'proj':>7s} {'two':>7s} {'packed':>7s} {'no pref':>7s} {'other order':>11s} "
+          f"{'two S=1':>7s} {'pk S=1':>7s}  µs/layer")
     for name, heads, kv_heads, dim, hidden in (("q06", 16, 8, 128, 1024), ("l8", 32, 8, 128, 4096)):
         for qk_norm in (True, False):
             for batch, ctx in ((1, 256), (1, 1024), (256, 800)):
                 case = PackedLayers(heads, kv_heads, dim, hidden, batch, ctx, qk_norm, layers)
                 small = batch <= 16
                 times = [us(case.projections_only), us(case.two_kernels), us(case.packed),
-                         us(partial(case.packed, prefetch=False)), us(partial(case.packed, heads_first=small))]
+                         us(partial(case.packed, prefetch=False)), us(partial(case.packed, heads_first=small)),
+                         us(partial(case.two_kernels, 1)), us(partial(case.packed, 1))]
                 label = f"{name} {'norm' if qk_norm else 'plain'} b{batch} c{ctx}"
                 print(f"{label:24s} " + " ".join(f"{t / layers:7.2f}" for t in times[:4])
-                      + f" {times[4] / layers:11.2f}")
+                      + f" {times[4] / layers:11.2f} " + " ".join(f"{t / layers:7.2f}" for t in times[5:]))
     print("packed kernel variants:", kernel_registers(attention._packed_decode_kernel))
     print("decode kernel variants:", kernel_registers(attention._decode_kernel))
 
 
+def prefill_variants(heads: int, kv_heads: int, dim: int, chunk_tokens: int = 8192) -> None:
+    """Prefill attention over one chunk as the throughput workload schedules it (fresh prompts of 100–1024
+    tokens filling ``chunk_tokens``), over tile sizes, warps and stages; TFLOP/s counts the causal half."""
+    gen = torch.Generator().manual_seed(0)
+    lens = []
+    while sum(lens) < chunk_tokens:
+        lens.append(min(int(torch.randint(100, 1025, (1,), generator=gen)), chunk_tokens - sum(lens)))
+    pages = [n // 16 + 1 for n in lens]
+    width = max(pages)
+    k_cache = torch.randn(sum(pages), 16, kv_heads, dim, dtype=torch.bfloat16, device="cuda")
+    v_cache = torch.randn_like(k_cache)
+    order = torch.randperm(sum(pages)).to(torch.int32)
+    tables = torch.zeros(len(lens), -(-width // 16) * 16, dtype=torch.int32)
+    used = 0
+    for i, n in enumerate(pages):
+        tables[i, :n] = order[used:used + n]
+        used += n
+    tables = tables.cuda()
+    ctx = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    starts = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
+    q = torch.randn(sum(lens), heads, dim, dtype=torch.bfloat16, device="cuda")
+    flops = sum(2 * 2 * n * n / 2 * dim * heads for n in lens)
+
+    def run(**options) -> torch.Tensor:
+        return paged_prefill(q, k_cache, v_cache, tables, ctx, starts, max(lens), dim ** -0.5, **options)
+
+    default = us(run)
+    results = []
+    for block_m in (64, 128):
+        for block_n in (32, 64, 128):
+            for warps in (4, 8):
+                for stages in (2, 3, 4):
+                    try:
+                        t = us(partial(run, block_m=block_m, block_n=block_n, num_warps=warps, num_stages=stages))
+                        results.append((t, block_m, block_n, warps, stages))
+                    except Exception as exc:  # e.g. out of shared memory
+                        print(f"  {block_m} {block_n} {warps} {stages}: {type(exc).__name__}")
+    results.sort()
+    print(f"prefill {len(lens)} sequences, {sum(lens)} tokens, heads {heads}/{kv_heads}: default {default:.1f} µs "
+          f"({flops / default / 1e6:.0f} TFLOP/s); best (µs, TFLOP/s, block_m, block_n, warps, stages):")
+    for t, *rest in results[:6]:
+        print(f"    {t:7.1f} {flops / t / 1e6:5.0f}", *rest)
+
+
 def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "prefill":
+        prefill_variants(16, 8, 128)
+        prefill_variants(32, 8, 128)
+        return
     if len(sys.argv) > 1 and sys.argv[1] == "packed":
         packed_variants()
         return

@@ -350,6 +350,22 @@ def test_gumbel_argmax_draws_from_softmax_over_temperature():
     assert torch.equal(tokens, again)                      # the seed alone decides the draw
 
 
+def test_gumbel_argmax_draws_across_vocabulary_chunks():
+    """Candidates in different chunks of the row (merged by the second launch) keep their softmax shares."""
+    _need_kernels()
+    from pocketllm.kernels.sampling import gumbel_argmax
+
+    vocab, picks, values = 10_000, [10, 4100, 8200, 9999], [2.0, 1.0, 1.5, 0.5]
+    rows = 20000 if not INTERPRET else 300
+    logits = torch.full((vocab,), -40.0, device=DEVICE)
+    logits[picks] = torch.tensor(values, device=DEVICE)
+    seeds = torch.arange(rows, dtype=torch.int64, device=DEVICE) * 104729 + 5
+    tokens = gumbel_argmax(logits.expand(rows, -1).contiguous(), torch.ones(rows, device=DEVICE), seeds)
+    freq = torch.bincount(tokens, minlength=vocab).float()[picks] / rows
+    expected = torch.softmax(torch.tensor(values), dim=-1).to(DEVICE)
+    assert float((freq - expected).abs().max()) < (0.015 if not INTERPRET else 0.09)
+
+
 def test_gumbel_argmax_large_vocab_follows_a_dominant_logit():
     _need_kernels()
     from pocketllm.kernels.sampling import gumbel_argmax

@@ -420,28 +420,30 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, lens_ptr, qstar
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
-    # Keys up to the last query row of this tile (causal); nothing for tiles past the chunk's end.
+    # Keys up to the last query row of this tile (causal); nothing for tiles past the chunk's end. Tiles of
+    # keys at or before the tile's first query position need no causal mask: they run first, unmasked.
     hi = tl.where(m_block * BLOCK_M < q_len, tl.minimum(ctx, prefix + (m_block + 1) * BLOCK_M), 0)
-    row_stride = NUM_KV_HEADS * HEAD_DIM
+    full = tl.minimum((prefix + m_block * BLOCK_M + 1) // BLOCK_N * BLOCK_N, hi)
     table = tables_ptr + seq.to(tl.int64) * stride_table
-    for n0 in range(0, hi, BLOCK_N):
+    for n0 in range(0, full, BLOCK_N):
         tok = n0 + tl.arange(0, BLOCK_N)
-        valid = tok < hi
-        page = tl.load(table + tok // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
-        slot = page * BLOCK_SIZE + tok % BLOCK_SIZE
-        offs = slot[:, None] * row_stride + kvh * HEAD_DIM + dims[None, :]
-        kv_mask = valid[:, None] & dim_mask[None, :]
-        k = tl.load(k_cache_ptr + offs, mask=kv_mask, other=0.0).to(q.dtype)   # float8 caches widen here
-        v = tl.load(v_cache_ptr + offs, mask=kv_mask, other=0.0).to(q.dtype)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
-        causal = valid[None, :] & (tok[None, :] <= q_pos[:, None])
+        k, v = _kv_tile(k_cache_ptr, v_cache_ptr, table, tok, hi, kvh, dims, dim_mask, NUM_KV_HEADS, HEAD_DIM,
+                        BLOCK_SIZE)
+        m_i, l_i, acc = _attend_tile(q, k.to(q.dtype), v.to(q.dtype), tok < hi, m_i, l_i, acc, qk_scale,
+                                     PRECISION)
+    for n0 in range(full, hi, BLOCK_N):
+        tok = n0 + tl.arange(0, BLOCK_N)
+        k, v = _kv_tile(k_cache_ptr, v_cache_ptr, table, tok, hi, kvh, dims, dim_mask, NUM_KV_HEADS, HEAD_DIM,
+                        BLOCK_SIZE)   # float8 caches widen below
+        s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION) * qk_scale
+        causal = (tok < hi)[None, :] & (tok[None, :] <= q_pos[:, None])
         s = tl.where(causal, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.exp2(s - m_safe[:, None])
         alpha = tl.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=PRECISION)
         m_i = m_new
 
     safe_l = tl.where(l_i > 0, l_i, 1.0)
@@ -452,7 +454,8 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, lens_ptr, qstar
 
 def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                   context_lens: torch.Tensor, query_start: torch.Tensor, max_query_len: int, scale: float,
-                  out: torch.Tensor | None = None) -> torch.Tensor:
+                  out: torch.Tensor | None = None, block_m: int | None = None, block_n: int | None = None,
+                  num_warps: int | None = None, num_stages: int | None = None) -> torch.Tensor:
     """Chunks of any length in one launch, each over its cached prefix plus itself (causal).
 
     ``q`` [T, H, D] holds sequence ``i``'s queries at ``query_start[i]:query_start[i+1]``; their keys and
@@ -466,8 +469,8 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     assert q.stride(2) == 1 and q.stride(1) == head_dim and out.stride(2) == 1 and out.stride(1) == head_dim
     d_pad = _pow2(head_dim)
     fp32 = q.dtype == torch.float32
-    block_m = 32 if fp32 else (64 if d_pad <= 128 else 32)
-    block_n = 32 if fp32 else 64
+    block_m = block_m or (32 if fp32 else (64 if d_pad <= 128 else 32))
+    block_n = block_n or (32 if fp32 else 64)
     if max_query_len <= 16:
         block_m = 16
     grid = (triton.cdiv(max_query_len, block_m), num_heads, batch)
@@ -476,5 +479,5 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         q.stride(0), out.stride(0), block_tables.stride(0), scale,
         NUM_KV_HEADS=num_kv_heads, GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, D_PAD=d_pad,
         BLOCK_SIZE=k_cache.shape[1], BLOCK_M=block_m, BLOCK_N=block_n, PRECISION=_dot_precision(q.dtype),
-        num_warps=4, num_stages=2)
+        num_warps=num_warps or 4, num_stages=num_stages or 2)
     return out
