@@ -206,6 +206,42 @@ def test_paged_prefill_with_cached_prefix(dtype, heads, kv_heads, head_dim):
     assert _rel(out, ref) < TOL[dtype]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("splits", [1, 4])
+def test_mixed_step_sends_leading_decode_rows_to_the_decode_kernel(dtype, splits):
+    """A step of decode rows followed by prompt chunks: the attention layer runs the decode kernel on the
+    leading one-token rows and the prefill kernel on the rest, and matches the reference on every row."""
+    _need_kernels(dtype, uses_dot=True)
+    from pocketllm.layers.attention import Attention
+    from pocketllm.runner.attention_metadata import AttentionMetadata
+
+    gen = torch.Generator().manual_seed(splits)
+    heads, kv_heads, head_dim, block_size, num_blocks = 4, 2, 64, 16, 96
+    shapes = [(50, 1), (17, 1), (130, 1), (37, 37), (90, 21)] if not INTERPRET else [(50, 1), (17, 1), (45, 9)]
+    lens = [c for c, _ in shapes]
+    q_lens = [n for _, n in shapes]
+    layer = Attention(heads, head_dim, kv_heads, head_dim ** -0.5)
+    layer.k_cache, layer.v_cache = _paged_cache(num_blocks, block_size, kv_heads, head_dim, dtype)
+    tables = _tables(lens, block_size, num_blocks, gen)
+    starts = [0]
+    for n in q_lens:
+        starts.append(starts[-1] + n)
+    q = torch.randn(sum(q_lens), heads, head_dim, dtype=dtype, device=DEVICE)
+    lead = sum(1 for n in q_lens if n == 1)
+    meta = AttentionMetadata(
+        slot_mapping=torch.zeros(0, dtype=torch.int32, device=DEVICE), block_tables=tables, query_start=starts,
+        context_lens=lens, block_size=block_size,
+        context_lens_gpu=torch.tensor(lens, dtype=torch.int32, device=DEVICE),
+        query_start_gpu=torch.tensor(starts, dtype=torch.int32, device=DEVICE), max_query_len=max(q_lens),
+        num_splits=splits, num_decode_rows=lead,
+        split_counters=torch.zeros(lead * kv_heads, dtype=torch.int32, device=DEVICE))
+    out = layer._attend_kernels(q, meta).view_as(q)
+    ref = _ref_attention(q, layer.k_cache, layer.v_cache, tables, lens, q_lens, head_dim ** -0.5)
+    assert _rel(out[:lead], ref[:lead]) < TOL[dtype]
+    assert _rel(out[lead:], ref[lead:]) < TOL[dtype]
+    assert not meta.split_counters.any()
+
+
 def test_fp8_cache_store_and_attention():
     """A float8 (e4m3) cache: stores round through float32 to float8, decode and prefill read it back widened
     to the query's dtype; the reference attends over the same float8 values in float64."""
@@ -268,21 +304,22 @@ def test_silu_and_mul(dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("qk_norm", [True, False])
-def test_qkv_prepare(dtype, qk_norm):
+@pytest.mark.parametrize("heads,kv_heads,tokens", [(4, 2, 6), (4, 1, 40)])  # 40 tokens: 4 heads a program
+def test_qkv_prepare(dtype, qk_norm, heads, kv_heads, tokens):
     _need_kernels()
     from pocketllm.kernels.fused import qkv_prepare
     from pocketllm.layers.norm import RMSNorm
     from pocketllm.layers.rotary import RotaryEmbedding
 
-    heads, kv_heads, head_dim, tokens = 4, 2, 64, 6
+    head_dim = 64
     rope = RotaryEmbedding(head_dim, head_dim, 512, 10000.0).to(DEVICE)
     q_norm, k_norm = RMSNorm(head_dim, 1e-6).to(DEVICE), RMSNorm(head_dim, 1e-6).to(DEVICE)
     q_norm.weight.data = (torch.rand(head_dim, device=DEVICE) + 0.5).to(dtype)
     k_norm.weight.data = (torch.rand(head_dim, device=DEVICE) + 0.5).to(dtype)
     qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, dtype=dtype, device=DEVICE)
-    positions = torch.tensor([0, 5, 17, 100, 300, 511], device=DEVICE)
-    slots = torch.tensor([0, 9, -1, 33, 40, 63], dtype=torch.int32, device=DEVICE)
-    k_cache = torch.zeros(4, 16, kv_heads, head_dim, dtype=dtype, device=DEVICE)
+    positions = torch.tensor([0, 5, 17, 100, 300, 511] + list(range(7, 7 + 13 * (tokens - 6), 13)), device=DEVICE)
+    slots = torch.tensor([0, 9, -1, 33, 40, 63] + list(range(64, 64 + tokens - 6)), dtype=torch.int32, device=DEVICE)
+    k_cache = torch.zeros(8, 16, kv_heads, head_dim, dtype=dtype, device=DEVICE)
     v_cache = torch.zeros_like(k_cache)
     q = qkv_prepare(qkv, positions, rope.cos_cache, rope.sin_cache, q_norm.weight if qk_norm else None,
                     k_norm.weight if qk_norm else None, 1e-6, heads, kv_heads, head_dim, k_cache, v_cache, slots)

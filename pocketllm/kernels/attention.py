@@ -392,15 +392,15 @@ def paged_decode_packed(qkv: torch.Tensor, positions: torch.Tensor, cos_cache: t
 
 # ------------------------------------------------------------------------------------------------ prefill
 
-@triton.jit
+@triton.jit(do_not_specialize=["first_seq"])
 def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, lens_ptr, qstart_ptr, out_ptr,
-                    stride_qt, stride_ot, stride_table, scale,
+                    stride_qt, stride_ot, stride_table, scale, first_seq,
                     NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
                     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     PRECISION: tl.constexpr):
     m_block = tl.program_id(0)
     head = tl.program_id(1)
-    seq = tl.program_id(2)
+    seq = tl.program_id(2) + first_seq
     kvh = head // GROUP
     q_begin = tl.load(qstart_ptr + seq)
     q_len = tl.load(qstart_ptr + seq + 1) - q_begin
@@ -455,29 +455,32 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, lens_ptr, qstar
 def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                   context_lens: torch.Tensor, query_start: torch.Tensor, max_query_len: int, scale: float,
                   out: torch.Tensor | None = None, block_m: int | None = None, block_n: int | None = None,
-                  num_warps: int | None = None, num_stages: int | None = None) -> torch.Tensor:
+                  num_warps: int | None = None, num_stages: int | None = None, first_seq: int = 0) -> torch.Tensor:
     """Chunks of any length in one launch, each over its cached prefix plus itself (causal).
 
     ``q`` [T, H, D] holds sequence ``i``'s queries at ``query_start[i]:query_start[i+1]``; their keys and
-    values must already be in the cache. Returns [T, H, D].
+    values must already be in the cache. Returns [T, H, D]; with ``first_seq`` only the rows of sequences
+    ``first_seq`` onwards are computed (written into ``out``).
     """
     tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
-    batch = context_lens.shape[0]
+    batch = context_lens.shape[0] - first_seq
     if out is None:
         out = torch.empty_like(q)
     assert q.stride(2) == 1 and q.stride(1) == head_dim and out.stride(2) == 1 and out.stride(1) == head_dim
     d_pad = _pow2(head_dim)
     fp32 = q.dtype == torch.float32
+    # bf16, heads of 128, a throughput workload's 8192-token chunk of fresh prompts (H200): 64 × 32 tiles and
+    # three stages took 130 µs against 138 µs with 64 × 64 and two (16 query heads; 32: 243 against 257 µs).
     block_m = block_m or (32 if fp32 else (64 if d_pad <= 128 else 32))
-    block_n = block_n or (32 if fp32 else 64)
+    block_n = block_n or (32 if fp32 or d_pad <= 128 else 64)
     if max_query_len <= 16:
         block_m = 16
     grid = (triton.cdiv(max_query_len, block_m), num_heads, batch)
     _prefill_kernel[grid](
         q, k_cache, v_cache, block_tables, context_lens, query_start, out,
-        q.stride(0), out.stride(0), block_tables.stride(0), scale,
+        q.stride(0), out.stride(0), block_tables.stride(0), scale, first_seq,
         NUM_KV_HEADS=num_kv_heads, GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, D_PAD=d_pad,
         BLOCK_SIZE=k_cache.shape[1], BLOCK_M=block_m, BLOCK_N=block_n, PRECISION=_dot_precision(q.dtype),
-        num_warps=num_warps or 4, num_stages=num_stages or 2)
+        num_warps=num_warps or 4, num_stages=num_stages or (3 if d_pad <= 128 else 2))
     return out

@@ -80,8 +80,14 @@ class Attention(nn.Module):
             out = paged_decode(q, self.k_cache, self.v_cache, meta.block_tables, meta.context_lens_gpu,
                                self.scale, meta.num_splits, counters=meta.split_counters)
         else:
-            out = paged_prefill(q, self.k_cache, self.v_cache, meta.block_tables, meta.context_lens_gpu,
-                                meta.query_start_gpu, meta.max_query_len, self.scale)
+            out = torch.empty_like(q)
+            lead = meta.num_decode_rows
+            if lead:
+                paged_decode(q[:lead], self.k_cache, self.v_cache, meta.block_tables[:lead],
+                             meta.context_lens_gpu[:lead], self.scale, meta.num_splits, out=out[:lead],
+                             counters=meta.split_counters)
+            paged_prefill(q, self.k_cache, self.v_cache, meta.block_tables, meta.context_lens_gpu,
+                          meta.query_start_gpu, meta.max_query_len, self.scale, out=out, first_seq=lead)
         return out.view(q.shape[0], self.num_heads * self.head_dim)
 
     def _context(self, meta: AttentionMetadata, i: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -27,7 +27,10 @@ class AttentionMetadata:
     context_lens_gpu: torch.Tensor | None = None    # [num_seqs] int32
     query_start_gpu: torch.Tensor | None = None     # [num_seqs + 1] int32
     max_query_len: int = 0
-    num_splits: int = 1                             # decode: context splits per sequence
+    num_splits: int = 1                             # decode rows: context splits per sequence
+    # Steps mixing decode rows and prompt chunks: the leading sequences that have one query token each, which
+    # the decode kernel attends (the prefill kernel takes the rest; 0 otherwise).
+    num_decode_rows: int = 0
     split_counters: torch.Tensor | None = None      # decode, num_splits > 1: int32 ≥ num_seqs × KV heads, zero
     # Hybrid (recurrent-state) models only; None otherwise: each sequence's slot in the state pool.
     state_slots: torch.Tensor | None = None         # [num_seqs] int64

@@ -36,6 +36,14 @@ def graph_buckets(max_num_seqs: int) -> list[int]:
     return sizes
 
 
+def _leading_single_rows(query_start: list[int]) -> int:
+    """How many sequences at the front of the batch have exactly one query token."""
+    count = 0
+    while count + 1 < len(query_start) and query_start[count + 1] - query_start[count] == 1:
+        count += 1
+    return count
+
+
 def _align(n: int) -> int:
     return -(-n // 16) * 16
 
@@ -147,12 +155,16 @@ class CudaStepRunner:
             return dev[start:start + length]
 
         decode = t == n
+        # Mixed steps: the running sequences' decode rows come first; the decode kernel takes them (the prefill
+        # kernel spent a 64-row query tile on each of them).
+        lead = n if decode else _leading_single_rows(host.query_start)
         meta = AttentionMetadata(
             slot_mapping=view("slots"), block_tables=dev[o:o + n * width].view(n, width),
             query_start=host.query_start, context_lens=host.context_lens, block_size=self.block_size,
             context_lens_gpu=view("ctx"), query_start_gpu=view("qstart"),
             max_query_len=max(b - a for a, b in zip(host.query_start, host.query_start[1:])),
-            num_splits=self._splits(n) if decode else 1, split_counters=self._counters(n) if decode else None,
+            num_splits=self._splits(lead) if lead else 1, num_decode_rows=0 if decode else lead,
+            split_counters=self._counters(lead) if lead else None,
             state_slots=view("state") if hybrid else None, state_slots_host=host.state_slots if hybrid else None)
         host.pending.fill(view("ids"), previous_tokens)
         hidden = self.model(view("ids"), view("pos"), meta)
