@@ -6,6 +6,7 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from pocketllm.engine.block_manager import BlockManager
 from pocketllm.engine.request import FinishReason, Request, RequestStatus
@@ -14,10 +15,10 @@ from pocketllm.engine.state_pool import StatePool
 logger = logging.getLogger("pocketllm.scheduler")
 
 
-@dataclass(frozen=True)
-class ScheduledChunk:
+class ScheduledChunk(NamedTuple):
     """Tokens ``start:start + num_tokens`` of ``request`` run this step; ``samples``: the chunk reaches the
-    end of the request's tokens, so a new token is sampled after it."""
+    end of the request's tokens, so a new token is sampled after it. (A tuple: a step builds one per running
+    request, hundreds per step.)"""
 
     request: Request
     num_tokens: int
@@ -104,11 +105,20 @@ class Scheduler:
         budget = self.limits.max_num_batched_tokens
         chunks: list[ScheduledChunk] = []
         scheduled: set[str] = set()
+        block_size = self.blocks.block_size
         for request in list(self.running):
             if (request.status is not RequestStatus.RUNNING or request.request_id in scheduled
                     or self._ends_with_pending(request)):
                 continue
-            n = self._chunk_size(request.num_scheduled_tokens - request.num_computed_tokens, budget, not chunks)
+            computed = request.num_computed_tokens
+            remaining = request.num_scheduled_tokens - computed
+            if remaining == 1 and budget > 0 and computed < len(request.block_table) * block_size:
+                # The common decode row: one token into a block the request already holds.
+                chunks.append(ScheduledChunk(request, 1, computed, True))
+                scheduled.add(request.request_id)
+                budget -= 1
+                continue
+            n = self._chunk_size(remaining, budget, not chunks)
             if n == 0:
                 continue
             while not self.blocks.can_allocate(request, n):
