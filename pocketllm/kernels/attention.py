@@ -161,9 +161,10 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, lens_ptr, out_pt
                    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                    BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, S_PAD: tl.constexpr, PRECISION: tl.constexpr,
                    HEADS_FIRST: tl.constexpr, PDL: tl.constexpr):
-    if PDL:
-        gdc_wait()
-        gdc_launch_dependents()
+    """Split-KV decode attention of one (sequence, KV head, split). What the step's host copy and earlier
+    kernels wrote (lengths, block table, the split's first KV tile) is read before waiting on the kernel just
+    before this one; after the wait, the query and the new token's key and value row, which that kernel
+    stored (its stale copy in the prefetched tile is replaced)."""
     seq, kvh, split = _program_ids(HEADS_FIRST)
     ctx, start, end, active = _split_range(lens_ptr, seq, split, num_splits, BLOCK_N)
     if split >= active:
@@ -174,6 +175,25 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, lens_ptr, out_pt
     row_mask = rows < GROUP
     dim_mask = dims < HEAD_DIM
     heads = kvh * GROUP + rows
+    table = tables_ptr + seq.to(tl.int64) * stride_table
+    tok = start + tl.arange(0, BLOCK_N)
+    k_first, v_first = _kv_tile(k_cache_ptr, v_cache_ptr, table, tok, end, kvh, dims, dim_mask, NUM_KV_HEADS,
+                                HEAD_DIM, BLOCK_SIZE)
+    if PDL:
+        last = ctx - 1
+        last_per_dim = dims * 0 + last   # (a scalar condition as a mask fails in Triton's interpreter)
+        in_first = (last_per_dim >= start) & (last_per_dim < tl.minimum(start + BLOCK_N, end))
+        new_page = tl.load(table + tl.maximum(last, 0) // BLOCK_SIZE).to(tl.int64)
+        new_row = ((new_page * BLOCK_SIZE + tl.maximum(last, 0) % BLOCK_SIZE) * (NUM_KV_HEADS * HEAD_DIM)
+                   + kvh * HEAD_DIM + dims)
+        gdc_wait()
+        gdc_launch_dependents()
+        new_mask = dim_mask & in_first
+        k_new = tl.load(k_cache_ptr + new_row, mask=new_mask, other=0.0)
+        v_new = tl.load(v_cache_ptr + new_row, mask=new_mask, other=0.0)
+        is_new = (tok == last)[:, None]
+        k_first = tl.where(is_new, k_new[None, :], k_first)
+        v_first = tl.where(is_new, v_new[None, :], v_first)
     q = tl.load(q_ptr + seq.to(tl.int64) * stride_qt + heads[:, None] * HEAD_DIM + dims[None, :],
                 mask=row_mask[:, None] & dim_mask[None, :], other=0.0)
     qk_scale = scale * 1.4426950408889634
@@ -181,13 +201,15 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, lens_ptr, out_pt
     m_i = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
     acc = tl.zeros([GROUP_PAD, D_PAD], dtype=tl.float32)
-    table = tables_ptr + seq.to(tl.int64) * stride_table
-    for n0 in range(start, end, BLOCK_N):
-        tok = n0 + tl.arange(0, BLOCK_N)
-        k, v = _kv_tile(k_cache_ptr, v_cache_ptr, table, tok, end, kvh, dims, dim_mask, NUM_KV_HEADS, HEAD_DIM,
-                        BLOCK_SIZE)
+    if start < end:   # (an empty context: nothing to attend, zeros out)
         # float8 caches widen here
-        m_i, l_i, acc = _attend_tile(q, k.to(q.dtype), v.to(q.dtype), tok < end, m_i, l_i, acc, qk_scale,
+        m_i, l_i, acc = _attend_tile(q, k_first.to(q.dtype), v_first.to(q.dtype), tok < end, m_i, l_i, acc,
+                                     qk_scale, PRECISION)
+    for n0 in range(start + BLOCK_N, end, BLOCK_N):
+        tile = n0 + tl.arange(0, BLOCK_N)
+        k, v = _kv_tile(k_cache_ptr, v_cache_ptr, table, tile, end, kvh, dims, dim_mask, NUM_KV_HEADS, HEAD_DIM,
+                        BLOCK_SIZE)
+        m_i, l_i, acc = _attend_tile(q, k.to(q.dtype), v.to(q.dtype), tile < end, m_i, l_i, acc, qk_scale,
                                      PRECISION)
     _decode_output(acc, m_i, l_i, seq, kvh, split, active, num_splits, out_ptr, part_ptr, lse_ptr, count_ptr,
                    stride_ot, heads, rows, dims, row_mask, dim_mask, NUM_KV_HEADS, GROUP, HEAD_DIM, SPLIT, S_PAD)

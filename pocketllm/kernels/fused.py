@@ -118,9 +118,6 @@ def _qkv_prep_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, q_out_p
                      HALF_PAD: tl.constexpr, HEADS: tl.constexpr, HAS_NORM: tl.constexpr, PDL: tl.constexpr):
     """``HEADS`` consecutive heads of one token (rows of a tile; q, k and v heads alike): each row is split in
     halves for the rotate-half rotation, q and k rows are normalised and rotated, k and v rows stored."""
-    if PDL:
-        gdc_wait()
-        gdc_launch_dependents()
     tok = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1) * HEADS + tl.arange(0, HEADS)
     half: tl.constexpr = HEAD_DIM // 2
@@ -130,21 +127,27 @@ def _qkv_prep_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, q_out_p
     is_k = (head >= NUM_HEADS) & (head < NUM_HEADS + NUM_KV_HEADS)
     is_v = (head >= NUM_HEADS + NUM_KV_HEADS) & (head < NUM_HEADS + 2 * NUM_KV_HEADS)
     mask = (is_q | is_k | is_v)[:, None] & cmask[None, :]
-    src = qkv_ptr + tok * stride_qkv + head[:, None] * HEAD_DIM + cols[None, :]
-    x1 = tl.load(src, mask=mask, other=0.0)
-    x2 = tl.load(src + half, mask=mask, other=0.0)
+    # The step's positions and slots (a host copy), the rotary row and the norm weights are read before waiting
+    # on the projection that wrote ``qkv``.
     slot = tl.load(slot_ptr + tok).to(tl.int64)
     pos = tl.load(pos_ptr + tok).to(tl.int64)
     c = tl.load(cos_ptr + pos * stride_cos + cols, mask=cmask, other=0.0)[None, :]
     s = tl.load(sin_ptr + pos * stride_cos + cols, mask=cmask, other=0.0)[None, :]
-    a = x1.to(tl.float32)
-    b = x2.to(tl.float32)
     if HAS_NORM:
-        r = tl.rsqrt((tl.sum(a * a, 1) + tl.sum(b * b, 1)) / HEAD_DIM + eps)[:, None]
         wq1 = tl.load(qw_ptr + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
         wq2 = tl.load(qw_ptr + half + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
         wk1 = tl.load(kw_ptr + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
         wk2 = tl.load(kw_ptr + half + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
+    src = qkv_ptr + tok * stride_qkv + head[:, None] * HEAD_DIM + cols[None, :]
+    x1 = tl.load(src, mask=mask, other=0.0)
+    x2 = tl.load(src + half, mask=mask, other=0.0)
+    a = x1.to(tl.float32)
+    b = x2.to(tl.float32)
+    if HAS_NORM:
+        r = tl.rsqrt((tl.sum(a * a, 1) + tl.sum(b * b, 1)) / HEAD_DIM + eps)[:, None]
         # the reference rounds the norm's output to the model dtype before the rotation
         a = (a * r * tl.where(is_q[:, None], wq1, wk1)).to(x1.dtype).to(tl.float32)
         b = (b * r * tl.where(is_q[:, None], wq2, wk2)).to(x1.dtype).to(tl.float32)
