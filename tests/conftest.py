@@ -19,6 +19,20 @@ from typing import Any
 import pytest
 import torch
 
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """``POCKETLLM_TEST_SHARD=i/n`` keeps every n-th test from the i-th (0-based): one shard per GPU of a
+    multi-GPU device run, so that compiling every kernel variant fits the run's time limit."""
+    shard = os.environ.get("POCKETLLM_TEST_SHARD")
+    if not shard:
+        return
+    index, count = (int(part) for part in shard.split("/"))
+    if not 0 <= index < count:
+        raise pytest.UsageError(f"POCKETLLM_TEST_SHARD={shard}: the shard index must be in 0..{count - 1}")
+    config.hook.pytest_deselected(items=[item for n, item in enumerate(items) if n % count != index])
+    items[:] = [item for n, item in enumerate(items) if n % count == index]
+
+
 TINY_ARCHS = ("llama", "qwen2", "qwen3", "qwen3_moe")
 # Hybrid Gated DeltaNet models (Qwen3.5): three linear-attention layers and one full-attention layer, the
 # Qwen3.5 chat template as the tokenizer's template. Not in TINY_ARCHS (no GGUF round trip for them).
