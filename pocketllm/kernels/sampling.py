@@ -68,7 +68,8 @@ def gumbel_argmax(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch
     if batch:
         # tiles of 4 × block tokens (one Philox call); a small vocabulary gets one small chunk
         block = max(16, min(chunk // 4, triton.next_power_of_2(triton.cdiv(vocab, 4))))
-        chunk = max(chunk, 4 * block) if vocab > chunk else 4 * block
+        if vocab <= chunk:
+            chunk = 4 * block
         num_chunks = triton.cdiv(vocab, chunk)
         vals = torch.empty(batch, num_chunks, dtype=torch.float32, device=logits.device)
         idx = torch.empty(batch, num_chunks, dtype=torch.int32, device=logits.device)
