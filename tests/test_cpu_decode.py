@@ -145,6 +145,58 @@ def test_greedy_tokens_equal_with_and_without_the_fast_path(fmt: str, tiny_check
         assert results[0] == results[1]
 
 
+@pytest.mark.parametrize("fmt", ["auto", "int4"])
+def test_dense_rows_follow_a_changing_batch(fmt: str, tiny_checkpoint) -> None:
+    """Requests of different lengths that end at different steps, and one that joins late: the batch's rows
+    shift and the dense K/V rows are regathered; greedy tokens equal the reference path's (float32), and the
+    rows hold exactly what the paged cache holds."""
+    from pocketllm.engine.engine_core import EngineCore
+    from pocketllm.loaders import hf_loader
+
+    checked = []
+
+    def rows_match_the_paged_cache(core) -> None:
+        rows = core.runner.cpu_decode.dense_rows
+        paged = core.runner.cpu_decode._cache_views()
+        for i, request in enumerate(rows.owners):
+            table = request.block_table
+            for layer in (0, len(paged) - 1):
+                for pos in range(rows.stored[i]):
+                    slot = table[pos // 4] * 4 + pos % 4
+                    assert torch.equal(rows.layers[layer][0][i, pos], paged[layer][0][slot])
+                    assert torch.equal(rows.layers[layer][1][i, pos], paged[layer][1][slot])
+        checked.append(len(rows.owners))
+
+    def run(fast: bool) -> list[list[int]]:
+        directory = tiny_checkpoint("llama")
+        config = hf_loader.load_hf_config(directory)
+        weights = hf_loader.SafetensorsWeights(hf_loader.safetensors_files(directory))
+        core = EngineCore(EngineArgs(model=directory, device="cpu", num_kv_blocks=1024, block_size=4,
+                                     cpu_weight_format=fmt), config, weights, frozenset())
+        if not fast:
+            core.runner.cpu_decode = None
+        prompts = [[1, 400, 401, 402], [1, 500], [1, 600, 601, 602, 603, 604, 605], [1, 700, 701]]
+        limits = [5, 11, 8, 9]
+        requests = [core.add_request(f"r{i}", prompts[i], SamplingParams(max_tokens=limits[i], temperature=0.0,
+                                                                          ignore_eos=True)) for i in range(3)]
+        for step in range(20):
+            if step == 3:
+                requests.append(core.add_request("r3", prompts[3], SamplingParams(max_tokens=limits[3],
+                                                                                  temperature=0.0, ignore_eos=True)))
+            core.step()
+            if fast and step in (2, 6, 9):   # three rows; four after the late join; three after the first ends
+                rows_match_the_paged_cache(core)
+        assert not core.has_work()
+        return [r.output_token_ids for r in requests]
+
+    fast_tokens = run(True)
+    reference_tokens = run(False)
+    assert [len(t) for t in fast_tokens] == [5, 11, 8, 9]
+    if fmt == "auto":
+        assert fast_tokens == reference_tokens
+    assert checked == [3, 4, 4]
+
+
 @pytest.mark.parametrize(("fmt", "kv", "expected"), [
     ("auto", "auto", torch.float32), ("int4", "auto", torch.bfloat16), ("int8", "auto", torch.bfloat16),
     ("bfloat16", "auto", torch.bfloat16),

@@ -4,8 +4,9 @@ The reference path (``model.forward``) spends most of a small model's CPU decode
 dispatch overhead (about sixty ops per layer, cache gathers per layer). This step computes the same layers
 with about twenty ops each: one fused RMSNorm op, rotary embedding as ``x * cos + roll(x) * sin`` with the
 sign folded into ``sin``, the KV store as one ``index_copy_`` per cache, and attention over a view of the
-paged cache when the request's blocks are consecutive (a gather otherwise, with the padding mask built once
-per step, not per layer). The step's host metadata (slots, lengths, rotary rows) is built once per step.
+paged cache when the request's blocks are consecutive; several sequences attend over dense copies of their
+context kept from step to step (``cpu_kv_rows.py``), and a gather of their blocks is the fallback. The padding
+mask and the step's host metadata (slots, lengths, rotary rows) are built once per step, not per layer.
 """
 
 from __future__ import annotations
@@ -18,8 +19,12 @@ import torch.nn.functional as F
 
 from pocketllm.distributed import tp_size
 from pocketllm.errors import InvalidRequestError
+from pocketllm.runner.cpu_kv_rows import DenseDecodeRows
 
 logger = logging.getLogger("pocketllm.runner")
+
+# Multi-row decode steps of up to this many sequences keep their context in dense rows (cpu_kv_rows.py).
+DENSE_ROWS_MAX = 16
 
 
 def setup_cpu(model: torch.nn.Module, weight_format: str, block_size: int) -> CpuDecodeStep | None:
@@ -43,8 +48,9 @@ def setup_cpu(model: torch.nn.Module, weight_format: str, block_size: int) -> Cp
 
 
 class DecodeBatch(NamedTuple):
-    """A decode step's inputs, built once: the context is the cache rows ``span`` (one request whose blocks
-    are consecutive) or the gathered blocks ``index`` ([rows * blocks]), with ``bias`` masking the padding."""
+    """A decode step's inputs, built once. The context is the cache rows ``span`` (one request whose blocks
+    are consecutive), the dense rows (``dense_index``: each row's new-token index in them; ``dense_length``
+    positions attended), or the gathered blocks ``index`` ([rows * blocks]); ``bias`` masks the padding."""
 
     ids: torch.Tensor
     slots: torch.Tensor
@@ -53,6 +59,8 @@ class DecodeBatch(NamedTuple):
     span: tuple[int, int] | None
     index: torch.Tensor | None
     bias: torch.Tensor | None
+    dense_index: torch.Tensor | None = None
+    dense_length: int = 0
 
 
 def _plain_rms_norm(norm: torch.nn.Module) -> bool:
@@ -98,6 +106,7 @@ class CpuDecodeStep:
         self.first_attention = first.attn   # its cache (bound later by the runner) gives the KV dtype
         self._views: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._views_of: torch.Tensor | None = None
+        self.dense_rows: DenseDecodeRows | None = None   # made at the first multi-row step (caches bound)
 
     @staticmethod
     def supports(model: torch.nn.Module) -> bool:
@@ -134,21 +143,37 @@ class CpuDecodeStep:
             slots.append(table[pos // bs] * bs + pos % bs)
             tables.append(table[: pos // bs + 1])
         lengths = [p + 1 for p in positions]
-        span, index, bias = None, None, None
+        span, index, bias, dense_index, padded = None, None, None, None, 0
         table = tables[0]
         if len(chunks) == 1 and all(b == table[0] + i for i, b in enumerate(table)):
             span = (table[0] * bs, table[0] * bs + lengths[0])
         else:
-            # Whole blocks (one contiguous copy each), every row padded to the longest table; the mask hides
-            # the slots past each row's length.
-            blocks = max(len(t) for t in tables)
-            index = torch.tensor([b for t in tables for b in t + [0] * (blocks - len(t))])
-            mask = torch.arange(blocks * bs)[None, :] < torch.tensor(lengths)[:, None]
-            cache_dtype = self.first_attention.k_cache.dtype  # the mask is added to scores in the cache's dtype
+            dense_index = self._dense_rows().prepare([c.request for c in chunks], positions, tables, bs,
+                                                     self._cache_views())
+            if dense_index is not None:
+                padded = max(lengths)
+            else:
+                # Whole blocks (one contiguous copy each), every row padded to the longest table.
+                blocks = max(len(t) for t in tables)
+                index = torch.tensor([b for t in tables for b in t + [0] * (blocks - len(t))])
+                padded = blocks * bs
+            # The mask hides the positions past each row's length (added to scores in the cache's dtype).
+            mask = torch.arange(padded)[None, :] < torch.tensor(lengths)[:, None]
+            cache_dtype = self.first_attention.k_cache.dtype
             bias = torch.zeros(mask.shape, dtype=cache_dtype).masked_fill_(~mask, float("-inf"))[:, None, None, :]
         pos = torch.tensor(positions)
         return DecodeBatch(torch.tensor(ids), torch.tensor(slots), self.cos[pos][:, None, :],
-                           self.sin_signed[pos][:, None, :], span, index, bias)
+                           self.sin_signed[pos][:, None, :], span, index, bias, dense_index,
+                           padded if dense_index is not None else 0)
+
+    def _dense_rows(self) -> DenseDecodeRows:
+        """The dense K/V rows of multi-row steps, limited to a quarter of the paged cache's bytes."""
+        if self.dense_rows is None:
+            cache = self.first_attention.k_cache
+            paged_bytes = cache.numel() * cache.element_size() * 2 * len(self.layers)
+            self.dense_rows = DenseDecodeRows(len(self.layers), self.num_kv_heads, self.head_dim,
+                                              DENSE_ROWS_MAX, paged_bytes // 4)
+        return self.dense_rows
 
     def forward(self, chunks: list[Any]) -> torch.Tensor:
         """The hidden states after the final norm, one row per chunk (float32)."""
@@ -167,6 +192,8 @@ class CpuDecodeStep:
     def run(self, batch: DecodeBatch) -> torch.Tensor:
         """The layers over a built decode batch."""
         slots, cos, sin, span, index, bias = batch.slots, batch.cos, batch.sin, batch.span, batch.index, batch.bias
+        dense_index, dense_length = batch.dense_index, batch.dense_length
+        dense = self.dense_rows.layers if dense_index is not None else [None] * len(self.layers)
         rows = batch.ids.shape[0]
         heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
         q_width = heads * dim
@@ -174,7 +201,7 @@ class CpuDecodeStep:
         residual = None
         views = self._cache_views()
         as_positions = self.grouped
-        for layer, (k_flat, v_flat) in zip(self.layers, views):
+        for layer, (k_flat, v_flat), rows_kv in zip(self.layers, views, dense):
             norm1, eps1, qkv_proj, q_norm, k_norm, attn, o_proj, norm2, eps2, gate_up, down = layer
             # The first residual is the embedding's fresh output; later ones are added to in place.
             residual = hidden if residual is None else residual.add_(hidden)
@@ -193,10 +220,16 @@ class CpuDecodeStep:
             k = qk[:, heads:]
             v = qkv[:, q_width + kv_heads * dim:].view(rows, kv_heads, dim)
             kv_dtype = k_flat.dtype
-            k_flat.index_copy_(0, slots, k if k.dtype == kv_dtype else k.to(kv_dtype))
-            v_flat.index_copy_(0, slots, v if v.dtype == kv_dtype else v.to(kv_dtype))
+            k, v = (k if k.dtype == kv_dtype else k.to(kv_dtype)), (v if v.dtype == kv_dtype else v.to(kv_dtype))
+            k_flat.index_copy_(0, slots, k)
+            v_flat.index_copy_(0, slots, v)
             if span is not None:
                 keys, values = k_flat[span[0]:span[1]], v_flat[span[0]:span[1]]
+            elif rows_kv is not None:
+                k_rows, v_rows = rows_kv
+                k_rows.view(-1, kv_heads, dim).index_copy_(0, dense_index, k)
+                v_rows.view(-1, kv_heads, dim).index_copy_(0, dense_index, v)
+                keys, values = k_rows[:rows, :dense_length], v_rows[:rows, :dense_length]
             else:
                 keys, values = attn.k_cache.index_select(0, index), attn.v_cache.index_select(0, index)
             keys = keys.view(rows, -1, kv_heads, dim).transpose(1, 2)

@@ -1,0 +1,80 @@
+"""Dense per-sequence copies of the KV cache for the CPU decode step's multi-row batches.
+
+A decode batch of several sequences reads each sequence's context from the paged cache; their blocks are
+interleaved (they grew side by side), so every layer had to gather them into one tensor per step. These rows
+keep each layer's keys and values of the batch's sequences dense ([rows, length, kv heads, head dim]) from
+step to step: a step writes its new token into the paged cache and into the rows, and the paged cache is
+gathered only for a row whose sequence is new to it (the batch changed, or the sequence ran a step elsewhere).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+
+class DenseDecodeRows:
+    """Each layer's K/V rows for up to ``max_rows`` sequences, within ``max_bytes`` across all layers."""
+
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, max_rows: int, max_bytes: int) -> None:
+        self.num_layers = num_layers
+        self.kv_shape = (num_kv_heads, head_dim)
+        self.max_rows = max_rows
+        self.max_bytes = max_bytes
+        self.layers: list[tuple[torch.Tensor, torch.Tensor]] = [(torch.empty(0), torch.empty(0))]
+        self.capacity = (0, 0)                  # (rows, tokens) allocated
+        self.owners: list[object] = []          # row i holds this request's context ...
+        self.stored: list[int] = []             # ... for its first stored[i] positions
+        self.preemptions: list[int] = []        # ... as of this preemption count
+
+    def _fits(self, rows: int, tokens: int, dtype: torch.dtype) -> bool:
+        per_token = self.kv_shape[0] * self.kv_shape[1] * dtype.itemsize * 2 * self.num_layers
+        return rows <= self.max_rows and rows * tokens * per_token <= self.max_bytes
+
+    def _allocate(self, rows: int, tokens: int, dtype: torch.dtype) -> None:
+        shape = (rows, tokens, *self.kv_shape)
+        self.layers = [(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype))
+                       for _ in range(self.num_layers)]
+        self.capacity = (rows, tokens)
+        self.owners, self.stored, self.preemptions = [], [], []
+
+    def prepare(self, requests: Sequence[object], positions: Sequence[int], tables: Sequence[Sequence[int]],
+                block_size: int, paged: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor | None:
+        """Make row ``i`` hold every layer's K/V of ``requests[i]`` before ``positions[i]`` (gathering from the
+        ``paged`` per-layer ``[slots, kv heads, head dim]`` views where a row is stale) and record that the
+        step adds position ``positions[i]``. Returns each row's flat index of that position in the rows (for
+        ``index_copy_``), or None when the batch does not fit the rows' limits (the caller gathers)."""
+        rows, longest = len(requests), max(positions) + 1
+        dtype = paged[0][0].dtype
+        if not self._fits(rows, longest, dtype):
+            return None
+        have_rows, have_tokens = self.capacity
+        if rows > have_rows or longest > have_tokens or self.layers[0][0].dtype != dtype:
+            # Grow by doubling (each growth regathers every row), within the byte limit.
+            new_rows = max(rows, have_rows) if self._fits(max(rows, have_rows), longest, dtype) else rows
+            choices = (max(longest, 2 * have_tokens, 64), max(longest, 2 * have_tokens), longest)
+            self._allocate(new_rows, next(t for t in choices if self._fits(new_rows, t, dtype)), dtype)
+        width = self.capacity[1]
+        source, target = [], []
+        for i, (request, pos, table) in enumerate(zip(requests, positions, tables)):
+            preemptions = getattr(request, "num_preemptions", 0)
+            if (i < len(self.owners) and self.owners[i] is request and self.stored[i] == pos
+                    and self.preemptions[i] == preemptions):
+                continue
+            source.extend(table[p // block_size] * block_size + p % block_size for p in range(pos))
+            target.extend(range(i * width, i * width + pos))
+            if i < len(self.owners):
+                self.owners[i], self.preemptions[i] = request, preemptions
+            else:
+                self.owners.append(request)
+                self.preemptions.append(preemptions)
+                self.stored.append(0)
+        if source:
+            src, dst = torch.tensor(source), torch.tensor(target)
+            for (k_rows, v_rows), (k_paged, v_paged) in zip(self.layers, paged):
+                k_rows.view(-1, *self.kv_shape).index_copy_(0, dst, k_paged.index_select(0, src))
+                v_rows.view(-1, *self.kv_shape).index_copy_(0, dst, v_paged.index_select(0, src))
+        for i, pos in enumerate(positions):
+            self.stored[i] = pos + 1
+        return torch.tensor([i * width + pos for i, pos in enumerate(positions)])
