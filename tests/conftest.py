@@ -26,7 +26,10 @@ def pytest_collection_modifyitems(config, items) -> None:
     shard = os.environ.get("POCKETLLM_TEST_SHARD")
     if not shard:
         return
-    index, count = (int(part) for part in shard.split("/"))
+    try:
+        index, count = (int(part) for part in shard.split("/"))
+    except ValueError:
+        raise pytest.UsageError(f"POCKETLLM_TEST_SHARD={shard!r}: expected INDEX/COUNT, e.g. 0/2") from None
     if not 0 <= index < count:
         raise pytest.UsageError(f"POCKETLLM_TEST_SHARD={shard}: the shard index must be in 0..{count - 1}")
     config.hook.pytest_deselected(items=[item for n, item in enumerate(items) if n % count != index])
