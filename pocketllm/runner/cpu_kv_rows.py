@@ -22,11 +22,18 @@ class DenseDecodeRows:
         self.kv_shape = (num_kv_heads, head_dim)
         self.max_rows = max_rows
         self.max_bytes = max_bytes
-        self.layers: list[tuple[torch.Tensor, torch.Tensor]] = [(torch.empty(0), torch.empty(0))]
-        self.capacity = (0, 0)                  # (rows, tokens) allocated
-        self.owners: list[object] = []          # row i holds this request's context ...
-        self.stored: list[int] = []             # ... for its first stored[i] positions
-        self.preemptions: list[int] = []        # ... as of this preemption count
+        self.layers: list[tuple[torch.Tensor, torch.Tensor]] = []   # [rows, tokens, kv heads, head dim] each
+        # Row i holds the context of request ``held[i][0]`` (as of its preemption count ``held[i][1]``) for its
+        # first ``held[i][2]`` positions.
+        self.held: list[tuple[object, int, int]] = []
+
+    @property
+    def owners(self) -> list[object]:
+        return [request for request, _, _ in self.held]
+
+    @property
+    def stored(self) -> list[int]:
+        return [count for _, _, count in self.held]
 
     def _fits(self, rows: int, tokens: int, dtype: torch.dtype) -> bool:
         per_token = self.kv_shape[0] * self.kv_shape[1] * dtype.itemsize * 2 * self.num_layers
@@ -36,8 +43,7 @@ class DenseDecodeRows:
         shape = (rows, tokens, *self.kv_shape)
         self.layers = [(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype))
                        for _ in range(self.num_layers)]
-        self.capacity = (rows, tokens)
-        self.owners, self.stored, self.preemptions = [], [], []
+        self.held = []
 
     def prepare(self, requests: Sequence[object], positions: Sequence[int], tables: Sequence[Sequence[int]],
                 block_size: int, paged: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor | None:
@@ -49,32 +55,25 @@ class DenseDecodeRows:
         dtype = paged[0][0].dtype
         if not self._fits(rows, longest, dtype):
             return None
-        have_rows, have_tokens = self.capacity
+        have_rows, have_tokens = self.layers[0][0].shape[:2] if self.layers else (0, 0)
         if rows > have_rows or longest > have_tokens or self.layers[0][0].dtype != dtype:
             # Grow by doubling (each growth regathers every row), within the byte limit.
             new_rows = max(rows, have_rows) if self._fits(max(rows, have_rows), longest, dtype) else rows
             choices = (max(longest, 2 * have_tokens, 64), max(longest, 2 * have_tokens), longest)
             self._allocate(new_rows, next(t for t in choices if self._fits(new_rows, t, dtype)), dtype)
-        width = self.capacity[1]
-        source, target = [], []
+        width = self.layers[0][0].shape[1]
+        source, target, held = [], [], []
         for i, (request, pos, table) in enumerate(zip(requests, positions, tables)):
             preemptions = getattr(request, "num_preemptions", 0)
-            if (i < len(self.owners) and self.owners[i] is request and self.stored[i] == pos
-                    and self.preemptions[i] == preemptions):
-                continue
-            source.extend(table[p // block_size] * block_size + p % block_size for p in range(pos))
-            target.extend(range(i * width, i * width + pos))
-            if i < len(self.owners):
-                self.owners[i], self.preemptions[i] = request, preemptions
-            else:
-                self.owners.append(request)
-                self.preemptions.append(preemptions)
-                self.stored.append(0)
+            current = i < len(self.held) and self.held[i][0] is request and self.held[i][1:] == (preemptions, pos)
+            if not current:   # the row holds another sequence, or this one missed a step: regather it
+                source.extend(table[p // block_size] * block_size + p % block_size for p in range(pos))
+                target.extend(range(i * width, i * width + pos))
+            held.append((request, preemptions, pos + 1))
         if source:
             src, dst = torch.tensor(source), torch.tensor(target)
             for (k_rows, v_rows), (k_paged, v_paged) in zip(self.layers, paged):
                 k_rows.view(-1, *self.kv_shape).index_copy_(0, dst, k_paged.index_select(0, src))
                 v_rows.view(-1, *self.kv_shape).index_copy_(0, dst, v_paged.index_select(0, src))
-        for i, pos in enumerate(positions):
-            self.stored[i] = pos + 1
+        self.held = held + self.held[rows:]
         return torch.tensor([i * width + pos for i, pos in enumerate(positions)])
