@@ -6,6 +6,7 @@ at several split counts (one split: no merge).
     python scripts/bench_decode_parts.py large-batch   # attention settings at batch 256 and 64
     python scripts/bench_decode_parts.py packed        # QKV projection then attention: two kernels or one
     python scripts/bench_decode_parts.py prefill       # prefill attention settings on a throughput chunk
+    python scripts/bench_decode_parts.py small-batch   # batch-1 attention settings inside a layer's chain
 """
 
 from __future__ import annotations
@@ -152,6 +153,8 @@ class PackedLayers:
         self.rope = RotaryEmbedding(dim, dim, ctx + 16, 1_000_000.0).to("cuda")
         self.norms = (torch.rand(dim, dtype=torch.bfloat16, device="cuda") + 0.5,
                       torch.rand(dim, dtype=torch.bfloat16, device="cuda") + 0.5) if qk_norm else (None, None)
+        self.o_weights = [torch.randn(hidden, heads * dim, dtype=torch.bfloat16, device="cuda") * 0.02
+                          for _ in range(layers)]
         self.x = torch.randn(batch, hidden, dtype=torch.bfloat16, device="cuda")
         self.input_norm = torch.rand(hidden, dtype=torch.bfloat16, device="cuda")
         self.splits = decode_splits(batch, kv_heads)
@@ -162,13 +165,17 @@ class PackedLayers:
             return skinny_rms_norm_linear(self.x, None, self.input_norm, 1e-6, weight)[0]
         return F.linear(rms_norm(self.x, self.input_norm, 1e-6), weight)
 
-    def two_kernels(self, splits: int | None = None) -> None:
+    def two_kernels(self, splits: int | None = None, with_o: bool = False, **decode_options) -> None:
+        """Per layer: QKV projection, ``qkv_prepare``, ``paged_decode`` (and with ``with_o`` the output
+        projection, whose wait on the attention kernel is part of the attention's latency)."""
         heads, kv_heads, dim = self.shape
-        for weight, (k_cache, v_cache) in zip(self.weights, self.caches):
+        for weight, o_weight, (k_cache, v_cache) in zip(self.weights, self.o_weights, self.caches):
             q = qkv_prepare(self.qkv(weight), self.positions, self.rope.cos_cache, self.rope.sin_cache,
                             *self.norms, 1e-6, heads, kv_heads, dim, k_cache, v_cache, self.slots)
-            paged_decode(q, k_cache, v_cache, self.tables, self.lens, dim ** -0.5, splits or self.splits,
-                         counters=self.counters)
+            out = paged_decode(q, k_cache, v_cache, self.tables, self.lens, dim ** -0.5, splits or self.splits,
+                               counters=self.counters, **decode_options)
+            if with_o:
+                skinny_linear(out.view(self.batch, -1), o_weight)
 
     def packed(self, splits: int | None = None, **options) -> None:
         heads, kv_heads, dim = self.shape
@@ -213,6 +220,27 @@ def packed_variants() -> None:
                       + f" {times[4] / layers:11.2f} " + " ".join(f"{t / layers:7.2f}" for t in times[5:]))
     print("packed kernel variants:", kernel_registers(attention._packed_decode_kernel))
     print("decode kernel variants:", kernel_registers(attention._decode_kernel))
+
+
+def small_batch_variants() -> None:
+    """µs per layer of QKV projection, preparation, decode attention and output projection at batch 1, over
+    the attention's KV tile, minimum split length and warps (three stages, splits as the engine picks)."""
+    layers = 8
+    for name, heads, kv_heads, dim, hidden, qk_norm in (("q06", 16, 8, 128, 1024, True),
+                                                        ("l8", 32, 8, 128, 4096, False)):
+        for ctx in (128, 256, 1024, 2048):
+            case = PackedLayers(heads, kv_heads, dim, hidden, 1, ctx, qk_norm, layers)
+            base = us(partial(case.two_kernels, with_o=True)) / layers
+            results = []
+            for block_n in (32, 64, 128):
+                for split_min in sorted({block_n, 256, 512}):
+                    for warps in (2, 4, 8):
+                        t = us(partial(case.two_kernels, with_o=True, block_n=block_n, split_min=split_min,
+                                       num_warps=warps)) / layers
+                        results.append((round(t, 2), block_n, split_min, warps))
+            results.sort()
+            print(f"{name} batch 1 ctx {ctx}: default {base:.2f} µs/layer; best (µs, block_n, split_min, warps):",
+                  *results[:5])
 
 
 def prefill_variants(heads: int, kv_heads: int, dim: int, chunk_tokens: int = 8192) -> None:
@@ -260,6 +288,9 @@ def prefill_variants(heads: int, kv_heads: int, dim: int, chunk_tokens: int = 81
 
 
 def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "small-batch":
+        small_batch_variants()
+        return
     if len(sys.argv) > 1 and sys.argv[1] == "prefill":
         prefill_variants(16, 8, 128)
         prefill_variants(32, 8, 128)

@@ -1,14 +1,15 @@
 """How busy the GPU is during the offline throughput workload: wall time against the time some kernel ran,
 where the idle time falls, and what the engine thread spends per step.
 
-    python scripts/profile_throughput.py [PRESET] [NUM_REQUESTS]
+    python scripts/profile_throughput.py [PRESET] [NUM_REQUESTS] [--host-only]
 
 Runs the `bench throughput` workload (inputs and outputs uniform in [100, 1024], temperature 0.6, EOS
 ignored) through `AsyncLLM` under the torch profiler (CUDA activity only), then prints the wall time, the
 union of kernel intervals (device busy), the idle remainder split by gap length, the engine thread's host
 time per step (schedule + launch, read-back + advance and the wait for the device within it, delivery to
-the caller) by batch size, and the
-kernels that took the most time.
+the caller) by batch size (steps with a prompt chunk, which run eagerly, on their own row), and the
+kernels that took the most time. ``--host-only`` runs without the profiler (whose tracing slows the host),
+for the engine thread's times alone.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import asyncio
 import sys
 import time
 from collections import defaultdict
+from contextlib import nullcontext
 
 import triton
 from torch.profiler import ProfilerActivity, profile
@@ -77,7 +79,8 @@ class HostClock:
             pending = launch(core, *a, **k)
             if pending is not None:
                 clock.current = [time.perf_counter() - t, 0.0, 0.0, 0.0]
-                clock.by_batch[len(pending.chunks)].append(clock.current)
+                prefill = any(c.num_tokens > 1 for c in pending.chunks)
+                clock.by_batch[-1 if prefill else len(pending.chunks)].append(clock.current)
             return pending
 
         def timed_complete(core, pending, *a, **k):
@@ -105,11 +108,12 @@ class HostClock:
 
     def table(self) -> str:
         rows = ["  batch      steps  launch ms  complete ms  (of which waiting) deliver ms"]
-        for lo, hi in ((1, 16), (17, 64), (65, 128), (129, 192), (193, 256), (257, 10**6)):
+        for lo, hi in ((1, 16), (17, 64), (65, 128), (129, 192), (193, 256), (257, 10**6), (-1, -1)):
             steps = [s for b, ss in self.by_batch.items() if lo <= b <= hi for s in ss]
             if steps:
                 n = len(steps)
-                rows.append(f"  {lo:>3}-{hi:<6} {n:6d} {sum(s[0] for s in steps) / n * 1e3:10.3f} "
+                label = "prefill   " if lo < 0 else f"{lo:>3}-{hi:<6}"
+                rows.append(f"  {label} {n:6d} {sum(s[0] for s in steps) / n * 1e3:10.3f} "
                             f"{sum(s[1] for s in steps) / n * 1e3:12.3f} {sum(s[3] for s in steps) / n * 1e3:19.3f} "
                             f"{sum(s[2] for s in steps) / n * 1e3:11.3f}")
         return "\n".join(rows)
@@ -136,7 +140,7 @@ class CompileLog:
         return "\n".join(f"  {t:7.2f} s  {name[:400]}" for t, name in self.entries) or "  none"
 
 
-async def run(preset: str, num_requests: int) -> None:
+async def run(preset: str, num_requests: int, host_only: bool) -> None:
     args = EngineArgs(model=preset, load_format="dummy", max_num_seqs=256, max_num_batched_tokens=8192)
     clock = HostClock()
     async with AsyncLLM(args) as llm:
@@ -152,10 +156,16 @@ async def run(preset: str, num_requests: int) -> None:
         clock.install()
         compiles = CompileLog()
         compiles.install()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        with nullcontext() if host_only else profile(activities=[ProfilerActivity.CUDA]) as prof:
             start = time.perf_counter()
             generated = await generate(workload)
             wall = time.perf_counter() - start
+    if host_only:
+        print(f"{preset}, {num_requests} requests: {generated} output tokens in {wall:.2f} s "
+              f"({generated / wall:,.0f} tok/s, no profiler)")
+        print("engine thread per step (host time):")
+        print(clock.table())
+        return
     kernels = [e for e in prof.events() if e.device_type.name == "CUDA"]
     spans = spans_of(kernels)
     busy, gaps = busy_and_gaps(spans)
@@ -171,5 +181,6 @@ async def run(preset: str, num_requests: int) -> None:
 
 
 if __name__ == "__main__":
-    asyncio.run(run(sys.argv[1] if len(sys.argv) > 1 else "qwen3-0.6b", int(sys.argv[2]) if len(sys.argv) > 2
-                    else 256))
+    positional = [a for a in sys.argv[1:] if not a.startswith("--")]
+    asyncio.run(run(positional[0] if positional else "qwen3-0.6b", int(positional[1]) if len(positional) > 1
+                    else 256, "--host-only" in sys.argv))

@@ -60,6 +60,19 @@ def test_greedy_matches_transformers(arch, regime, tiny_checkpoint, references):
         assert preemptions > 0, "the KV pool was meant to be small enough to force preemption"
 
 
+@pytest.mark.parametrize("regime", ["default", "async-preemption", "prefill-budget-16"])
+def test_longest_first_decode_rows_keep_outputs(regime, tiny_checkpoint, references):
+    """The CUDA engine runs a step's decode rows longest context first; that row order, here forced on CPU,
+    still gives every request its own tokens (pending tokens, sampling rows and outputs follow the rows)."""
+    expected = references("llama")
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    with LLM(EngineArgs(model=tiny_checkpoint("llama"), **REGIMES[regime])) as llm:
+        core = llm._client.backend.core
+        core.longest_first = True
+        outputs = llm.generate(_prompts(), params)
+    assert [o.token_ids for o in outputs] == expected
+
+
 def test_prefix_cache_hits_and_agrees(tiny_checkpoint):
     """A shared 48-token prefix is served from the cache the second time, with identical output."""
     base = _prompts()[2] + _prompts()[1]

@@ -12,7 +12,7 @@ from pocketllm.config import EngineArgs
 from pocketllm.distributed import min_over_ranks
 from pocketllm.engine.block_manager import BlockManager
 from pocketllm.engine.request import FinishReason, Request, RequestStatus
-from pocketllm.engine.scheduler import Scheduler, SchedulerLimits
+from pocketllm.engine.scheduler import ScheduledChunk, Scheduler, SchedulerLimits
 from pocketllm.engine.state_pool import StatePool
 from pocketllm.errors import InvalidRequestError, UnsupportedFeatureError
 from pocketllm.runner.model_runner import ModelRunner, resolve_device, resolve_dtype
@@ -50,6 +50,11 @@ class StepOutput:
 
     request: Request
     token: SampledToken | None
+
+
+def _decode_row_order(chunk: ScheduledChunk) -> int:
+    """Sort key: one-token rows first, longest context first; prompt chunks after them in scheduled order."""
+    return -chunk.end if chunk.num_tokens == 1 else 1
 
 
 class EngineCore:
@@ -111,6 +116,10 @@ class EngineCore:
         self.pipelined = self.runner.tp_size == 1 and (
             args.async_scheduling == "on" or (args.async_scheduling == "auto" and self.device.type == "cuda"))
         self.in_flight: PendingStep | None = None
+        # CUDA: a step's decode rows run longest context first. The decode kernel's programs start in row
+        # order, so the longest sequences no longer start last and hold the step's tail (with up to 2,048
+        # programs of very different lengths). CPU keeps the scheduler's order, which its dense K/V rows follow.
+        self.longest_first = self.device.type == "cuda"
         logger.info("KV cache: %d blocks of %d tokens (%.2f GiB), max_model_len %d",
                     num_blocks, args.block_size, num_blocks * self.runner.kv_bytes_per_block() / GiB,
                     max_model_len)
@@ -212,6 +221,8 @@ class EngineCore:
         chunks = self.scheduler.schedule()
         if not chunks:
             return None
+        if self.longest_first:
+            chunks.sort(key=_decode_row_order)
         previous = self.in_flight.sampled if self.in_flight is not None else None
         logits = self.runner.launch(chunks, previous.tokens if previous is not None else None)
         sampled = self.runner.sample_async(chunks, logits)

@@ -77,12 +77,13 @@ def _program_ids(HEADS_FIRST: tl.constexpr):
 
 
 @triton.jit
-def _split_range(lens_ptr, seq, split, num_splits, BLOCK_N: tl.constexpr):
+def _split_range(lens_ptr, seq, split, num_splits, BLOCK_N: tl.constexpr, SPLIT_MIN: tl.constexpr):
     """(context length, first token, end token, active splits) of a decode program's split. Splits are whole
-    KV tiles, so a short context fills fewer than ``num_splits``: the others have nothing to do and the merge
-    counts only the active ones (at least one, which writes zeros for an empty context)."""
+    KV tiles of at least ``SPLIT_MIN`` tokens, so a short context fills fewer than ``num_splits``: the others
+    have nothing to do and the merge counts only the active ones (at least one, which writes zeros for an
+    empty context)."""
     ctx = tl.load(lens_ptr + seq)
-    per_split = tl.maximum(tl.cdiv(tl.cdiv(ctx, num_splits), BLOCK_N), 1) * BLOCK_N
+    per_split = tl.maximum(tl.cdiv(tl.cdiv(ctx, num_splits), BLOCK_N) * BLOCK_N, SPLIT_MIN)
     active = tl.maximum(tl.cdiv(ctx, per_split), 1)
     start = split * per_split
     return ctx, start, tl.minimum(start + per_split, ctx), active
@@ -122,7 +123,7 @@ def _decode_output(acc, m_i, l_i, seq, kvh, split, active, num_splits, out_ptr, 
     of the (sequence, KV head) to finish merging all of them into the output."""
     out_mask = row_mask[:, None] & dim_mask[None, :]
     out_rows = out_ptr + seq.to(tl.int64) * stride_ot + heads[:, None] * HEAD_DIM + dims[None, :]
-    if not SPLIT:
+    if not SPLIT or active == 1:   # one split (by launch or by a short context): no partials, no merge
         safe_l = tl.where(l_i > 0, l_i, 1.0)
         tl.store(out_rows, (acc / safe_l[:, None]).to(out_ptr.dtype.element_ty), mask=out_mask)
     else:
@@ -159,14 +160,14 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, lens_ptr, out_pt
                    stride_qt, stride_ot, stride_table, scale, num_splits,
                    NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
                    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                   BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, S_PAD: tl.constexpr, PRECISION: tl.constexpr,
-                   HEADS_FIRST: tl.constexpr, PDL: tl.constexpr):
+                   BLOCK_N: tl.constexpr, SPLIT_MIN: tl.constexpr, SPLIT: tl.constexpr, S_PAD: tl.constexpr,
+                   PRECISION: tl.constexpr, HEADS_FIRST: tl.constexpr, PDL: tl.constexpr):
     """Split-KV decode attention of one (sequence, KV head, split). What the step's host copy and earlier
     kernels wrote (lengths, block table, the split's first KV tile) is read before waiting on the kernel just
     before this one; after the wait, the query and the new token's key and value row, which that kernel
     stored (its stale copy in the prefetched tile is replaced)."""
     seq, kvh, split = _program_ids(HEADS_FIRST)
-    ctx, start, end, active = _split_range(lens_ptr, seq, split, num_splits, BLOCK_N)
+    ctx, start, end, active = _split_range(lens_ptr, seq, split, num_splits, BLOCK_N, SPLIT_MIN)
     if split >= active:
         return
 
@@ -221,8 +222,9 @@ def _packed_decode_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, sl
                           stride_ot, stride_table, scale, eps, num_splits,
                           NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr,
                           GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                          BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, S_PAD: tl.constexpr,
-                          PRECISION: tl.constexpr, HAS_NORM: tl.constexpr, HEADS_FIRST: tl.constexpr,
+                          BLOCK_N: tl.constexpr, SPLIT_MIN: tl.constexpr, SPLIT: tl.constexpr,
+                          S_PAD: tl.constexpr, PRECISION: tl.constexpr, HAS_NORM: tl.constexpr,
+                          HEADS_FIRST: tl.constexpr,
                           PREFETCH: tl.constexpr, PDL: tl.constexpr):
     """Decode attention straight from the fused QKV projection: each program prepares its query heads and its
     KV head's new key and value (per-head RMSNorm, rotary embedding; the split holding the new token stores
@@ -230,7 +232,7 @@ def _packed_decode_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, sl
     context's first tile (with ``PREFETCH``), the rotary row, the norm weights) is read before waiting on the
     kernel before it."""
     seq, kvh, split = _program_ids(HEADS_FIRST)
-    ctx, start, end, active = _split_range(lens_ptr, seq, split, num_splits, BLOCK_N)
+    ctx, start, end, active = _split_range(lens_ptr, seq, split, num_splits, BLOCK_N, SPLIT_MIN)
     if split >= active:
         return
     half: tl.constexpr = HEAD_DIM // 2
@@ -311,6 +313,11 @@ def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+# Fewest context tokens a split of a small batch (≤ 16 rows) covers, and the warps of its programs.
+SMALL_BATCH_SPLIT_MIN = 64
+SMALL_BATCH_WARPS = 2
+
+
 def decode_splits(batch: int, num_kv_heads: int, max_splits: int = 16) -> int:
     """Context splits per sequence so that batch × KV heads × splits fills the GPU about twice."""
     target = 2 * _num_sms(torch.cuda.current_device())
@@ -334,8 +341,10 @@ def _split_buffers(batch: int, num_heads: int, num_kv_heads: int, num_splits: in
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                  context_lens: torch.Tensor, scale: float, num_splits: int, out: torch.Tensor | None = None,
                  counters: torch.Tensor | None = None, block_n: int | None = None, num_warps: int | None = None,
-                 num_stages: int | None = None, heads_first: bool | None = None) -> torch.Tensor:
-    """One query token per sequence: ``q`` [B, H, D] (heads contiguous) → [B, H, D].
+                 num_stages: int | None = None, heads_first: bool | None = None, split_min: int | None = None
+                 ) -> torch.Tensor:
+    """One query token per sequence: ``q`` [B, H, D] (heads contiguous) → [B, H, D]. A split covers at least
+    ``split_min`` context tokens (rounded up to whole KV tiles), so shorter contexts use fewer splits.
 
     With ``num_splits`` > 1, ``counters`` (int32, at least B × KV heads, zero; left zero) count the finished
     splits of each (sequence, KV head), so that the last one merges the partial results in the same launch;
@@ -356,9 +365,10 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     # ordered KV heads first took 199 µs against 217 µs with two stages in sequence order (4.2 against 3.9
     # TB/s of KV reads).
     small = batch <= 16
-    num_warps = num_warps or (2 if small else 4)
+    num_warps = num_warps or (SMALL_BATCH_WARPS if small else 4)
     num_stages = num_stages or (3 if d_pad <= 128 else 2)
     heads_first = not small if heads_first is None else heads_first
+    split_min = -(-(split_min or (SMALL_BATCH_SPLIT_MIN if small else block_n)) // block_n) * block_n
     part, lse, counters = _split_buffers(batch, num_heads, num_kv_heads, num_splits, head_dim, counters, out)
     pdl, launch = launch_options(q, batch)
     grid = (num_kv_heads, batch, num_splits) if heads_first else (batch, num_kv_heads, num_splits)
@@ -366,9 +376,9 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         q, k_cache, v_cache, block_tables, context_lens, out, part, lse, counters,
         q.stride(0), out.stride(0), block_tables.stride(0), scale, num_splits,
         NUM_KV_HEADS=num_kv_heads, GROUP=group, GROUP_PAD=max(16, _pow2(group)), HEAD_DIM=head_dim,
-        D_PAD=d_pad, BLOCK_SIZE=block_size, BLOCK_N=block_n, SPLIT=num_splits > 1, S_PAD=_pow2(num_splits),
-        PRECISION=_dot_precision(q.dtype), HEADS_FIRST=heads_first, num_warps=num_warps, num_stages=num_stages,
-        PDL=pdl, **launch)
+        D_PAD=d_pad, BLOCK_SIZE=block_size, BLOCK_N=block_n, SPLIT_MIN=split_min, SPLIT=num_splits > 1,
+        S_PAD=_pow2(num_splits), PRECISION=_dot_precision(q.dtype), HEADS_FIRST=heads_first, num_warps=num_warps,
+        num_stages=num_stages, PDL=pdl, **launch)
     return out
 
 
@@ -400,13 +410,14 @@ def paged_decode_packed(qkv: torch.Tensor, positions: torch.Tensor, cos_cache: t
     small = batch <= 16   # as in paged_decode
     heads_first = not small if heads_first is None else heads_first
     grid = (num_kv_heads, batch, num_splits) if heads_first else (batch, num_kv_heads, num_splits)
+    block_n = 64 if qkv.dtype != torch.float32 else 32
     _packed_decode_kernel[grid](
         qkv, positions, cos_cache, sin_cache, q_weight if has_norm else qkv, k_weight if has_norm else qkv,
         slot_mapping, k_cache, v_cache, block_tables, context_lens, out, part, lse, counters,
         qkv.stride(0), cos_cache.stride(0), out.stride(0), block_tables.stride(0), scale, eps, num_splits,
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP=group, GROUP_PAD=max(16, _pow2(group)),
-        HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1], BLOCK_N=64 if qkv.dtype != torch.float32 else 32,
-        SPLIT=num_splits > 1, S_PAD=_pow2(num_splits), PRECISION=_dot_precision(qkv.dtype), HAS_NORM=has_norm,
+        HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1], BLOCK_N=block_n, SPLIT_MIN=block_n, SPLIT=num_splits > 1,
+        S_PAD=_pow2(num_splits), PRECISION=_dot_precision(qkv.dtype), HAS_NORM=has_norm,
         HEADS_FIRST=heads_first, PREFETCH=prefetch, num_warps=num_warps or (2 if small else 4),
         num_stages=3 if head_dim <= 128 else 2, PDL=pdl, **launch)
     return out
