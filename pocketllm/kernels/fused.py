@@ -27,9 +27,9 @@ def _warps(width: int) -> int:
 @triton.jit
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, stride_x, stride_r, stride_o, n_cols, eps,
                      HAS_RESIDUAL: tl.constexpr, OFFSET: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    if PDL:
-        gdc_wait()
+    if PDL:   # dependents may launch now: each waits on this kernel before it reads this kernel's output
         gdc_launch_dependents()
+        gdc_wait()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -81,9 +81,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
 
 @triton.jit
 def _silu_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, n_cols, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    if PDL:
-        gdc_wait()
+    if PDL:   # dependents may launch now: each waits on this kernel before it reads this kernel's output
         gdc_launch_dependents()
+        gdc_wait()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -118,6 +118,8 @@ def _qkv_prep_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, q_out_p
                      HALF_PAD: tl.constexpr, HEADS: tl.constexpr, HAS_NORM: tl.constexpr, PDL: tl.constexpr):
     """``HEADS`` consecutive heads of one token (rows of a tile; q, k and v heads alike): each row is split in
     halves for the rotate-half rotation, q and k rows are normalised and rotated, k and v rows stored."""
+    if PDL:   # dependents may launch now: each waits on this kernel before it reads this kernel's output
+        gdc_launch_dependents()
     tok = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1) * HEADS + tl.arange(0, HEADS)
     half: tl.constexpr = HEAD_DIM // 2
@@ -140,7 +142,6 @@ def _qkv_prep_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, q_out_p
         wk2 = tl.load(kw_ptr + half + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
     if PDL:
         gdc_wait()
-        gdc_launch_dependents()
     src = qkv_ptr + tok * stride_qkv + head[:, None] * HEAD_DIM + cols[None, :]
     x1 = tl.load(src, mask=mask, other=0.0)
     x2 = tl.load(src + half, mask=mask, other=0.0)

@@ -72,6 +72,8 @@ def _skinny_kernel(x_ptr, w_ptr, out_ptr, res_ptr, nw_ptr, res_out_ptr, M, N, K,
                    stride_rm, eps, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                    PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, NORM_OFFSET: tl.constexpr,
                    PDL: tl.constexpr):
+    if PDL:   # dependents may launch now: each waits on this kernel before it reads this kernel's output
+        gdc_launch_dependents()
     pid = tl.program_id(0)
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
@@ -84,7 +86,6 @@ def _skinny_kernel(x_ptr, w_ptr, out_ptr, res_ptr, nw_ptr, res_out_ptr, M, N, K,
         # Up to here only the weight was read, which no earlier kernel writes: launched as a programmatic
         # dependent, that overlaps the previous kernel's tail. Its output is read only after the wait.
         gdc_wait()
-        gdc_launch_dependents()
     if PROLOGUE == 2:
         rstd = _inverse_rms(x_ptr, res_ptr, rows, m_mask, K, stride_xm, stride_rm, eps, HAS_RESIDUAL, BLOCK_M,
                             BLOCK_K)
@@ -160,6 +161,8 @@ def _one_row_kernel(x_ptr, w_ptr, out_ptr, res_ptr, nw_ptr, res_out_ptr, N, K, s
     programs fit on a multiprocessor) instead of once at the end. With ``SILU_EPILOGUE`` the weight is
     [gate; up] (2N rows) and the output ``silu(gate) * up`` (N values): a program streams the matching
     gate and up rows, so the activation needs no launch of its own."""
+    if PDL:   # dependents may launch now: each waits on this kernel before it reads this kernel's output
+        gdc_launch_dependents()
     pid = tl.program_id(0)
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
@@ -174,7 +177,6 @@ def _one_row_kernel(x_ptr, w_ptr, out_ptr, res_ptr, nw_ptr, res_out_ptr, N, K, s
         # Up to here only the weight was read, which no earlier kernel writes: launched as a programmatic
         # dependent, that overlaps the previous kernel's tail. Its output is read only after the wait.
         gdc_wait()
-        gdc_launch_dependents()
     x, squares = _one_row_input(x_ptr, res_ptr, nw_ptr, res_out_ptr, rk, rk < K, pid, PROLOGUE, HAS_RESIDUAL,
                                 NORM_OFFSET, K)
     acc = _partial(w_first, x, REDUCE_EACH)

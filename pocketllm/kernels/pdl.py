@@ -2,8 +2,10 @@
 the stream is scheduled while that one finishes, and waits on it (``gdc_wait``) only before reading its
 output. In a decode step of a few hundred short kernels this hides most of each launch gap.
 
-Kernels take a ``PDL`` constexpr: when true they call ``gdc_wait`` before their first read of an earlier
-kernel's output (weights may be read before it) and ``gdc_launch_dependents`` after it.
+Kernels take a ``PDL`` constexpr: when true they call ``gdc_launch_dependents`` as they start, so the next
+kernel can launch and read what it may (weights, the step's metadata) while this one and the one before it
+still run, and ``gdc_wait`` before their first read of an earlier kernel's output. The wait returns once the
+kernel just before has completed, which it does only after its own wait: every earlier kernel is done then.
 """
 
 from __future__ import annotations
