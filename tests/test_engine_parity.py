@@ -66,11 +66,21 @@ def test_longest_first_decode_rows_keep_outputs(regime, tiny_checkpoint, referen
     still gives every request its own tokens (pending tokens, sampling rows and outputs follow the rows)."""
     expected = references("llama")
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    decode_rows: list[list[int]] = []   # per step, the context lengths of the one-token rows in row order
     with LLM(EngineArgs(model=tiny_checkpoint("llama"), **REGIMES[regime])) as llm:
         core = llm._client.backend.core
         core.longest_first = True
+        launch = core.runner.launch
+
+        def recording_launch(chunks, *args, **kwargs):
+            decode_rows.append([c.end for c in chunks if c.num_tokens == 1])
+            return launch(chunks, *args, **kwargs)
+
+        core.runner.launch = recording_launch
         outputs = llm.generate(_prompts(), params)
     assert [o.token_ids for o in outputs] == expected
+    assert all(rows == sorted(rows, reverse=True) for rows in decode_rows)
+    assert any(len(set(rows)) > 1 for rows in decode_rows)   # rows of different lengths were ordered
 
 
 def test_prefix_cache_hits_and_agrees(tiny_checkpoint):
