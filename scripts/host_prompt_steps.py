@@ -40,13 +40,13 @@ def main() -> None:
             chunk.request.num_computed_tokens = chunk.end
             if chunk.samples:
                 chunk.request.output_token_ids.append(1)
-        registered = time.perf_counter()
+        advanced = time.perf_counter()
         for chunk in chunks:
             blocks.cache_full_blocks(chunk.request)
         done = time.perf_counter()
         tokens = sum(c.num_tokens for c in chunks)
         print(f"{step:4d} {len(chunks):6d} {tokens:6d} {1e3 * (scheduled - start):9.2f} "
-              f"{1e3 * (gathered - scheduled):10.2f} {1e3 * (done - registered):12.2f}")
+              f"{1e3 * (gathered - scheduled):10.2f} {1e3 * (done - advanced):12.2f}")
 
 
 if __name__ == "__main__":

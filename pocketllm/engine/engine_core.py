@@ -52,8 +52,9 @@ class StepOutput:
     token: SampledToken | None
 
 
-def _decode_row_order(chunk: ScheduledChunk) -> int:
-    """Sort key: one-token rows first, longest context first; prompt chunks after them in scheduled order."""
+def _one_token_rows_longest_first(chunk: ScheduledChunk) -> int:
+    """Sort key: one-token rows (decode rows, and a prompt's one-token chunk) first, longest context first;
+    longer prompt chunks after them in scheduled order."""
     return -chunk.end if chunk.num_tokens == 1 else 1
 
 
@@ -118,7 +119,9 @@ class EngineCore:
         self.in_flight: PendingStep | None = None
         # CUDA: a step's decode rows run longest context first. The decode kernel's programs start in row
         # order, so the longest sequences no longer start last and hold the step's tail (with up to 2,048
-        # programs of very different lengths). CPU keeps the scheduler's order, which its dense K/V rows follow.
+        # programs of very different lengths). From step to step the order stays the same while the batch does
+        # (every context grows by one), so pending tokens still take the plain copy. CPU keeps the scheduler's
+        # order, which its dense K/V rows follow.
         self.longest_first = self.device.type == "cuda"
         logger.info("KV cache: %d blocks of %d tokens (%.2f GiB), max_model_len %d",
                     num_blocks, args.block_size, num_blocks * self.runner.kv_bytes_per_block() / GiB,
@@ -222,7 +225,7 @@ class EngineCore:
         if not chunks:
             return None
         if self.longest_first:
-            chunks.sort(key=_decode_row_order)
+            chunks.sort(key=_one_token_rows_longest_first)
         previous = self.in_flight.sampled if self.in_flight is not None else None
         logits = self.runner.launch(chunks, previous.tokens if previous is not None else None)
         sampled = self.runner.sample_async(chunks, logits)

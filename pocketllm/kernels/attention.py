@@ -162,10 +162,10 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, lens_ptr, out_pt
                    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                    BLOCK_N: tl.constexpr, SPLIT_MIN: tl.constexpr, SPLIT: tl.constexpr, S_PAD: tl.constexpr,
                    PRECISION: tl.constexpr, HEADS_FIRST: tl.constexpr, PDL: tl.constexpr):
-    """Split-KV decode attention of one (sequence, KV head, split). What the step's host copy and earlier
-    kernels wrote (lengths, block table, the split's first KV tile) is read before waiting on the kernel just
-    before this one; after the wait, the query and the new token's key and value row, which that kernel
-    stored (its stale copy in the prefetched tile is replaced)."""
+    """Split-KV decode attention of one (sequence, KV head, split). What the step's host copy and earlier steps
+    wrote (lengths, block table, the split's first KV tile) is read before waiting on the kernel just before
+    this one; after the wait, the query and the new token's key and value row, which that kernel stored (its
+    stale copy in the prefetched tile is replaced)."""
     if PDL:   # dependents may launch now: each waits on this kernel before it reads this kernel's output
         gdc_launch_dependents()
     seq, kvh, split = _program_ids(HEADS_FIRST)
@@ -314,10 +314,8 @@ def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-# Fewest context tokens a split of a small batch (≤ 16 rows) covers, and the warps of its programs. Qwen3-0.6B
-# at batch 1 (H200, engine latency bench): 2 warps 1,381.6 tok/s, 4 warps 1,387.1, 8 warps with 256-token
-# splits 1,376.2 (within run-to-run noise; kept).
-SMALL_BATCH_SPLIT_MIN = 64
+# Warps of a decode program at small batch (≤ 16 rows). Qwen3-0.6B at batch 1 (H200, engine latency bench):
+# 2 warps 1,381.6 tok/s, 4 warps 1,387.1, 8 warps with 256-token splits 1,376.2 (within run-to-run noise).
 SMALL_BATCH_WARPS = 2
 
 
@@ -371,7 +369,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     num_warps = num_warps or (SMALL_BATCH_WARPS if small else 4)
     num_stages = num_stages or (3 if d_pad <= 128 else 2)
     heads_first = not small if heads_first is None else heads_first
-    split_min = -(-(split_min or (SMALL_BATCH_SPLIT_MIN if small else block_n)) // block_n) * block_n
+    split_min = -(-(split_min or block_n) // block_n) * block_n
     part, lse, counters = _split_buffers(batch, num_heads, num_kv_heads, num_splits, head_dim, counters, out)
     pdl, launch = launch_options(q, batch)
     grid = (num_kv_heads, batch, num_splits) if heads_first else (batch, num_kv_heads, num_splits)
@@ -421,7 +419,7 @@ def paged_decode_packed(qkv: torch.Tensor, positions: torch.Tensor, cos_cache: t
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP=group, GROUP_PAD=max(16, _pow2(group)),
         HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1], BLOCK_N=block_n, SPLIT_MIN=block_n, SPLIT=num_splits > 1,
         S_PAD=_pow2(num_splits), PRECISION=_dot_precision(qkv.dtype), HAS_NORM=has_norm,
-        HEADS_FIRST=heads_first, PREFETCH=prefetch, num_warps=num_warps or (2 if small else 4),
+        HEADS_FIRST=heads_first, PREFETCH=prefetch, num_warps=num_warps or (SMALL_BATCH_WARPS if small else 4),
         num_stages=3 if head_dim <= 128 else 2, PDL=pdl, **launch)
     return out
 

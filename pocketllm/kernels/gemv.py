@@ -83,8 +83,8 @@ def _skinny_kernel(x_ptr, w_ptr, out_ptr, res_ptr, nw_ptr, res_out_ptr, M, N, K,
     m_mask = rows < M
     w_first = tl.load(w_rows + rk[None, :], mask=n_mask[:, None] & (rk < K)[None, :], other=0.0)
     if PDL:
-        # Up to here only the weight was read, which no earlier kernel writes: launched as a programmatic
-        # dependent, that overlaps the previous kernel's tail. Its output is read only after the wait.
+        # Up to here only the weight was read, which no kernel writes: launched as a programmatic dependent,
+        # that overlaps earlier kernels still running. Their output is read only after the wait.
         gdc_wait()
     if PROLOGUE == 2:
         rstd = _inverse_rms(x_ptr, res_ptr, rows, m_mask, K, stride_xm, stride_rm, eps, HAS_RESIDUAL, BLOCK_M,
@@ -174,8 +174,8 @@ def _one_row_kernel(x_ptr, w_ptr, out_ptr, res_ptr, nw_ptr, res_out_ptr, N, K, s
         u_rows = w_rows + N.to(tl.int64) * stride_wn
         u_first = tl.load(u_rows + rk[None, :], mask=tile_mask, other=0.0)
     if PDL:
-        # Up to here only the weight was read, which no earlier kernel writes: launched as a programmatic
-        # dependent, that overlaps the previous kernel's tail. Its output is read only after the wait.
+        # Up to here only the weight was read, which no kernel writes: launched as a programmatic dependent,
+        # that overlaps earlier kernels still running. Their output is read only after the wait.
         gdc_wait()
     x, squares = _one_row_input(x_ptr, res_ptr, nw_ptr, res_out_ptr, rk, rk < K, pid, PROLOGUE, HAS_RESIDUAL,
                                 NORM_OFFSET, K)

@@ -1,11 +1,15 @@
 """Programmatic dependent launch (Hopper and later): a kernel launched as a dependent of the one before it on
-the stream is scheduled while that one finishes, and waits on it (``gdc_wait``) only before reading its
+the stream starts while earlier kernels still run, and waits on them (``gdc_wait``) only before reading their
 output. In a decode step of a few hundred short kernels this hides most of each launch gap.
 
 Kernels take a ``PDL`` constexpr: when true they call ``gdc_launch_dependents`` as they start, so the next
-kernel can launch and read what it may (weights, the step's metadata) while this one and the one before it
-still run, and ``gdc_wait`` before their first read of an earlier kernel's output. The wait returns once the
-kernel just before has completed, which it does only after its own wait: every earlier kernel is done then.
+kernel can launch and read what no kernel of the step writes (weights, the step's metadata, cached K/V of
+earlier steps) while this one and the ones before it still run, and ``gdc_wait`` before their first read of
+anything an earlier kernel of the step writes (the decode kernels replace, after it, the new token's K/V row
+of a tile they read early); nothing is written before the wait. The wait returns once the kernel just before
+has completed, which it does only after its own wait, so every earlier kernel is done then. That holds as
+long as at least one program of every such kernel reaches its wait (the decode kernels' first split always
+does).
 """
 
 from __future__ import annotations
