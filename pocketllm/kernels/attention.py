@@ -18,6 +18,7 @@ CUDA-graph batch carry ``slot = -1`` (nothing stored) and ``context_len = 0`` (z
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 import triton
@@ -325,6 +326,32 @@ def decode_splits(batch: int, num_kv_heads: int, max_splits: int = 16) -> int:
     return max(1, min(max_splits, -(-target // max(1, batch * num_kv_heads))))
 
 
+class _DecodeLaunch(NamedTuple):
+    """Launch settings of a decode kernel."""
+
+    block_n: int
+    num_warps: int
+    num_stages: int
+    heads_first: bool
+
+
+def _decode_launch(batch: int, dtype: torch.dtype, d_pad: int, block_n: int | None = None,
+                   num_warps: int | None = None, num_stages: int | None = None,
+                   heads_first: bool | None = None) -> _DecodeLaunch:
+    """The decode kernels' settings, each given one kept. Measured on an H200 at batch 1 (Llama-3-8B heads,
+    contexts 256 and 2048): two warps and three stages took 6.5 and 9.5 µs against 9.0 and 10.7 µs with four
+    warps and two; larger batches keep four. Heads over 128 keep two stages (three K/V tiles of 256-wide
+    heads would not fit smaller GPUs' shared memory). At batch 256 (Qwen3-0.6B heads, context 800, pages
+    spread over the cache) three stages and the grid ordered KV heads first took 199 µs against 217 µs with
+    two stages in sequence order (4.2 against 3.9 TB/s of KV reads)."""
+    small = batch <= 16
+    return _DecodeLaunch(
+        block_n or (64 if dtype != torch.float32 else 32),
+        num_warps or (SMALL_BATCH_WARPS if small else 4),
+        num_stages or (3 if d_pad <= 128 else 2),
+        not small if heads_first is None else heads_first)
+
+
 def _split_buffers(batch: int, num_heads: int, num_kv_heads: int, num_splits: int, head_dim: int,
                    counters: torch.Tensor | None, out: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """(partials, log-sum-exps, counters) of a split decode launch; ``out`` three times for one split."""
@@ -358,28 +385,18 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         out = torch.empty_like(q)
     assert q.stride(2) == 1 and q.stride(1) == head_dim and out.stride(2) == 1 and out.stride(1) == head_dim
     d_pad = _pow2(head_dim)
-    block_n = block_n or (64 if q.dtype != torch.float32 else 32)
-    # Measured on an H200 at batch 1 (Llama-3-8B heads, contexts 256 and 2048): two warps and three stages
-    # took 6.5 and 9.5 µs against 9.0 and 10.7 µs with four warps and two; larger batches keep four. Heads
-    # over 128 keep two stages (three K/V tiles of 256-wide heads would not fit smaller GPUs' shared memory).
-    # At batch 256 (Qwen3-0.6B heads, context 800, pages spread over the cache) three stages and the grid
-    # ordered KV heads first took 199 µs against 217 µs with two stages in sequence order (4.2 against 3.9
-    # TB/s of KV reads).
-    small = batch <= 16
-    num_warps = num_warps or (SMALL_BATCH_WARPS if small else 4)
-    num_stages = num_stages or (3 if d_pad <= 128 else 2)
-    heads_first = not small if heads_first is None else heads_first
-    split_min = -(-(split_min or block_n) // block_n) * block_n
+    c = _decode_launch(batch, q.dtype, d_pad, block_n, num_warps, num_stages, heads_first)
+    split_min = -(-(split_min or c.block_n) // c.block_n) * c.block_n
     part, lse, counters = _split_buffers(batch, num_heads, num_kv_heads, num_splits, head_dim, counters, out)
     pdl, launch = launch_options(q, batch)
-    grid = (num_kv_heads, batch, num_splits) if heads_first else (batch, num_kv_heads, num_splits)
+    grid = (num_kv_heads, batch, num_splits) if c.heads_first else (batch, num_kv_heads, num_splits)
     _decode_kernel[grid](
         q, k_cache, v_cache, block_tables, context_lens, out, part, lse, counters,
         q.stride(0), out.stride(0), block_tables.stride(0), scale, num_splits,
         NUM_KV_HEADS=num_kv_heads, GROUP=group, GROUP_PAD=max(16, _pow2(group)), HEAD_DIM=head_dim,
-        D_PAD=d_pad, BLOCK_SIZE=block_size, BLOCK_N=block_n, SPLIT_MIN=split_min, SPLIT=num_splits > 1,
-        S_PAD=_pow2(num_splits), PRECISION=_dot_precision(q.dtype), HEADS_FIRST=heads_first, num_warps=num_warps,
-        num_stages=num_stages, PDL=pdl, **launch)
+        D_PAD=d_pad, BLOCK_SIZE=block_size, BLOCK_N=c.block_n, SPLIT_MIN=split_min, SPLIT=num_splits > 1,
+        S_PAD=_pow2(num_splits), PRECISION=_dot_precision(q.dtype), HEADS_FIRST=c.heads_first,
+        num_warps=c.num_warps, num_stages=c.num_stages, PDL=pdl, **launch)
     return out
 
 
@@ -408,19 +425,17 @@ def paged_decode_packed(qkv: torch.Tensor, positions: torch.Tensor, cos_cache: t
     has_norm = q_weight is not None
     pdl, launch = launch_options(qkv, batch)
     group = num_heads // num_kv_heads
-    small = batch <= 16   # as in paged_decode
-    heads_first = not small if heads_first is None else heads_first
-    grid = (num_kv_heads, batch, num_splits) if heads_first else (batch, num_kv_heads, num_splits)
-    block_n = 64 if qkv.dtype != torch.float32 else 32
+    c = _decode_launch(batch, qkv.dtype, head_dim, num_warps=num_warps, heads_first=heads_first)
+    grid = (num_kv_heads, batch, num_splits) if c.heads_first else (batch, num_kv_heads, num_splits)
     _packed_decode_kernel[grid](
         qkv, positions, cos_cache, sin_cache, q_weight if has_norm else qkv, k_weight if has_norm else qkv,
         slot_mapping, k_cache, v_cache, block_tables, context_lens, out, part, lse, counters,
         qkv.stride(0), cos_cache.stride(0), out.stride(0), block_tables.stride(0), scale, eps, num_splits,
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP=group, GROUP_PAD=max(16, _pow2(group)),
-        HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1], BLOCK_N=block_n, SPLIT_MIN=block_n, SPLIT=num_splits > 1,
-        S_PAD=_pow2(num_splits), PRECISION=_dot_precision(qkv.dtype), HAS_NORM=has_norm,
-        HEADS_FIRST=heads_first, PREFETCH=prefetch, num_warps=num_warps or (SMALL_BATCH_WARPS if small else 4),
-        num_stages=3 if head_dim <= 128 else 2, PDL=pdl, **launch)
+        HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1], BLOCK_N=c.block_n, SPLIT_MIN=c.block_n,
+        SPLIT=num_splits > 1, S_PAD=_pow2(num_splits), PRECISION=_dot_precision(qkv.dtype), HAS_NORM=has_norm,
+        HEADS_FIRST=c.heads_first, PREFETCH=prefetch, num_warps=c.num_warps, num_stages=c.num_stages, PDL=pdl,
+        **launch)
     return out
 
 

@@ -71,12 +71,10 @@ def gumbel_argmax(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch
         if vocab <= chunk:
             chunk = 4 * block
         num_chunks = triton.cdiv(vocab, chunk)
-        vals = torch.empty(batch, num_chunks, dtype=torch.float32, device=logits.device)
-        idx = torch.empty(batch, num_chunks, dtype=torch.int32, device=logits.device)
+        vals, idx = _chunk_maxima(batch, num_chunks, logits.device)
         _gumbel_chunk_kernel[(batch, num_chunks)](logits, temperatures, seeds, vals, idx, vocab, logits.stride(0),
                                                   num_chunks, CHUNK=chunk, BLOCK=block, num_warps=4)
-        _merge_max_kernel[(batch,)](vals, idx, out, num_chunks, vocab, C_PAD=triton.next_power_of_2(num_chunks),
-                                    num_warps=1)
+        _merge_chunk_maxima(vals, idx, out, vocab)
     return out
 
 
@@ -108,6 +106,19 @@ def _merge_max_kernel(val_ptr, idx_ptr, out_ptr, num_chunks, vocab, C_PAD: tl.co
     tl.store(out_ptr + row, tl.minimum(best, vocab - 1).to(tl.int64))   # never an id outside the vocabulary
 
 
+def _chunk_maxima(batch: int, num_chunks: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each (row, vocabulary chunk)'s best value and its index, filled by a chunk kernel."""
+    return (torch.empty(batch, num_chunks, dtype=torch.float32, device=device),
+            torch.empty(batch, num_chunks, dtype=torch.int32, device=device))
+
+
+def _merge_chunk_maxima(vals: torch.Tensor, idx: torch.Tensor, out: torch.Tensor, vocab: int) -> None:
+    """``out[row]``: the index of the row's best chunk value (the lowest among ties)."""
+    batch, num_chunks = vals.shape
+    _merge_max_kernel[(batch,)](vals, idx, out, num_chunks, vocab, C_PAD=triton.next_power_of_2(num_chunks),
+                                num_warps=1)
+
+
 def greedy_argmax(logits: torch.Tensor, chunk: int = 4096) -> torch.Tensor:
     """``logits.argmax(-1)`` for ``logits`` [B, V] (lowest index among ties), the vocabulary spread over many
     programs: one program per row took ~36 µs for a 128k vocabulary at batch 1."""
@@ -117,10 +128,8 @@ def greedy_argmax(logits: torch.Tensor, chunk: int = 4096) -> torch.Tensor:
     out = torch.empty(batch, dtype=torch.int64, device=logits.device)
     if batch:
         num_chunks = triton.cdiv(vocab, chunk)
-        vals = torch.empty(batch, num_chunks, dtype=torch.float32, device=logits.device)
-        idx = torch.empty(batch, num_chunks, dtype=torch.int32, device=logits.device)
+        vals, idx = _chunk_maxima(batch, num_chunks, logits.device)
         _chunk_max_kernel[(batch, num_chunks)](logits, vals, idx, vocab, logits.stride(0), num_chunks, CHUNK=chunk,
                                                num_warps=4)
-        _merge_max_kernel[(batch,)](vals, idx, out, num_chunks, vocab, C_PAD=triton.next_power_of_2(num_chunks),
-                                    num_warps=1)
+        _merge_chunk_maxima(vals, idx, out, vocab)
     return out
