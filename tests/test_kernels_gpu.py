@@ -137,6 +137,24 @@ def test_paged_decode(dtype, heads, kv_heads, head_dim, splits):
     torch.testing.assert_close(widened, out, atol=1e-5 if dtype == torch.float32 else 2e-2, rtol=1e-3)
 
 
+def test_decode_splits_follow_the_longest_context():
+    """Splits of at least ``SPLIT_TOKENS`` (a power of two of them), never more than fill the GPU; every count
+    a step can ask for is one a CUDA graph was captured for."""
+    _need_cuda()
+    from pocketllm.kernels.attention import SPLIT_TOKENS, decode_split_options, decode_splits
+
+    fill = decode_splits(1, 8)
+    assert fill > 4
+    assert decode_splits(1, 8, max_context=0) == 1 and decode_splits(1, 8, max_context=SPLIT_TOKENS) == 1
+    assert decode_splits(1, 8, max_context=SPLIT_TOKENS + 1) == 2
+    assert decode_splits(1, 8, max_context=4 * SPLIT_TOKENS) == 4
+    assert decode_splits(1, 8, max_context=10 ** 6) == fill
+    for batch in (1, 2, 4, 8, 16, 32, 256):
+        options = decode_split_options(batch, 8)
+        assert max(options) == decode_splits(batch, 8)
+        assert {decode_splits(batch, 8, max_context=c) for c in range(0, 5000, 7)} <= set(options)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(16, 8, 128), (4, 2, 64)])
 @pytest.mark.parametrize("splits", [1, 4, 16])

@@ -7,7 +7,8 @@ the forward pass is queued behind it with no host synchronisation. The only sync
 is the sampler reading back the sampled tokens.
 
 Decode-only batches (one new token per sequence, every sequence sampling) of up to ``max_num_seqs``
-sequences replay a graph captured for the next bucket size up; padding rows carry ``slot = -1`` (the
+sequences replay a graph captured for the next bucket size up and the number of context splits the step's
+longest context needs (``decode_splits``); padding rows carry ``slot = -1`` (the
 kernels store nothing) and ``context_len = 0`` (attention writes zeros), so they touch no real state.
 Graph inputs live in one static device buffer whose layout is fixed at capture time.
 """
@@ -89,19 +90,20 @@ class CudaStepRunner:
         # Split-KV decode: finished-split counters per (sequence, KV head), zero between launches.
         self.split_counters = torch.zeros(0, dtype=torch.int32, device=device)
         self.eager_buffer = torch.empty(1 << 16, dtype=torch.int32, device=device)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.graph_outputs: dict[int, torch.Tensor] = {}
-        self.graph_meta: dict[int, AttentionMetadata] = {}
+        # Decode graphs by (batch-size bucket, context splits): the split count follows the step's contexts.
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self.graph_outputs: dict[tuple[int, int], torch.Tensor] = {}
+        self.graph_meta: dict[tuple[int, int], AttentionMetadata] = {}
         self.max_graph_bs = 0
         self.graph_width = 0
         self.static: torch.Tensor | None = None
         self.pool = None
 
     # ------------------------------------------------------------------------------------------ eager
-    def _splits(self, batch: int) -> int:
+    def _splits(self, batch: int, contexts: list[int]) -> int:
         from pocketllm.kernels.attention import decode_splits
 
-        return decode_splits(batch, self.num_kv_heads)
+        return decode_splits(batch, self.num_kv_heads, max_context=max(contexts, default=0))
 
     def _counters(self, batch: int) -> torch.Tensor:
         if self.split_counters.numel() < batch * self.num_kv_heads:
@@ -163,7 +165,8 @@ class CudaStepRunner:
             query_start=host.query_start, context_lens=host.context_lens, block_size=self.block_size,
             context_lens_gpu=view("ctx"), query_start_gpu=view("qstart"),
             max_query_len=max(b - a for a, b in zip(host.query_start, host.query_start[1:])),
-            num_splits=self._splits(lead) if lead else 1, num_decode_rows=0 if decode else lead,
+            num_splits=self._splits(lead, host.context_lens[:lead]) if lead else 1,
+            num_decode_rows=0 if decode else lead,
             split_counters=self._counters(lead) if lead else None,
             state_slots=view("state") if hybrid else None, state_slots_host=host.state_slots if hybrid else None)
         host.pending.fill(view("ids"), previous_tokens)
@@ -172,7 +175,10 @@ class CudaStepRunner:
 
     # ------------------------------------------------------------------------------------------ graphs
     def capture(self, max_num_seqs: int, max_model_len: int) -> None:
-        """Capture one decode graph per bucket size up to ``max_num_seqs`` (largest first, one memory pool)."""
+        """Capture one decode graph per bucket size up to ``max_num_seqs`` and split count the bucket can take
+        (largest first, one memory pool)."""
+        from pocketllm.kernels.attention import decode_split_options
+
         started = time.perf_counter()
         self.graph_width = -(-max_model_len // self.block_size)
         maxb, seg = max_num_seqs, _align(max_num_seqs)
@@ -187,25 +193,26 @@ class CudaStepRunner:
         self.pool = torch.cuda.graph_pool_handle()
         counters = self._counters(maxb)   # the graphs' metadata keeps this buffer alive
         for bs in reversed(graph_buckets(max_num_seqs)):
-            meta = AttentionMetadata(
-                slot_mapping=slots[:bs], block_tables=tables[:bs], query_start=list(range(bs + 1)),
-                context_lens=[0] * bs, block_size=self.block_size, context_lens_gpu=ctx[:bs],
-                query_start_gpu=None, max_query_len=1, num_splits=self._splits(bs), split_counters=counters,
-                state_slots=state[:bs] if hybrid else None,
-                state_slots_host=[self.state_padding_slot] * bs if hybrid else None)
-            self.model(ids[:bs], pos[:bs], meta)  # compile and warm up outside the capture
-            torch.cuda.synchronize(self.device)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
-                out = self.model(ids[:bs], pos[:bs], meta)
-            self.graphs[bs] = graph
-            self.graph_outputs[bs] = out
-            self.graph_meta[bs] = meta
+            for splits in reversed(decode_split_options(bs, self.num_kv_heads)):
+                meta = AttentionMetadata(
+                    slot_mapping=slots[:bs], block_tables=tables[:bs], query_start=list(range(bs + 1)),
+                    context_lens=[0] * bs, block_size=self.block_size, context_lens_gpu=ctx[:bs],
+                    query_start_gpu=None, max_query_len=1, num_splits=splits, split_counters=counters,
+                    state_slots=state[:bs] if hybrid else None,
+                    state_slots_host=[self.state_padding_slot] * bs if hybrid else None)
+                self.model(ids[:bs], pos[:bs], meta)  # compile and warm up outside the capture
+                torch.cuda.synchronize(self.device)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self.pool):
+                    out = self.model(ids[:bs], pos[:bs], meta)
+                self.graphs[bs, splits] = graph
+                self.graph_outputs[bs, splits] = out
+                self.graph_meta[bs, splits] = meta
         torch.cuda.synchronize(self.device)
         self.max_graph_bs = max_num_seqs
-        self.buckets = sorted(self.graphs)
-        logger.info("captured %d decode CUDA graphs (batch sizes %s) in %.1f s", len(self.graphs), self.buckets,
-                    time.perf_counter() - started)
+        self.buckets = sorted({bs for bs, _ in self.graphs})
+        logger.info("captured %d decode CUDA graphs (batch sizes %s, each per split count) in %.1f s",
+                    len(self.graphs), self.buckets, time.perf_counter() - started)
 
     def _replay(self, host: HostBatch, previous_tokens: torch.Tensor | None) -> torch.Tensor:
         n = host.num_seqs
@@ -228,5 +235,6 @@ class CudaStepRunner:
             tables[row, :len(table)] = table
         self.ring.send(i, size, self.static)
         host.pending.fill(self.static[:n], previous_tokens)
-        self.graphs[bs].replay()
-        return self.graph_outputs[bs][:n]
+        key = bs, self._splits(bs, host.context_lens)
+        self.graphs[key].replay()
+        return self.graph_outputs[key][:n]
