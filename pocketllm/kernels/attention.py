@@ -8,8 +8,9 @@ through the block table one tile (``BLOCK_N`` tokens, several pages) at a time, 
 Decode packs the ``G = num_heads / num_kv_heads`` query heads sharing a KV head into the rows of one
 tile, so every key and value is read once per sequence; a sequence's context is split into ``num_splits``
 pieces handled by separate programs; the last of them to finish (an atomic counter per sequence and KV
-head) merges the pieces with log-sum-exp weights in the same launch. The number of splits depends only on
-the batch size, which keeps the launch shape fixed for CUDA graphs.
+head) merges the pieces with log-sum-exp weights in the same launch. The number of splits depends on the
+batch size and on a power-of-two bucket of the step's longest context (``decode_splits``), so a CUDA graph
+captured per batch size and split count has a fixed launch shape.
 
 Index arithmetic that can exceed 2**31 (slot times row stride) is done in int64. Padding rows of a
 CUDA-graph batch carry ``slot = -1`` (nothing stored) and ``context_len = 0`` (zeros out).
