@@ -135,13 +135,17 @@ def test_paged_decode(dtype, heads, kv_heads, head_dim, splits):
                            split_min=128)
     assert not counters.any()
     torch.testing.assert_close(widened, out, atol=1e-5 if dtype == torch.float32 else 2e-2, rtol=1e-3)
+    # 32-token tiles (the engine's choice when every split is that short)
+    narrow = paged_decode(q, k_cache, v_cache, tables, ctx, head_dim ** -0.5, splits, counters=counters, block_n=32)
+    assert not counters.any()
+    torch.testing.assert_close(narrow, out, atol=1e-5 if dtype == torch.float32 else 2e-2, rtol=1e-3)
 
 
 def test_decode_splits_follow_the_longest_context():
     """Splits of at least ``SPLIT_TOKENS`` (a power of two of them), never more than fill the GPU; every count
     a step can ask for is one a CUDA graph was captured for."""
     _need_cuda()
-    from pocketllm.kernels.attention import SPLIT_TOKENS, decode_split_options, decode_splits
+    from pocketllm.kernels.attention import SPLIT_TOKENS, decode_split_options, decode_splits, decode_tile
 
     fill = decode_splits(1, 8)
     assert fill > 4
@@ -149,6 +153,8 @@ def test_decode_splits_follow_the_longest_context():
     assert decode_splits(1, 8, max_context=SPLIT_TOKENS + 1) == 2
     assert decode_splits(1, 8, max_context=4 * SPLIT_TOKENS) == 4
     assert decode_splits(1, 8, max_context=10 ** 6) == fill
+    # fewer splits than fill the GPU: each is one tile of SPLIT_TOKENS; otherwise the kernel's own tile
+    assert decode_tile(1, 8, 4) == SPLIT_TOKENS and decode_tile(1, 8, fill) is None
     for batch in (1, 2, 4, 8, 16, 32, 256):
         options = decode_split_options(batch, 8)
         assert max(options) == decode_splits(batch, 8)

@@ -321,22 +321,30 @@ def _num_sms(device_index: int) -> int:
 SMALL_BATCH_WARPS = 2
 
 
-# Context tokens a decode split covers at least when the split count follows the step's contexts (one bf16
-# KV tile).
-SPLIT_TOKENS = 64
+# Context tokens a decode split covers at least when the split count follows the step's contexts.
+SPLIT_TOKENS = 32
 
 
 def decode_splits(batch: int, num_kv_heads: int, max_splits: int = 16, max_context: int | None = None) -> int:
     """Context splits per sequence so that batch × KV heads × splits fills the GPU about twice; given the step's
     longest context, no more than the power of two that cuts it into pieces of ``SPLIT_TOKENS``. Programs
     past a context's active splits return at once but still cost: Qwen3-0.6B at batch 1 and contexts up to
-    256 (H200) decoded 1,443 and 1,461 tok/s with 4 splits launched against 1,398-1,417 with 16."""
+    256 (H200) decoded 1,443-1,461 tok/s with 4 splits of 64 tokens launched against 1,398-1,417 with 16
+    (of which 4 active); 8 splits of one 32-token tile each (``decode_tile``) took it to 1,481-1,518."""
     target = 2 * _num_sms(torch.cuda.current_device())
     fill = max(1, min(max_splits, -(-target // max(1, batch * num_kv_heads))))
     if max_context is None:
         return fill
     pieces = max(1, -(-max_context // SPLIT_TOKENS))
     return min(fill, 1 << (pieces - 1).bit_length())
+
+
+def decode_tile(batch: int, num_kv_heads: int, num_splits: int) -> int | None:
+    """The KV tile width for a decode launch of ``num_splits`` splits: below the count that fills the GPU the
+    split count came from the context, every split is at most ``SPLIT_TOKENS`` long, and one tile that wide
+    covers it; otherwise None (the kernel's default, 64 tokens in 16-bit: longer splits loop over fewer, wider
+    tiles; 32-token tiles there took Qwen3-0.6B at context 2,048 from 1,157 to 1,062-1,065 tok/s)."""
+    return SPLIT_TOKENS if num_splits < decode_splits(batch, num_kv_heads) else None
 
 
 def decode_split_options(batch: int, num_kv_heads: int) -> list[int]:
@@ -431,7 +439,8 @@ def paged_decode_packed(qkv: torch.Tensor, positions: torch.Tensor, cos_cache: t
                         v_cache: torch.Tensor, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
                         context_lens: torch.Tensor, scale: float, num_splits: int,
                         counters: torch.Tensor | None = None, num_warps: int | None = None,
-                        heads_first: bool | None = None, prefetch: bool = True) -> torch.Tensor:
+                        heads_first: bool | None = None, prefetch: bool = True, block_n: int | None = None,
+                        ) -> torch.Tensor:
     """One query token per sequence, from the fused projection ``qkv`` [B, (H + 2 KVH) * D]: what
     ``qkv_prepare`` then ``paged_decode`` compute (per-head q/k RMSNorm when weights are given, rotary
     embedding, the new key and value stored at ``slot_mapping``, attention over the context including the
@@ -444,7 +453,7 @@ def paged_decode_packed(qkv: torch.Tensor, positions: torch.Tensor, cos_cache: t
     has_norm = q_weight is not None
     pdl, launch = launch_options(qkv, batch)
     group = num_heads // num_kv_heads
-    c = _decode_launch(batch, qkv.dtype, head_dim, num_warps=num_warps, heads_first=heads_first)
+    c = _decode_launch(batch, qkv.dtype, head_dim, block_n, num_warps=num_warps, heads_first=heads_first)
     grid = (num_kv_heads, batch, num_splits) if c.heads_first else (batch, num_kv_heads, num_splits)
     _packed_decode_kernel[grid](
         qkv, positions, cos_cache, sin_cache, q_weight if has_norm else qkv, k_weight if has_norm else qkv,

@@ -66,7 +66,7 @@ class Attention(nn.Module):
                 qkv, positions, rotary.cos_cache, rotary.sin_cache, None if q_norm is None else q_norm.weight,
                 None if k_norm is None else k_norm.weight, q_norm.eps if q_norm is not None else 0.0, self.num_heads,
                 self.num_kv_heads, self.head_dim, self.k_cache, self.v_cache, meta.slot_mapping, meta.block_tables,
-                meta.context_lens_gpu, self.scale, meta.num_splits, meta.split_counters)
+                meta.context_lens_gpu, self.scale, meta.num_splits, meta.split_counters, block_n=meta.decode_tile)
             return out.view(qkv.shape[0], self.num_heads * self.head_dim)
         q = qkv_prepare(qkv, positions, rotary.cos_cache, rotary.sin_cache,
                         None if q_norm is None else q_norm.weight, None if k_norm is None else k_norm.weight,
@@ -79,14 +79,14 @@ class Attention(nn.Module):
 
         if meta.is_decode_only:
             out = paged_decode(q, self.k_cache, self.v_cache, meta.block_tables, meta.context_lens_gpu,
-                               self.scale, meta.num_splits, counters=meta.split_counters)
+                               self.scale, meta.num_splits, counters=meta.split_counters, block_n=meta.decode_tile)
         else:
             out = torch.empty_like(q)
             lead = meta.num_decode_rows
             if lead:
                 paged_decode(q[:lead], self.k_cache, self.v_cache, meta.block_tables[:lead],
                              meta.context_lens_gpu[:lead], self.scale, meta.num_splits, out=out[:lead],
-                             counters=meta.split_counters)
+                             counters=meta.split_counters, block_n=meta.decode_tile)
             paged_prefill(q, self.k_cache, self.v_cache, meta.block_tables, meta.context_lens_gpu,
                           meta.query_start_gpu, meta.max_query_len, self.scale, out=out, first_seq=lead)
         return out.view(q.shape[0], self.num_heads * self.head_dim)

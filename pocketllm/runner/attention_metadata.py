@@ -28,6 +28,7 @@ class AttentionMetadata:
     query_start_gpu: torch.Tensor | None = None     # [num_seqs + 1] int32
     max_query_len: int = 0
     num_splits: int = 1                             # decode rows: context splits per sequence
+    decode_tile: int | None = None                  # decode rows: KV tile width (None: the kernel's default)
     # Steps mixing decode rows and prompt chunks: the leading sequences that have one query token each, which
     # the decode kernel attends (the prefill kernel takes the rest; 0 otherwise).
     num_decode_rows: int = 0

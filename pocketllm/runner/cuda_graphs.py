@@ -105,6 +105,11 @@ class CudaStepRunner:
 
         return decode_splits(batch, self.num_kv_heads, max_context=max(contexts, default=0))
 
+    def _tile(self, batch: int, splits: int) -> int | None:
+        from pocketllm.kernels.attention import decode_tile
+
+        return decode_tile(batch, self.num_kv_heads, splits)
+
     def _counters(self, batch: int) -> torch.Tensor:
         if self.split_counters.numel() < batch * self.num_kv_heads:
             self.split_counters = torch.zeros(batch * self.num_kv_heads, dtype=torch.int32, device=self.device)
@@ -160,12 +165,13 @@ class CudaStepRunner:
         # Mixed steps: the running sequences' decode rows come first; the decode kernel takes them (the prefill
         # kernel spent a 64-row query tile on each of them).
         lead = n if decode else _leading_single_rows(host.query_start)
+        splits = self._splits(lead, host.context_lens[:lead]) if lead else 1
         meta = AttentionMetadata(
             slot_mapping=view("slots"), block_tables=dev[o:o + n * width].view(n, width),
             query_start=host.query_start, context_lens=host.context_lens, block_size=self.block_size,
             context_lens_gpu=view("ctx"), query_start_gpu=view("qstart"),
             max_query_len=max(b - a for a, b in zip(host.query_start, host.query_start[1:])),
-            num_splits=self._splits(lead, host.context_lens[:lead]) if lead else 1,
+            num_splits=splits, decode_tile=self._tile(lead, splits) if lead else None,
             num_decode_rows=0 if decode else lead,
             split_counters=self._counters(lead) if lead else None,
             state_slots=view("state") if hybrid else None, state_slots_host=host.state_slots if hybrid else None)
@@ -197,7 +203,8 @@ class CudaStepRunner:
                 meta = AttentionMetadata(
                     slot_mapping=slots[:bs], block_tables=tables[:bs], query_start=list(range(bs + 1)),
                     context_lens=[0] * bs, block_size=self.block_size, context_lens_gpu=ctx[:bs],
-                    query_start_gpu=None, max_query_len=1, num_splits=splits, split_counters=counters,
+                    query_start_gpu=None, max_query_len=1, num_splits=splits,
+                    decode_tile=self._tile(bs, splits), split_counters=counters,
                     state_slots=state[:bs] if hybrid else None,
                     state_slots_host=[self.state_padding_slot] * bs if hybrid else None)
                 self.model(ids[:bs], pos[:bs], meta)  # compile and warm up outside the capture
