@@ -340,17 +340,18 @@ def decode_splits(batch: int, num_kv_heads: int, max_splits: int = 16, max_conte
 
 
 def decode_tile(batch: int, num_kv_heads: int, num_splits: int) -> int | None:
-    """The KV tile width for a decode launch of ``num_splits`` splits: below the count that fills the GPU the
-    split count came from the context, every split is at most ``SPLIT_TOKENS`` long, and one tile that wide
-    covers it; otherwise None (the kernel's default, 64 tokens in 16-bit: longer splits loop over fewer, wider
-    tiles; 32-token tiles there took Qwen3-0.6B at context 2,048 from 1,157 to 1,062-1,065 tok/s)."""
+    """The KV tile width for a decode launch of ``num_splits`` splits. A count below the one that fills the GPU
+    was chosen from the contexts, so every split is at most ``SPLIT_TOKENS`` long and one tile that wide
+    covers it. Otherwise None: the kernel's default (64 tokens in 16-bit), as longer splits loop over fewer,
+    wider tiles (32-token tiles there took Qwen3-0.6B at context 2,048 from 1,157 to 1,062-1,065 tok/s)."""
     return SPLIT_TOKENS if num_splits < decode_splits(batch, num_kv_heads) else None
 
 
 def decode_split_options(batch: int, num_kv_heads: int) -> list[int]:
     """Every split count ``decode_splits`` gives for this batch size, whatever the contexts."""
     fill = decode_splits(batch, num_kv_heads)
-    return sorted({min(fill, 1 << i) for i in range(fill.bit_length() + 1)})
+    return sorted({decode_splits(batch, num_kv_heads, max_context=SPLIT_TOKENS << i)
+                   for i in range(fill.bit_length() + 1)})
 
 
 class _DecodeLaunch(NamedTuple):
@@ -439,8 +440,8 @@ def paged_decode_packed(qkv: torch.Tensor, positions: torch.Tensor, cos_cache: t
                         v_cache: torch.Tensor, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
                         context_lens: torch.Tensor, scale: float, num_splits: int,
                         counters: torch.Tensor | None = None, num_warps: int | None = None,
-                        heads_first: bool | None = None, prefetch: bool = True, block_n: int | None = None,
-                        ) -> torch.Tensor:
+                        heads_first: bool | None = None, prefetch: bool = True,
+                        block_n: int | None = None) -> torch.Tensor:
     """One query token per sequence, from the fused projection ``qkv`` [B, (H + 2 KVH) * D]: what
     ``qkv_prepare`` then ``paged_decode`` compute (per-head q/k RMSNorm when weights are given, rotary
     embedding, the new key and value stored at ``slot_mapping``, attention over the context including the

@@ -1,5 +1,5 @@
 """The CUDA side of a step: batch inputs in one pinned host→device copy, kernel metadata, and decode steps
-replayed from CUDA graphs captured per batch-size bucket.
+replayed from CUDA graphs captured per batch-size bucket and context split count.
 
 Per step the host builds every integer input (token ids, positions, KV slots, context lengths, query
 starts, block tables) into one int32 array in pinned memory and sends it with a single non-blocking copy;
@@ -101,11 +101,13 @@ class CudaStepRunner:
 
     # ------------------------------------------------------------------------------------------ eager
     def _splits(self, batch: int, contexts: list[int]) -> int:
+        """Context splits of a decode launch over ``batch`` rows whose contexts are ``contexts``."""
         from pocketllm.kernels.attention import decode_splits
 
         return decode_splits(batch, self.num_kv_heads, max_context=max(contexts, default=0))
 
     def _tile(self, batch: int, splits: int) -> int | None:
+        """KV tile width of that launch (None: the kernel's default)."""
         from pocketllm.kernels.attention import decode_tile
 
         return decode_tile(batch, self.num_kv_heads, splits)
@@ -200,26 +202,32 @@ class CudaStepRunner:
         counters = self._counters(maxb)   # the graphs' metadata keeps this buffer alive
         for bs in reversed(graph_buckets(max_num_seqs)):
             for splits in reversed(decode_split_options(bs, self.num_kv_heads)):
-                meta = AttentionMetadata(
-                    slot_mapping=slots[:bs], block_tables=tables[:bs], query_start=list(range(bs + 1)),
-                    context_lens=[0] * bs, block_size=self.block_size, context_lens_gpu=ctx[:bs],
-                    query_start_gpu=None, max_query_len=1, num_splits=splits,
-                    decode_tile=self._tile(bs, splits), split_counters=counters,
-                    state_slots=state[:bs] if hybrid else None,
-                    state_slots_host=[self.state_padding_slot] * bs if hybrid else None)
-                self.model(ids[:bs], pos[:bs], meta)  # compile and warm up outside the capture
-                torch.cuda.synchronize(self.device)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=self.pool):
-                    out = self.model(ids[:bs], pos[:bs], meta)
-                self.graphs[bs, splits] = graph
-                self.graph_outputs[bs, splits] = out
-                self.graph_meta[bs, splits] = meta
+                self._capture_one(bs, splits, (ids, pos, slots, ctx, state, tables), counters)
         torch.cuda.synchronize(self.device)
         self.max_graph_bs = max_num_seqs
         self.buckets = sorted({bs for bs, _ in self.graphs})
         logger.info("captured %d decode CUDA graphs (batch sizes %s, each per split count) in %.1f s",
                     len(self.graphs), self.buckets, time.perf_counter() - started)
+
+    def _capture_one(self, bs: int, splits: int, inputs: tuple[torch.Tensor, ...], counters: torch.Tensor) -> None:
+        """Capture the decode graph of bucket ``bs`` with ``splits`` context splits over the static ``inputs``
+        (token ids, positions, slots, context lengths, state slots, block tables)."""
+        ids, pos, slots, ctx, state, tables = inputs
+        hybrid = self.state_padding_slot is not None
+        meta = AttentionMetadata(
+            slot_mapping=slots[:bs], block_tables=tables[:bs], query_start=list(range(bs + 1)),
+            context_lens=[0] * bs, block_size=self.block_size, context_lens_gpu=ctx[:bs],
+            query_start_gpu=None, max_query_len=1, num_splits=splits, decode_tile=self._tile(bs, splits),
+            split_counters=counters, state_slots=state[:bs] if hybrid else None,
+            state_slots_host=[self.state_padding_slot] * bs if hybrid else None)
+        self.model(ids[:bs], pos[:bs], meta)  # compile and warm up outside the capture
+        torch.cuda.synchronize(self.device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            out = self.model(ids[:bs], pos[:bs], meta)
+        self.graphs[bs, splits] = graph
+        self.graph_outputs[bs, splits] = out
+        self.graph_meta[bs, splits] = meta
 
     def _replay(self, host: HostBatch, previous_tokens: torch.Tensor | None) -> torch.Tensor:
         n = host.num_seqs
