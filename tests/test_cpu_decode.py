@@ -145,6 +145,38 @@ def test_greedy_tokens_equal_with_and_without_the_fast_path(fmt: str, tiny_check
         assert results[0] == results[1]
 
 
+def test_compiled_decode_step_matches_the_eager_step(tiny_checkpoint) -> None:
+    """``cpu_compile``: every decode step (one request over its cache span, then two over dense rows) computed
+    by the compiled step and by the eager one on the same batch gives the same hidden states, within the
+    rounding of bfloat16 activations (inductor fuses the elementwise ops between the int4 products)."""
+    seen = []
+    with LLM(EngineArgs(model=tiny_checkpoint("llama"), device="cpu", num_kv_blocks=64, cpu_weight_format="int4",
+                        cpu_compile=True)) as llm:
+        step = llm._client.backend.core.runner.cpu_decode
+
+        def both(chunks):
+            batch = step._metadata(chunks)
+            eager = step.run(batch)
+            compiled = step.run_step(batch)
+            assert float((compiled - eager).norm() / eager.norm()) < 2e-2
+            seen.append(len(chunks))
+            return compiled
+
+        step.forward = both
+        params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+        alone = llm.generate([[1, 400, 401, 402]], params)
+        pair = llm.generate([[1, 500, 501], [1, 600, 601, 602, 603]], params)
+    assert [len(out.token_ids) for out in alone + pair] == [4, 4, 4]
+    assert 1 in seen and 2 in seen
+
+
+def test_cpu_compile_refuses_a_model_without_the_fast_path() -> None:
+    from pocketllm.runner.cpu_decode import setup_cpu
+
+    with pytest.raises(InvalidRequestError, match="cpu_compile"):
+        setup_cpu(torch.nn.Linear(4, 4), "auto", 16, compile_step=True)
+
+
 @pytest.mark.parametrize("fmt", ["auto", "int4"])
 def test_dense_rows_follow_a_changing_batch(fmt: str, tiny_checkpoint) -> None:
     """Requests of different lengths that end at different steps, and one that joins late: the batch's rows

@@ -73,7 +73,8 @@ class EngineCore:
         if kv_dtype == torch.float8_e4m3fn and self.runner.cuda_step is None:
             raise UnsupportedFeatureError("kv_cache_dtype='fp8' needs the CUDA kernel path (a CUDA device and "
                                           "Triton); use kv_cache_dtype='auto'")
-        self.runner.load(weights, dummy_seed=args.seed, weight_format=args.cpu_weight_format)
+        self.runner.load(weights, dummy_seed=args.seed, weight_format=args.cpu_weight_format,
+                         cpu_compile=args.cpu_compile)
         # Hybrid models (recurrent-state layers): one state slot per request that may run, allocated before
         # the KV cache is sized from what memory is left.
         self.state_pool = StatePool(args.max_num_seqs) if self.runner.state_layers else None

@@ -111,8 +111,10 @@ class CpuLinear(nn.Module):
         self.out_features, self.in_features = weight.shape
         self.keep = keep if keep is not None and keep < self.out_features else None
         self.bias = None if bias is None else bias.detach().to(torch.bfloat16)
-        self.packed: torch.Tensor | None = None
-        self.scales_zeros: torch.Tensor | None = None
+        # Buffers, not plain attributes: a compiled decode step (``cpu_compile``) freezes a module's buffers into
+        # its code as constants, which inductor's int4 product templates need.
+        self.register_buffer("packed", None)
+        self.register_buffer("scales_zeros", None)
         self.int8: Int8Product | None = None
         if weight_format == "int4":
             codes, self.scales_zeros = quantize_int4(weight)

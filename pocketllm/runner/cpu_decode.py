@@ -27,9 +27,11 @@ logger = logging.getLogger("pocketllm.runner")
 DENSE_ROWS_MAX = 16
 
 
-def setup_cpu(model: torch.nn.Module, weight_format: str, block_size: int) -> CpuDecodeStep | None:
+def setup_cpu(model: torch.nn.Module, weight_format: str, block_size: int,
+              compile_step: bool = False) -> CpuDecodeStep | None:
     """Convert ``model``'s linear layers to ``weight_format`` (bfloat16, int4, int8; float32/auto: as loaded) and
-    return the decode fast path when the model's layers are ones it computes (else None)."""
+    return the decode fast path when the model's layers are ones it computes (else None), compiled with
+    ``compile_step``."""
     if weight_format in ("bfloat16", "int4", "int8"):
         if tp_size() != 1:
             raise InvalidRequestError("cpu_weight_format bfloat16/int4/int8 runs on one rank only",
@@ -42,9 +44,12 @@ def setup_cpu(model: torch.nn.Module, weight_format: str, block_size: int) -> Cp
         count = convert_model(model, weight_format)
         logger.info("CPU weights: %d linear layers (LM head included) as %s", count, weight_format)
     if not CpuDecodeStep.supports(model):
+        if compile_step:
+            raise InvalidRequestError(f"cpu_compile compiles the decode step of Llama-family models; "
+                                      f"{type(model).__name__} has layers it does not compute", param="cpu_compile")
         logger.info("CPU decode fast path off: %s has layers it does not compute", type(model).__name__)
         return None
-    return CpuDecodeStep(model, block_size)
+    return CpuDecodeStep(model, block_size, compile_step)
 
 
 class DecodeBatch(NamedTuple):
@@ -82,7 +87,7 @@ def _linear(module: torch.nn.Module):
 class CpuDecodeStep:
     """Decode-only steps (every chunk one token that samples) of a supported model on CPU."""
 
-    def __init__(self, model: torch.nn.Module, block_size: int) -> None:
+    def __init__(self, model: torch.nn.Module, block_size: int, compile_step: bool = False) -> None:
         self.model = model
         self.block_size = block_size
         first = model.layers[0].self_attn
@@ -107,6 +112,14 @@ class CpuDecodeStep:
         self._views: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._views_of: torch.Tensor | None = None
         self.dense_rows: DenseDecodeRows | None = None   # made at the first multi-row step (caches bound)
+        # Compiled: inductor's C++ code for the whole step, the int4 products from its templates (autotuned
+        # against torch's kernel; they need the packed weights frozen into the code as constants). Sizes that
+        # change from step to step (context length, rows) stay symbolic; each kind of step (one row over a
+        # cache span, dense rows, gathered blocks) is one compile. Without duck sizing, the row count is not
+        # tied to the dense rows' capacity when they happen to be equal at the first compile.
+        self._run = self.run
+        if compile_step:
+            self._run = torch.compile(self.run, dynamic=True, options={"max_autotune": True, "freezing": True})
 
     @staticmethod
     def supports(model: torch.nn.Module) -> bool:
@@ -177,7 +190,14 @@ class CpuDecodeStep:
 
     def forward(self, chunks: list[Any]) -> torch.Tensor:
         """The hidden states after the final norm, one row per chunk (float32)."""
-        return self.run(self._metadata(chunks))
+        return self.run_step(self._metadata(chunks))
+
+    def run_step(self, batch: DecodeBatch) -> torch.Tensor:
+        """``run``, compiled when the step was built to be."""
+        if self._run is self.run:
+            return self.run(batch)
+        with torch.fx.experimental._config.patch(use_duck_shape=False):
+            return self._run(batch)
 
     def _cache_views(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Every layer's K and V cache as ``[slots, kv_heads, head_dim]`` views, made again only when the runner

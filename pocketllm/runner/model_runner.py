@@ -76,9 +76,9 @@ class ModelRunner:
         self.cpu_decode = None
 
     def load(self, weights: Iterable[tuple[str, torch.Tensor]] | None, dummy_seed: int | None = None,
-             weight_format: str = "auto") -> None:
+             weight_format: str = "auto", cpu_compile: bool = False) -> None:
         """Load checkpoint weights, or fill random ones when ``weights`` is None; on CPU, convert the linear
-        layers to ``weight_format`` and set up the decode fast path."""
+        layers to ``weight_format`` and set up the decode fast path (compiled with ``cpu_compile``)."""
         if weights is None:
             init_dummy_weights(self.model, dummy_seed or 0)
         else:
@@ -86,7 +86,7 @@ class ModelRunner:
         if self.device.type == "cpu":
             from pocketllm.runner.cpu_decode import setup_cpu
 
-            self.cpu_decode = setup_cpu(self.model, weight_format, self.block_size)
+            self.cpu_decode = setup_cpu(self.model, weight_format, self.block_size, cpu_compile)
 
     @torch.inference_mode()
     def profile_activation_bytes(self, max_num_batched_tokens: int, max_num_seqs: int) -> int:
