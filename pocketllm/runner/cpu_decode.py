@@ -243,17 +243,21 @@ class CpuDecodeStep:
             k, v = (k if k.dtype == kv_dtype else k.to(kv_dtype)), (v if v.dtype == kv_dtype else v.to(kv_dtype))
             k_flat.index_copy_(0, slots, k)
             v_flat.index_copy_(0, slots, v)
-            if span is not None:
-                keys, values = k_flat[span[0]:span[1]], v_flat[span[0]:span[1]]
-            elif rows_kv is not None:
+            # Dense rows are [rows, length, kv heads, dim] already: no view of their slice, whose legality depends
+            # on the rows' capacity (a compiled step would guard on it and compile again as the length grows).
+            if rows_kv is not None:
                 k_rows, v_rows = rows_kv
                 k_rows.view(-1, kv_heads, dim).index_copy_(0, dense_index, k)
                 v_rows.view(-1, kv_heads, dim).index_copy_(0, dense_index, v)
                 keys, values = k_rows[:rows, :dense_length], v_rows[:rows, :dense_length]
             else:
-                keys, values = attn.k_cache.index_select(0, index), attn.v_cache.index_select(0, index)
-            keys = keys.view(rows, -1, kv_heads, dim).transpose(1, 2)
-            values = values.view(rows, -1, kv_heads, dim).transpose(1, 2)
+                if span is not None:
+                    keys, values = k_flat[span[0]:span[1]], v_flat[span[0]:span[1]]
+                else:
+                    keys, values = attn.k_cache.index_select(0, index), attn.v_cache.index_select(0, index)
+                keys = keys.view(rows, -1, kv_heads, dim)
+                values = values.view(rows, -1, kv_heads, dim)
+            keys, values = keys.transpose(1, 2), values.transpose(1, 2)
             # One fused kernel reads the strided context in place, in the cache's dtype. A KV head's query heads
             # go in as query positions of that head: measured faster than grouped heads at 1-8 rows, float32
             # (8-41%) and bfloat16 (SmolLM2's heads, gathered context 144-384: 11-20% at 1 row, 23-51% at 8).
