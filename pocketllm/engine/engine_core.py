@@ -127,6 +127,25 @@ class EngineCore:
         logger.info("KV cache: %d blocks of %d tokens (%.2f GiB), max_model_len %d",
                     num_blocks, args.block_size, num_blocks * self.runner.kv_bytes_per_block() / GiB,
                     max_model_len)
+        if args.cpu_compile and self.runner.cpu_decode is not None:
+            self._compile_cpu_decode()
+
+    def _compile_cpu_decode(self) -> None:
+        """``cpu_compile``: run throwaway decode steps now, so that the compiled step's kinds (several rows over
+        dense K/V rows, as many as may run at once up to the dense rows' limit; one row over its cache span)
+        compile at start-up, their int4 products tuned for those row counts, not during the first requests."""
+        from pocketllm.runner.cpu_decode import DENSE_ROWS_MAX
+
+        started = time.perf_counter()
+        params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+        for rows in dict.fromkeys((min(self.args.max_num_seqs, DENSE_ROWS_MAX), 1)):
+            for i in range(rows):
+                self.add_request(f"compile-{rows}-{i}", [1 + i % (self.vocab_size - 1)] * 4, params)
+            while self.has_work():
+                self.step()
+        self.blocks.reset_prefix_cache()
+        self.num_steps = 0
+        logger.info("compiled the CPU decode step in %.1f s", time.perf_counter() - started)
 
     def _blocks_from_memory(self) -> int:
         per_block = self.runner.kv_bytes_per_block()

@@ -12,6 +12,7 @@ import torch
 from pocketllm.distributed import tp_rank, tp_size
 from pocketllm.distributed.step_channel import StepChannel
 from pocketllm.engine.scheduler import ScheduledChunk
+from pocketllm.errors import InvalidRequestError
 from pocketllm.kernels import available as kernels_available
 from pocketllm.models.registry import model_class
 from pocketllm.models.weights import init_dummy_weights, load_weights
@@ -87,6 +88,9 @@ class ModelRunner:
             from pocketllm.runner.cpu_decode import setup_cpu
 
             self.cpu_decode = setup_cpu(self.model, weight_format, self.block_size, cpu_compile)
+        elif cpu_compile:
+            raise InvalidRequestError(f"cpu_compile compiles the CPU decode step; this engine runs on {self.device}",
+                                      param="cpu_compile")
 
     @torch.inference_mode()
     def profile_activation_bytes(self, max_num_batched_tokens: int, max_num_seqs: int) -> int:
