@@ -153,6 +153,7 @@ def test_compiled_decode_step_matches_the_eager_step(tiny_checkpoint) -> None:
     with LLM(EngineArgs(model=tiny_checkpoint("llama"), device="cpu", num_kv_blocks=64, cpu_weight_format="int4",
                         cpu_compile=True)) as llm:
         step = llm._client.backend.core.runner.cpu_decode
+        assert step._compiled is not None
 
         def both(chunks):
             batch = step._metadata(chunks)

@@ -117,9 +117,9 @@ class CpuDecodeStep:
         # change from step to step (context length, rows) stay symbolic; each kind of step (one row over a
         # cache span, dense rows, gathered blocks) is one compile. Without duck sizing, the row count is not
         # tied to the dense rows' capacity when they happen to be equal at the first compile.
-        self._run = self.run
+        self._compiled = None
         if compile_step:
-            self._run = torch.compile(self.run, dynamic=True, options={"max_autotune": True, "freezing": True})
+            self._compiled = torch.compile(self.run, dynamic=True, options={"max_autotune": True, "freezing": True})
 
     @staticmethod
     def supports(model: torch.nn.Module) -> bool:
@@ -194,10 +194,10 @@ class CpuDecodeStep:
 
     def run_step(self, batch: DecodeBatch) -> torch.Tensor:
         """``run``, compiled when the step was built to be."""
-        if self._run is self.run:
+        if self._compiled is None:
             return self.run(batch)
         with torch.fx.experimental._config.patch(use_duck_shape=False):
-            return self._run(batch)
+            return self._compiled(batch)
 
     def _cache_views(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Every layer's K and V cache as ``[slots, kv_heads, head_dim]`` views, made again only when the runner
