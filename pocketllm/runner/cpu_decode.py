@@ -115,8 +115,7 @@ class CpuDecodeStep:
         # Compiled: inductor's C++ code for the whole step, the int4 products from its templates (autotuned
         # against torch's kernel; they need the packed weights frozen into the code as constants). Sizes that
         # change from step to step (context length, rows) stay symbolic; each kind of step (one row over a
-        # cache span, dense rows, gathered blocks) is one compile. Without duck sizing, the row count is not
-        # tied to the dense rows' capacity when they happen to be equal at the first compile.
+        # cache span, dense rows, gathered blocks) is one compile.
         self._compiled = None
         if compile_step:
             self._compiled = torch.compile(self.run, dynamic=True, options={"max_autotune": True, "freezing": True})
@@ -196,6 +195,8 @@ class CpuDecodeStep:
         """``run``, compiled when the step was built to be."""
         if self._compiled is None:
             return self.run(batch)
+        # Without duck sizing, the row count is not tied to the dense rows' capacity when the two happen to be
+        # equal at the first compile (that tie would compile the step again for every other row count).
         with torch.fx.experimental._config.patch(use_duck_shape=False):
             return self._compiled(batch)
 
