@@ -643,7 +643,8 @@ def test_skinny_rms_norm_linear(rows, with_residual, offset):
     assert _rel(out, ref) < TOL[dtype]
 
 
-@pytest.mark.parametrize("config", [(4, 128, True, 4, 1), (16, 512, False, 8, 3), (64, 256, True, 4, 4)])
+@pytest.mark.parametrize("config", [(4, 128, True, 4, 1), (16, 512, False, 8, 3), (64, 256, True, 4, 4),
+                                    (1, 4096, False, 8, 1)])
 @pytest.mark.parametrize("prologue", ["none", "silu", "norm", "epilogue", "epilogue+norm"])
 def test_one_row_configs(config, prologue):
     """Every launch setting of the one-row kernel gives the product, with K and N not multiples of the tile."""
@@ -698,3 +699,38 @@ def test_greedy_argmax_matches_torch_with_ties():
     assert torch.equal(greedy_argmax(logits, chunk=4096), logits.argmax(dim=-1))
     assert 0 <= int(greedy_argmax(torch.full((1, 300), float("nan"), device=DEVICE))) < 300
     assert torch.equal(greedy_argmax(logits[:, :9000]), logits[:, :9000].argmax(dim=-1))
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+def test_skinny_products_write_into_a_given_buffer(rows):
+    """A CUDA graph's LM head writes its logits into one static buffer: the products take it as ``out``."""
+    dtype = torch.float32 if INTERPRET else torch.bfloat16
+    _need_kernels(dtype, uses_dot=rows > 1)
+    from pocketllm.kernels.gemv import skinny_linear, skinny_rms_norm_linear
+
+    weight = torch.randn(300, 192, dtype=dtype, device=DEVICE)
+    x, residual = torch.randn(2, rows, 192, dtype=dtype, device=DEVICE)
+    norm_weight = (torch.rand(192, device=DEVICE) + 0.5).to(dtype)
+    buffer = torch.full((4, 300), 7.0, dtype=dtype, device=DEVICE)
+    out = skinny_linear(x, weight, out=buffer[:rows])
+    assert out.data_ptr() == buffer.data_ptr() and _rel(out, x.double() @ weight.double().T) < TOL[dtype]
+    assert bool((buffer[rows:] == 7.0).all())
+    out, _ = skinny_rms_norm_linear(x, residual, norm_weight, 1e-6, weight, out=buffer[:rows])
+    h = (x + residual).double()
+    ref = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6) * norm_weight.double()
+    assert out.data_ptr() == buffer.data_ptr() and _rel(out, ref @ weight.double().T) < TOL[dtype]
+    with pytest.raises(ValueError, match="output buffer"):
+        skinny_linear(x, weight, out=buffer[:, :200])
+
+
+def test_greedy_argmax_writes_into_a_given_buffer():
+    _need_kernels()
+    from pocketllm.kernels.sampling import greedy_argmax
+
+    logits = torch.randn(3, 9000, device=DEVICE)
+    buffer = torch.full((5,), -1, dtype=torch.int64, device=DEVICE)
+    out = greedy_argmax(logits, out=buffer[:3])
+    assert out.data_ptr() == buffer.data_ptr() and torch.equal(buffer[:3], logits.argmax(dim=-1))
+    assert buffer[3:].tolist() == [-1, -1]
+    with pytest.raises(ValueError, match="argmax buffer"):
+        greedy_argmax(logits, out=buffer[:2])

@@ -51,9 +51,9 @@ def serve_steps(runner) -> None:
     channel = StepChannel()
     while (host := channel.receive()) is not None:
         if runner.cuda_step is not None:
-            sampled_hidden = runner.cuda_step.forward(host)
-        else:
-            sampled_hidden = runner.forward_reference(host)
+            runner.cuda_step.forward(host)   # (its logits end with the gather)
+            continue
+        sampled_hidden = runner.forward_reference(host)
         if sampled_hidden is not None:
             runner.model.compute_logits(sampled_hidden)
 

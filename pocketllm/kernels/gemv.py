@@ -227,9 +227,13 @@ def _one_row(block_n: int, block_k: int, reduce_each: bool, num_warps: int, k: i
 def one_row_candidates(k: int) -> list[OneRowConfig]:
     """The settings the model runner times on each weight shape. Swept on an H200 over 172 settings on the
     decode shapes of Qwen3-0.6B and Llama-3-8B, one of these was within 3% of the fastest on nine of the ten
-    shapes and within 8% on the tenth: narrow tiles (1-8 weight rows) 1024-2048 columns wide, many programs."""
+    shapes and within 8% on the tenth: narrow tiles (1-8 weight rows) 1024-2048 columns wide, many programs.
+    The last two read up to 4096 columns in one tile: a program streams its first tile before waiting on the
+    kernel before it (``PDL``), so a tile as wide as the row (Qwen3-0.6B's down projection, K = 3072) leaves
+    no weight to read after the wait. (The SiLU·mul epilogue times entries 1-3 of this list.)"""
     return [_one_row(1, 2048, False, 8, k), _one_row(2, 2048, False, 8, k), _one_row(4, 1024, False, 4, k),
-            _one_row(8, 1024, True, 4, k), _one_row(8, 2048, True, 4, k)]
+            _one_row(8, 1024, True, 4, k), _one_row(8, 2048, True, 4, k), _one_row(1, 4096, False, 8, k),
+            _one_row(2, 4096, False, 8, k)]
 
 
 def fused_candidates(k: int, plain: OneRowConfig) -> list[OneRowConfig]:
@@ -248,7 +252,7 @@ NO_PROLOGUE, SILU_MUL, RMS_NORM = 0, 1, 2
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, prologue: int, residual: torch.Tensor | None = None,
             norm_weight: torch.Tensor | None = None, eps: float = 0.0, norm_offset: bool = False,
-            config: OneRowConfig | None = None, silu_epilogue: bool = False,
+            config: OneRowConfig | None = None, silu_epilogue: bool = False, out: torch.Tensor | None = None,
             ) -> tuple[torch.Tensor, torch.Tensor | None]:
     m = x.shape[0]
     n, k = weight.shape
@@ -259,7 +263,10 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, prologue: int, residual: torc
     if x.stride(1) != 1:
         x = x.contiguous()
     n_out = n // 2 if silu_epilogue else n
-    out = torch.empty(m, n_out, dtype=x.dtype, device=x.device)
+    if out is None:
+        out = torch.empty(m, n_out, dtype=x.dtype, device=x.device)
+    elif out.shape != (m, n_out) or out.stride(1) != 1:
+        raise ValueError(f"output buffer of shape {tuple(out.shape)} for a [{m}, {n_out}] product")
     res_out = None
     if residual is not None:
         residual = residual if residual.stride(1) == 1 else residual.contiguous()
@@ -285,9 +292,11 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, prologue: int, residual: torc
     return out, res_out
 
 
-def skinny_linear(x: torch.Tensor, weight: torch.Tensor, config: OneRowConfig | None = None) -> torch.Tensor:
-    """``x @ weight.T`` for ``x`` [M ≤ 16, K] and ``weight`` [N, K] (row-major), bf16/fp16 (fp32 accumulate)."""
-    return _launch(x, weight, NO_PROLOGUE, config=config)[0]
+def skinny_linear(x: torch.Tensor, weight: torch.Tensor, config: OneRowConfig | None = None,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ weight.T`` for ``x`` [M ≤ 16, K] and ``weight`` [N, K] (row-major), bf16/fp16 (fp32 accumulate),
+    written into ``out`` if given."""
+    return _launch(x, weight, NO_PROLOGUE, config=config, out=out)[0]
 
 
 def skinny_silu_mul_linear(gate_up: torch.Tensor, weight: torch.Tensor, config: OneRowConfig | None = None,
@@ -299,12 +308,12 @@ def skinny_silu_mul_linear(gate_up: torch.Tensor, weight: torch.Tensor, config: 
 
 def skinny_rms_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
                            weight: torch.Tensor, norm_offset: bool = False, config: OneRowConfig | None = None,
-                           ) -> tuple[torch.Tensor, torch.Tensor]:
+                           out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(rms_norm(x + residual) @ weight.T, x + residual)`` in one launch (without ``residual``: of ``x``,
     which is then returned as the residual). Each program recomputes the row's RMS; program 0 writes the sum.
     One row is read in a single pass (``1 / rms`` applied to the dot products); more rows in two.
     ``norm_offset`` scales by ``1 + norm_weight`` (the zero-centred norms of Qwen3.5 and Gemma)."""
-    out, summed = _launch(x, weight, RMS_NORM, residual, norm_weight, eps, norm_offset, config)
+    out, summed = _launch(x, weight, RMS_NORM, residual, norm_weight, eps, norm_offset, config, out=out)
     return out, x if summed is None else summed
 
 

@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from pocketllm.kernels.pdl import gdc_launch_dependents, gdc_wait, launch_options
+
 
 @triton.jit
 def _gumbel_tile(base, cols, u, inv_temp, vocab, best_val, best_idx):
@@ -81,10 +83,15 @@ def gumbel_argmax(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch
 # ------------------------------------------------------------------------------------------------ greedy
 
 @triton.jit
-def _chunk_max_kernel(logits_ptr, val_ptr, idx_ptr, vocab, stride_row, num_chunks, CHUNK: tl.constexpr):
+def _chunk_max_kernel(logits_ptr, val_ptr, idx_ptr, vocab, stride_row, num_chunks, CHUNK: tl.constexpr,
+                      PDL: tl.constexpr):
+    if PDL:   # (kernels/pdl.py) the merge may launch now; the logits are read after the wait
+        gdc_launch_dependents()
     row = tl.program_id(0)
     chunk = tl.program_id(1)
     cols = chunk * CHUNK + tl.arange(0, CHUNK)
+    if PDL:
+        gdc_wait()
     x = tl.load(logits_ptr + row.to(tl.int64) * stride_row + cols, mask=cols < vocab,
                 other=float("-inf")).to(tl.float32)
     x = tl.where(x != x, float("inf"), x)                 # NaN counts as the largest, as in torch.argmax
@@ -95,10 +102,14 @@ def _chunk_max_kernel(logits_ptr, val_ptr, idx_ptr, vocab, stride_row, num_chunk
 
 
 @triton.jit
-def _merge_max_kernel(val_ptr, idx_ptr, out_ptr, num_chunks, vocab, C_PAD: tl.constexpr):
+def _merge_max_kernel(val_ptr, idx_ptr, out_ptr, num_chunks, vocab, C_PAD: tl.constexpr, PDL: tl.constexpr):
+    if PDL:
+        gdc_launch_dependents()
     row = tl.program_id(0)
     chunks = tl.arange(0, C_PAD)
     mask = chunks < num_chunks
+    if PDL:
+        gdc_wait()
     vals = tl.load(val_ptr + row * num_chunks + chunks, mask=mask, other=float("-inf"))
     idx = tl.load(idx_ptr + row * num_chunks + chunks, mask=mask, other=2**30)
     top = tl.max(vals, 0)
@@ -115,21 +126,27 @@ def _chunk_maxima(batch: int, num_chunks: int, device: torch.device) -> tuple[to
 def _merge_chunk_maxima(vals: torch.Tensor, idx: torch.Tensor, out: torch.Tensor, vocab: int) -> None:
     """``out[row]``: the index of the row's best chunk value (the lowest among ties)."""
     batch, num_chunks = vals.shape
+    pdl, launch = launch_options(vals, batch)
     _merge_max_kernel[(batch,)](vals, idx, out, num_chunks, vocab, C_PAD=triton.next_power_of_2(num_chunks),
-                                num_warps=1)
+                                num_warps=1, PDL=pdl, **launch)
 
 
-def greedy_argmax(logits: torch.Tensor, chunk: int = 4096) -> torch.Tensor:
+def greedy_argmax(logits: torch.Tensor, chunk: int = 4096, out: torch.Tensor | None = None) -> torch.Tensor:
     """``logits.argmax(-1)`` for ``logits`` [B, V] (lowest index among ties), the vocabulary spread over many
-    programs: one program per row took ~36 µs for a 128k vocabulary at batch 1."""
+    programs: one program per row took ~36 µs for a 128k vocabulary at batch 1. Written into ``out`` (int64
+    [B]) if given."""
     batch, vocab = logits.shape
     if logits.stride(1) != 1:
         logits = logits.contiguous()
-    out = torch.empty(batch, dtype=torch.int64, device=logits.device)
+    if out is None:
+        out = torch.empty(batch, dtype=torch.int64, device=logits.device)
+    elif out.shape != (batch,) or out.dtype != torch.int64:
+        raise ValueError(f"argmax buffer of shape {tuple(out.shape)} and {out.dtype} for {batch} rows")
     if batch:
         num_chunks = triton.cdiv(vocab, chunk)
         vals, idx = _chunk_maxima(batch, num_chunks, logits.device)
+        pdl, launch = launch_options(logits, batch)
         _chunk_max_kernel[(batch, num_chunks)](logits, vals, idx, vocab, logits.stride(0), num_chunks, CHUNK=chunk,
-                                               num_warps=4)
+                                               num_warps=4, PDL=pdl, **launch)
         _merge_chunk_maxima(vals, idx, out, vocab)
     return out

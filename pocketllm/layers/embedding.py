@@ -38,15 +38,44 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     """Projects hidden states to logits over the full vocabulary (gathered from every rank)."""
 
-    # CUDA: rows up to which the skinny Triton kernel replaces F.linear (0 = never; the model runner sets it
-    # after timing both on this weight), and the kernel's one-row launch settings timed fastest (None: untimed).
+    # What comes before the head: the model's final norm, which ``forward_normed`` runs in the product's
+    # kernel up to ``fused_rows`` rows.
+    prologue = "rms_norm"
+    # CUDA, set by the model runner after timing on this weight: rows up to which the skinny Triton kernel
+    # replaces F.linear (0 = never) and up to which the final norm runs fused into it, and the one-row launch
+    # settings timed fastest, plain and fused (None: untimed).
     skinny_rows = 0
+    fused_rows = 0
     one_row = None
+    fused_one_row = None
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+    def _logits(self, out: torch.Tensor) -> torch.Tensor:
+        return all_gather_last_dim(out)[..., : self.vocab_size]
+
+    def forward(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits of ``hidden``; without tensor parallelism they can be written into ``out`` (a CUDA graph's
+        static buffer)."""
+        if out is not None and self.tp_size != 1:
+            raise ValueError("an output buffer for the logits needs a single rank")
         if hidden.dim() == 2 and 0 < hidden.shape[0] <= self.skinny_rows and hidden.is_cuda:
             from pocketllm.kernels.gemv import skinny_linear
 
-            return all_gather_last_dim(skinny_linear(hidden, self.weight, self.one_row))[..., : self.vocab_size]
-        logits = all_gather_last_dim(F.linear(hidden, self.weight))
-        return logits[..., : self.vocab_size]
+            return self._logits(skinny_linear(hidden, self.weight, self.one_row, out))
+        if out is not None:
+            return torch.matmul(hidden, self.weight.t(), out=out)
+        return self._logits(F.linear(hidden, self.weight))
+
+    def fuses(self, x: torch.Tensor) -> bool:
+        """Whether the final norm runs fused into this head's kernel for ``x``."""
+        return x.dim() == 2 and 0 < x.shape[0] <= self.fused_rows and x.is_cuda
+
+    def forward_normed(self, x: torch.Tensor, residual: torch.Tensor, norm: nn.Module,
+                       out: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits of ``norm(x + residual)``, in one kernel where ``fuses``."""
+        if not self.fuses(x):
+            return self(norm(x, residual)[0], out)
+        from pocketllm.kernels.gemv import skinny_rms_norm_linear
+
+        logits, _ = skinny_rms_norm_linear(x, residual, norm.weight, norm.eps, self.weight, norm.offset,
+                                           self.fused_one_row, out)
+        return self._logits(logits)

@@ -174,15 +174,28 @@ class CausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
+        """Hidden states after the final norm."""
+        hidden, _ = self.norm(*self.unnormed(input_ids, positions, meta))
+        return hidden
+
+    def unnormed(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the last layer's output, the residual stream): what the final norm adds up and normalises."""
         hidden = self.embed_tokens(input_ids)
         residual = None
         for layer in self.layers:
             hidden, residual = layer(positions, hidden, residual, meta)
-        hidden, _ = self.norm(hidden, residual)
-        return hidden
+        return hidden, residual
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits of hidden states after the final norm."""
         return self.lm_head(hidden)
+
+    def logits_unnormed(self, hidden: torch.Tensor, residual: torch.Tensor,
+                        out: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits of rows of ``unnormed``'s output (the final norm runs in the head's kernel where that measured
+        faster), written into ``out`` if given."""
+        return self.lm_head.forward_normed(hidden, residual, self.norm, out)
 
     def checkpoint_name(self, name: str) -> str:
         """The parameter name a checkpoint (HF layout) entry maps to, before packing."""

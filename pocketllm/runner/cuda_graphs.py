@@ -10,7 +10,11 @@ Decode-only batches (one new token per sequence, every sequence sampling) of up 
 sequences replay a graph captured for the next bucket size up and the number of context splits the step's
 longest context needs (``decode_splits``); padding rows carry ``slot = -1`` (the
 kernels store nothing) and ``context_len = 0`` (attention writes zeros), so they touch no real state.
-Graph inputs live in one static device buffer whose layout is fixed at capture time.
+Graph inputs live in one static device buffer whose layout is fixed at capture time. A graph ends with the
+LM head (the final norm in its kernel where that measured faster), writing the logits into one static buffer
+shared by every graph, and at up to ``GREEDY_IN_GRAPH_ROWS`` rows with the greedy argmax of every row, which
+the sampler takes when the whole step is plain greedy: at batch 1 the host then launches one graph a step and
+no kernel. The step's sampling reads these buffers before the next step's graph is queued.
 """
 
 from __future__ import annotations
@@ -23,8 +27,13 @@ import torch
 
 from pocketllm.runner.attention_metadata import AttentionMetadata
 from pocketllm.runner.host_batch import HostBatch
+from pocketllm.runner.sampler import StepLogits
 
 logger = logging.getLogger("pocketllm.runner")
+
+# Decode graphs of up to this many rows end with the greedy argmax of every row (an unused argmax costs a few
+# µs there; at 256 rows it would read 78 MB of logits).
+GREEDY_IN_GRAPH_ROWS = 16
 
 
 def graph_buckets(max_num_seqs: int) -> list[int]:
@@ -92,7 +101,8 @@ class CudaStepRunner:
         self.eager_buffer = torch.empty(1 << 16, dtype=torch.int32, device=device)
         # Decode graphs by (batch-size bucket, context splits): the split count follows the step's contexts.
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
-        self.graph_outputs: dict[tuple[int, int], torch.Tensor] = {}
+        self.graph_logits: torch.Tensor | None = None
+        self.graph_tokens: torch.Tensor | None = None
         self.graph_meta: dict[tuple[int, int], AttentionMetadata] = {}
         self.max_graph_bs = 0
         self.graph_width = 0
@@ -117,20 +127,22 @@ class CudaStepRunner:
             self.split_counters = torch.zeros(batch * self.num_kv_heads, dtype=torch.int32, device=self.device)
         return self.split_counters
 
-    def forward(self, host: HostBatch, previous_tokens: torch.Tensor | None = None) -> torch.Tensor | None:
-        """Hidden states of the rows that sample this step (None if none does); pending inputs are taken from
-        ``previous_tokens`` on the device."""
+    def forward(self, host: HostBatch, previous_tokens: torch.Tensor | None = None) -> StepLogits | None:
+        """Logits (model dtype) of the rows that sample this step (None if none does); pending inputs are taken
+        from ``previous_tokens`` on the device."""
         n = host.num_seqs
         if host.is_plain_decode and n <= self.max_graph_bs and max(len(t) for t in host.tables) <= self.graph_width:
             return self._replay(host, previous_tokens)
-        hidden, meta_index = self._eager(host, previous_tokens)
+        (hidden, residual), sample_index = self._eager(host, previous_tokens)
         if not host.sample_index:
             return None
-        if len(host.sample_index) == host.num_tokens:
-            return hidden
-        return hidden.index_select(0, meta_index)
+        if len(host.sample_index) != host.num_tokens:
+            hidden, residual = hidden.index_select(0, sample_index), residual.index_select(0, sample_index)
+        return StepLogits(self.model.logits_unnormed(hidden, residual))
 
-    def _eager(self, host: HostBatch, previous_tokens: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    def _eager(self, host: HostBatch, previous_tokens: torch.Tensor | None
+               ) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor]:
+        """((the model's output before its final norm, the residual), the sampling rows' indices)."""
         t, n, s = host.num_tokens, host.num_seqs, len(host.sample_index)
         # Segments start at multiples of 16 elements, so kernels see the same pointer alignment every step
         # (Triton specialises on it; unaligned views would compile extra variants). The block table's width
@@ -178,8 +190,7 @@ class CudaStepRunner:
             split_counters=self._counters(lead) if lead else None,
             state_slots=view("state") if hybrid else None, state_slots_host=host.state_slots if hybrid else None)
         host.pending.fill(view("ids"), previous_tokens)
-        hidden = self.model(view("ids"), view("pos"), meta)
-        return hidden, view("sample")
+        return self.model.unnormed(view("ids"), view("pos"), meta), view("sample")
 
     # ------------------------------------------------------------------------------------------ graphs
     def capture(self, max_num_seqs: int, max_model_len: int) -> None:
@@ -200,6 +211,9 @@ class CudaStepRunner:
             state.fill_(self.state_padding_slot)
         self.pool = torch.cuda.graph_pool_handle()
         counters = self._counters(maxb)   # the graphs' metadata keeps this buffer alive
+        self.graph_logits = torch.empty(maxb, self.model.lm_head.vocab_size, dtype=self.model.lm_head.weight.dtype,
+                                        device=self.device)
+        self.graph_tokens = torch.zeros(min(maxb, GREEDY_IN_GRAPH_ROWS), dtype=torch.int64, device=self.device)
         for bs in reversed(graph_buckets(max_num_seqs)):
             for splits in reversed(decode_split_options(bs, self.num_kv_heads)):
                 self._capture_one(bs, splits, (ids, pos, slots, ctx, state, tables), counters)
@@ -220,13 +234,21 @@ class CudaStepRunner:
             query_start_gpu=None, max_query_len=1, num_splits=splits, decode_tile=self._tile(bs, splits),
             split_counters=counters, state_slots=state[:bs] if hybrid else None,
             state_slots_host=[self.state_padding_slot] * bs if hybrid else None)
-        self.model(ids[:bs], pos[:bs], meta)  # compile and warm up outside the capture
+        from pocketllm.kernels.sampling import greedy_argmax
+
+        logits = self.graph_logits[:bs]
+
+        def step() -> None:
+            self.model.logits_unnormed(*self.model.unnormed(ids[:bs], pos[:bs], meta), logits)
+            if bs <= GREEDY_IN_GRAPH_ROWS:
+                greedy_argmax(logits, out=self.graph_tokens[:bs])
+
+        step()  # compile and warm up outside the capture
         torch.cuda.synchronize(self.device)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            out = self.model(ids[:bs], pos[:bs], meta)
+            step()
         self.graphs[bs, splits] = graph
-        self.graph_outputs[bs, splits] = out
         self.graph_meta[bs, splits] = meta
 
     def _replay(self, host: HostBatch, previous_tokens: torch.Tensor | None) -> torch.Tensor:
@@ -252,4 +274,4 @@ class CudaStepRunner:
         host.pending.fill(self.static[:n], previous_tokens)
         key = bs, self._splits(bs, host.context_lens)
         self.graphs[key].replay()
-        return self.graph_outputs[key][:n]
+        return StepLogits(self.graph_logits[:n], self.graph_tokens[:n] if bs <= GREEDY_IN_GRAPH_ROWS else None)
