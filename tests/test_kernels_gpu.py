@@ -722,15 +722,3 @@ def test_skinny_products_write_into_a_given_buffer(rows):
     with pytest.raises(ValueError, match="output buffer"):
         skinny_linear(x, weight, out=buffer[:, :200])
 
-
-def test_greedy_argmax_writes_into_a_given_buffer():
-    _need_kernels()
-    from pocketllm.kernels.sampling import greedy_argmax
-
-    logits = torch.randn(3, 9000, device=DEVICE)
-    buffer = torch.full((5,), -1, dtype=torch.int64, device=DEVICE)
-    out = greedy_argmax(logits, out=buffer[:3])
-    assert out.data_ptr() == buffer.data_ptr() and torch.equal(buffer[:3], logits.argmax(dim=-1))
-    assert buffer[3:].tolist() == [-1, -1]
-    with pytest.raises(ValueError, match="argmax buffer"):
-        greedy_argmax(logits, out=buffer[:2])

@@ -41,17 +41,6 @@ def test_greedy_is_argmax() -> None:
     assert torch.equal(logits, before)
 
 
-def test_precomputed_greedy_tokens_used_only_when_every_row_is_plain_greedy() -> None:
-    """A decode graph hands its argmax with the logits: taken for plain greedy rows, recomputed otherwise."""
-    logits = _logits(2)
-    marked = torch.tensor([7, 11])   # not the argmax: shows which path answered
-    greedy = [_row(SamplingParams(temperature=0.0)) for _ in range(2)]
-    assert _tokens(Sampler(seed=0).sample_async(logits, greedy, marked).to_host()) == [7, 11]
-    with_logprobs = [greedy[0], _row(SamplingParams(temperature=0.0, logprobs=1))]
-    out = Sampler(seed=0).sample_async(logits, with_logprobs, marked).to_host()
-    assert _tokens(out) == logits.argmax(-1).tolist()
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_chunked_argmax_equals_torch_argmax(dtype: torch.dtype) -> None:
     """The CPU argmax through chunk maxima picks torch's index: the first of tied maxima (ties within and

@@ -247,8 +247,8 @@ class EngineCore:
         if self.longest_first:
             chunks.sort(key=_one_token_rows_longest_first)
         previous = self.in_flight.sampled if self.in_flight is not None else None
-        step_logits = self.runner.launch(chunks, previous.tokens if previous is not None else None)
-        sampled = self.runner.sample_async(chunks, step_logits)
+        logits = self.runner.launch(chunks, previous.tokens if previous is not None else None)
+        sampled = self.runner.sample_async(chunks, logits)
         row = 0
         for chunk in chunks:
             request = chunk.request

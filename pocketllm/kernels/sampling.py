@@ -131,17 +131,13 @@ def _merge_chunk_maxima(vals: torch.Tensor, idx: torch.Tensor, out: torch.Tensor
                                 num_warps=1, PDL=pdl, **launch)
 
 
-def greedy_argmax(logits: torch.Tensor, chunk: int = 4096, out: torch.Tensor | None = None) -> torch.Tensor:
+def greedy_argmax(logits: torch.Tensor, chunk: int = 4096) -> torch.Tensor:
     """``logits.argmax(-1)`` for ``logits`` [B, V] (lowest index among ties), the vocabulary spread over many
-    programs: one program per row took ~36 µs for a 128k vocabulary at batch 1. Written into ``out`` (int64
-    [B]) if given."""
+    programs: one program per row took ~36 µs for a 128k vocabulary at batch 1."""
     batch, vocab = logits.shape
     if logits.stride(1) != 1:
         logits = logits.contiguous()
-    if out is None:
-        out = torch.empty(batch, dtype=torch.int64, device=logits.device)
-    elif out.shape != (batch,) or out.dtype != torch.int64:
-        raise ValueError(f"argmax buffer of shape {tuple(out.shape)} and {out.dtype} for {batch} rows")
+    out = torch.empty(batch, dtype=torch.int64, device=logits.device)
     if batch:
         num_chunks = triton.cdiv(vocab, chunk)
         vals, idx = _chunk_maxima(batch, num_chunks, logits.device)

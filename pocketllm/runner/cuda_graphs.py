@@ -12,9 +12,7 @@ longest context needs (``decode_splits``); padding rows carry ``slot = -1`` (the
 kernels store nothing) and ``context_len = 0`` (attention writes zeros), so they touch no real state.
 Graph inputs live in one static device buffer whose layout is fixed at capture time. A graph ends with the
 LM head (the final norm in its kernel where that measured faster), writing the logits into one static buffer
-shared by every graph, and at up to ``GREEDY_IN_GRAPH_ROWS`` rows with the greedy argmax of every row, which
-the sampler takes when the whole step is plain greedy: at batch 1 the host then launches one graph a step and
-no kernel. The step's sampling reads these buffers before the next step's graph is queued.
+shared by every graph; the step's sampling reads them before the next step's graph is queued.
 """
 
 from __future__ import annotations
@@ -27,13 +25,8 @@ import torch
 
 from pocketllm.runner.attention_metadata import AttentionMetadata
 from pocketllm.runner.host_batch import HostBatch
-from pocketllm.runner.sampler import StepLogits
 
 logger = logging.getLogger("pocketllm.runner")
-
-# Decode graphs of up to this many rows end with the greedy argmax of every row (an unused argmax costs a few
-# µs there; at 256 rows it would read 78 MB of logits).
-GREEDY_IN_GRAPH_ROWS = 16
 
 
 def graph_buckets(max_num_seqs: int) -> list[int]:
@@ -102,7 +95,6 @@ class CudaStepRunner:
         # Decode graphs by (batch-size bucket, context splits): the split count follows the step's contexts.
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.graph_logits: torch.Tensor | None = None
-        self.graph_tokens: torch.Tensor | None = None
         self.graph_meta: dict[tuple[int, int], AttentionMetadata] = {}
         self.max_graph_bs = 0
         self.graph_width = 0
@@ -127,7 +119,7 @@ class CudaStepRunner:
             self.split_counters = torch.zeros(batch * self.num_kv_heads, dtype=torch.int32, device=self.device)
         return self.split_counters
 
-    def forward(self, host: HostBatch, previous_tokens: torch.Tensor | None = None) -> StepLogits | None:
+    def forward(self, host: HostBatch, previous_tokens: torch.Tensor | None = None) -> torch.Tensor | None:
         """Logits (model dtype) of the rows that sample this step (None if none does); pending inputs are taken
         from ``previous_tokens`` on the device."""
         n = host.num_seqs
@@ -138,7 +130,7 @@ class CudaStepRunner:
             return None
         if len(host.sample_index) != host.num_tokens:
             hidden, residual = hidden.index_select(0, sample_index), residual.index_select(0, sample_index)
-        return StepLogits(self.model.logits_unnormed(hidden, residual))
+        return self.model.logits_unnormed(hidden, residual)
 
     def _eager(self, host: HostBatch, previous_tokens: torch.Tensor | None
                ) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor]:
@@ -213,7 +205,6 @@ class CudaStepRunner:
         counters = self._counters(maxb)   # the graphs' metadata keeps this buffer alive
         self.graph_logits = torch.empty(maxb, self.model.lm_head.vocab_size, dtype=self.model.lm_head.weight.dtype,
                                         device=self.device)
-        self.graph_tokens = torch.zeros(min(maxb, GREEDY_IN_GRAPH_ROWS), dtype=torch.int64, device=self.device)
         for bs in reversed(graph_buckets(max_num_seqs)):
             for splits in reversed(decode_split_options(bs, self.num_kv_heads)):
                 self._capture_one(bs, splits, (ids, pos, slots, ctx, state, tables), counters)
@@ -234,20 +225,12 @@ class CudaStepRunner:
             query_start_gpu=None, max_query_len=1, num_splits=splits, decode_tile=self._tile(bs, splits),
             split_counters=counters, state_slots=state[:bs] if hybrid else None,
             state_slots_host=[self.state_padding_slot] * bs if hybrid else None)
-        from pocketllm.kernels.sampling import greedy_argmax
-
         logits = self.graph_logits[:bs]
-
-        def step() -> None:
-            self.model.logits_unnormed(*self.model.unnormed(ids[:bs], pos[:bs], meta), logits)
-            if bs <= GREEDY_IN_GRAPH_ROWS:
-                greedy_argmax(logits, out=self.graph_tokens[:bs])
-
-        step()  # compile and warm up outside the capture
+        self.model.logits_unnormed(*self.model.unnormed(ids[:bs], pos[:bs], meta), logits)  # compile, warm up
         torch.cuda.synchronize(self.device)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            step()
+            self.model.logits_unnormed(*self.model.unnormed(ids[:bs], pos[:bs], meta), logits)
         self.graphs[bs, splits] = graph
         self.graph_meta[bs, splits] = meta
 
@@ -274,4 +257,4 @@ class CudaStepRunner:
         host.pending.fill(self.static[:n], previous_tokens)
         key = bs, self._splits(bs, host.context_lens)
         self.graphs[key].replay()
-        return StepLogits(self.graph_logits[:n], self.graph_tokens[:n] if bs <= GREEDY_IN_GRAPH_ROWS else None)
+        return self.graph_logits[:n]

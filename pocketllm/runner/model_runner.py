@@ -18,7 +18,7 @@ from pocketllm.models.registry import model_class
 from pocketllm.models.weights import init_dummy_weights, load_weights
 from pocketllm.runner.attention_metadata import AttentionMetadata
 from pocketllm.runner.host_batch import HostBatch, gather_host_batch
-from pocketllm.runner.sampler import SampledToken, Sampler, SampleResult, SamplingRow, StepLogits
+from pocketllm.runner.sampler import SampledToken, Sampler, SampleResult, SamplingRow
 
 logger = logging.getLogger("pocketllm.runner")
 
@@ -259,7 +259,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def launch(self, chunks: list[ScheduledChunk], previous_tokens: torch.Tensor | None = None
-               ) -> StepLogits | None:
+               ) -> torch.Tensor | None:
         """Queue the forward pass; the logits of the sampling rows in the model's dtype (None if no chunk
         samples). A chunk whose last input is still pending takes it from ``previous_tokens`` (the previous
         step's sampled tokens, on the device). On CUDA nothing here waits for the device."""
@@ -274,13 +274,13 @@ class ModelRunner:
             sampled_hidden = self.forward_reference(host, previous_tokens)
         if sampled_hidden is None:
             return None
-        return StepLogits(self.model.compute_logits(sampled_hidden))
+        return self.model.compute_logits(sampled_hidden)
 
     @torch.inference_mode()
-    def sample_async(self, chunks: list[ScheduledChunk], step: StepLogits | None) -> SampleResult | None:
+    def sample_async(self, chunks: list[ScheduledChunk], logits: torch.Tensor | None) -> SampleResult | None:
         """Queue the sampling of one token per sampling chunk from the logits ``launch`` returned."""
-        if step is None:
+        if logits is None:
             return None
         rows = [SamplingRow(c.request.params, c.request.prompt_token_ids, c.request.output_token_ids,
                             c.request.generator, c.request.grammar) for c in chunks if c.samples]
-        return self.sampler.sample_async(step.logits, rows, step.greedy).start_copy()
+        return self.sampler.sample_async(logits, rows).start_copy()

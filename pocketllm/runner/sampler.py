@@ -33,7 +33,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 
@@ -72,14 +72,6 @@ class SampledToken:
     # params.logprobs alternatives ranked from raw logits (empty if 0/None).
     top_ids: list[int] = field(default_factory=list)
     top_logprobs: list[float] = field(default_factory=list)
-
-
-class StepLogits(NamedTuple):
-    """A launched step's logits for its sampling rows (model dtype), and their greedy argmax where the step's
-    decode graph computed it (None otherwise)."""
-
-    logits: torch.Tensor
-    greedy: torch.Tensor | None = None
 
 
 @dataclass
@@ -174,11 +166,8 @@ class Sampler:
         """Sample one token per row of ``logits`` (``[B, V]``, any device); ``len(rows) == B``."""
         return self.sample_async(logits, rows).to_host()
 
-    def sample_async(self, logits: torch.Tensor, rows: Sequence[SamplingRow],
-                     greedy: torch.Tensor | None = None) -> SampleResult:
-        """Queue the sampling of one token per row; nothing waits for the device until ``to_host``. ``greedy``:
-        the argmax of every row of ``logits``, already queued (a decode graph computes it), used when every
-        row is plain greedy."""
+    def sample_async(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SampleResult:
+        """Queue the sampling of one token per row; nothing waits for the device until ``to_host``."""
         batch = len(rows)
         params = [row.params for row in rows]
         if batch == 0:
@@ -188,8 +177,6 @@ class Sampler:
             p.greedy and p.logprobs is None and not _needs_processing(p) for p in params)
         if plain_greedy:
             # Fast path: one argmax over the raw logits, no copies.
-            if greedy is not None:
-                return SampleResult(greedy, params)
             if kernels_available(logits.device):
                 from pocketllm.kernels.sampling import greedy_argmax
 
