@@ -86,6 +86,33 @@ def test_token_text_and_decode(smol: Tokenizer) -> None:
     assert "".join(smol.token_text(i) for i in word) == " Paris"
 
 
+def test_decode_equals_the_hf_tokenizer(smol: Tokenizer) -> None:
+    """Decoding goes through the Rust tokenizer directly where that gives the HF wrapper's text."""
+    assert smol._backend is not None
+    for text in TEXTS:
+        ids = smol.encode(text)
+        for skip in (True, False):
+            assert smol.decode(ids, skip_special_tokens=skip) == smol.hf.decode(ids, skip_special_tokens=skip)
+
+
+def test_decode_keeps_the_hf_clean_up_of_spaces() -> None:
+    """A tokenizer whose HF decode cleans up spaces (WordPiece) keeps decoding through HF."""
+    from tokenizers import Tokenizer as RustTokenizer
+    from tokenizers import decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = ["[UNK]", "[CLS]", "do", "n't", ",", "say", "it", "'", "s", "so", "?", "(", "ok", ")", ".", "Do"]
+    rust = RustTokenizer(models.WordPiece({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
+    rust.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    rust.decoder = decoders.WordPiece(cleanup=False)
+    hf = PreTrainedTokenizerFast(tokenizer_object=rust, unk_token="[UNK]", clean_up_tokenization_spaces=True)
+    tok = Tokenizer(hf)
+    ids = tok.encode("do n't , ok .", add_special_tokens=False)
+    assert tok.decode(ids) == hf.decode(ids)
+    if hf.decode(ids) != rust.decode(ids):   # this transformers version cleans up: the wrapper must be kept
+        assert tok._backend is None
+
+
 def test_out_of_range_token(smol: Tokenizer) -> None:
     for bad in (-1, 49152, True):
         with pytest.raises(InvalidRequestError):
