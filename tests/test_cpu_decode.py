@@ -147,13 +147,22 @@ def test_greedy_tokens_equal_with_and_without_the_fast_path(fmt: str, tiny_check
 
 def test_compiled_decode_step_matches_the_eager_step(tiny_checkpoint) -> None:
     """``cpu_compile``: every decode step (one request over its cache span, then two over dense rows) computed
-    by the compiled step and by the eager one on the same batch gives the same hidden states, within the
-    rounding of bfloat16 activations (inductor fuses the elementwise ops between the int4 products)."""
+    by ``run_step`` and by the eager step on the same batch gives the same hidden states, within the rounding
+    of bfloat16 activations (inductor fuses the elementwise ops between the int4 products); the compiled step
+    runs the one-row steps only."""
     seen = []
+    compiled_rows = []
     with LLM(EngineArgs(model=tiny_checkpoint("llama"), device="cpu", num_kv_blocks=64, cpu_weight_format="int4",
                         cpu_compile=True)) as llm:
         step = llm._client.backend.core.runner.cpu_decode
         assert step._compiled is not None
+        compiled = step._compiled
+
+        def counted(batch):
+            compiled_rows.append(batch.ids.shape[0])
+            return compiled(batch)
+
+        step._compiled = counted
 
         def both(chunks):
             batch = step._metadata(chunks)
@@ -169,6 +178,7 @@ def test_compiled_decode_step_matches_the_eager_step(tiny_checkpoint) -> None:
         pair = llm.generate([[1, 500, 501], [1, 600, 601, 602, 603]], params)
     assert [len(out.token_ids) for out in alone + pair] == [4, 4, 4]
     assert 1 in seen and 2 in seen
+    assert compiled_rows and set(compiled_rows) == {1}
 
 
 def test_cpu_compile_refuses_a_model_without_the_fast_path() -> None:

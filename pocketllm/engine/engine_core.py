@@ -131,18 +131,12 @@ class EngineCore:
             self._compile_cpu_decode()
 
     def _compile_cpu_decode(self) -> None:
-        """``cpu_compile``: run throwaway decode steps now, so that the compiled step's kinds (several rows over
-        dense K/V rows, as many as may run at once up to the dense rows' limit; one row over its cache span)
-        compile at start-up, their int4 products tuned for those row counts, not during the first requests."""
-        from pocketllm.runner.cpu_decode import DENSE_ROWS_MAX
-
+        """``cpu_compile``: run a throwaway request now, so that the compiled one-row decode step compiles at
+        start-up, its int4 products tuned for one row, not during the first request."""
         started = time.perf_counter()
-        params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
-        for rows in dict.fromkeys((min(self.args.max_num_seqs, DENSE_ROWS_MAX), 1)):
-            for i in range(rows):
-                self.add_request(f"compile-{rows}-{i}", [1 + i % (self.vocab_size - 1)] * 4, params)
-            while self.has_work():
-                self.step()
+        self.add_request("compile-1", [1] * 4, SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+        while self.has_work():
+            self.step()
         self.blocks.reset_prefix_cache()
         self.num_steps = 0
         logger.info("compiled the CPU decode step in %.1f s", time.perf_counter() - started)
