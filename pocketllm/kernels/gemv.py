@@ -228,12 +228,10 @@ def one_row_candidates(k: int) -> list[OneRowConfig]:
     """The settings the model runner times on each weight shape. Swept on an H200 over 172 settings on the
     decode shapes of Qwen3-0.6B and Llama-3-8B, one of these was within 3% of the fastest on nine of the ten
     shapes and within 8% on the tenth: narrow tiles (1-8 weight rows) 1024-2048 columns wide, many programs.
-    The last two read up to 4096 columns in one tile: a program streams its first tile before waiting on the
-    kernel before it (``PDL``), so a tile as wide as the row (Qwen3-0.6B's down projection, K = 3072) leaves
-    no weight to read after the wait. (The SiLU·mul epilogue times entries 1-3 of this list.)"""
+    (4096-column tiles, which leave no weight of a 3072-wide row to read after the ``PDL`` wait, were timed
+    on Qwen3-0.6B and Llama-3-8B in the engine and never chosen.)"""
     return [_one_row(1, 2048, False, 8, k), _one_row(2, 2048, False, 8, k), _one_row(4, 1024, False, 4, k),
-            _one_row(8, 1024, True, 4, k), _one_row(8, 2048, True, 4, k), _one_row(1, 4096, False, 8, k),
-            _one_row(2, 4096, False, 8, k)]
+            _one_row(8, 1024, True, 4, k), _one_row(8, 2048, True, 4, k)]
 
 
 def fused_candidates(k: int, plain: OneRowConfig) -> list[OneRowConfig]:
