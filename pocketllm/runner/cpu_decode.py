@@ -112,10 +112,10 @@ class CpuDecodeStep:
         self._views: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._views_of: torch.Tensor | None = None
         self.dense_rows: DenseDecodeRows | None = None   # made at the first multi-row step (caches bound)
-        # Compiled: inductor's C++ code for the whole step, the int4 products from its templates (autotuned
-        # against torch's kernel; they need the packed weights frozen into the code as constants). Sizes that
-        # change from step to step (context length, rows) stay symbolic; each kind of step (one row over a
-        # cache span, dense rows, gathered blocks) is one compile.
+        # Compiled (one-row steps only, see ``run_step``): inductor's C++ code for the whole step, the int4
+        # products from its templates (autotuned against torch's kernel; they need the packed weights frozen
+        # into the code as constants). The context length stays symbolic, so each kind of one-row step (over a
+        # cache span, over gathered blocks) is one compile.
         self._compiled = None
         if compile_step:
             self._compiled = torch.compile(self.run, dynamic=True, options={"max_autotune": True, "freezing": True})
@@ -197,8 +197,8 @@ class CpuDecodeStep:
         compiling it doubled the start-up compile."""
         if self._compiled is None or batch.ids.shape[0] != 1:
             return self.run(batch)
-        # Without duck sizing, the row count is not tied to the dense rows' capacity when the two happen to be
-        # equal at the first compile (that tie would compile the step again for every other row count).
+        # Without duck sizing, sizes that happen to be equal at the first compile are not tied to each other
+        # (such a tie would compile the step again once they differ).
         with torch.fx.experimental._config.patch(use_duck_shape=False):
             return self._compiled(batch)
 
@@ -246,8 +246,7 @@ class CpuDecodeStep:
             k, v = (k if k.dtype == kv_dtype else k.to(kv_dtype)), (v if v.dtype == kv_dtype else v.to(kv_dtype))
             k_flat.index_copy_(0, slots, k)
             v_flat.index_copy_(0, slots, v)
-            # Dense rows are [rows, length, kv heads, dim] already: no view of their slice, whose legality depends
-            # on the rows' capacity (a compiled step would guard on it and compile again as the length grows).
+            # Dense rows are [rows, length, kv heads, dim] already; other contexts are viewed that way.
             if rows_kv is not None:
                 k_rows, v_rows = rows_kv
                 k_rows.view(-1, kv_heads, dim).index_copy_(0, dense_index, k)

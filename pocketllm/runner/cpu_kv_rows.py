@@ -53,15 +53,13 @@ class DenseDecodeRows:
         ``index_copy_``), or None when the batch does not fit the rows' limits (the caller gathers)."""
         rows, longest = len(requests), max(positions) + 1
         dtype = paged[0][0].dtype
-        # The rows keep at least one position spare: the attended slice is then never the whole buffer, so its
-        # layout is the same at every step (a compiled decode step guards on it).
-        if not self._fits(rows, longest + 1, dtype):
+        if not self._fits(rows, longest, dtype):
             return None
         have_rows, have_tokens = self.layers[0][0].shape[:2] if self.layers else (0, 0)
-        if rows > have_rows or longest >= have_tokens or self.layers[0][0].dtype != dtype:
+        if rows > have_rows or longest > have_tokens or self.layers[0][0].dtype != dtype:
             # Grow by doubling (each growth regathers every row), within the byte limit.
-            new_rows = max(rows, have_rows) if self._fits(max(rows, have_rows), longest + 1, dtype) else rows
-            choices = (max(longest + 1, 2 * have_tokens, 64), max(longest + 1, 2 * have_tokens), longest + 1)
+            new_rows = max(rows, have_rows) if self._fits(max(rows, have_rows), longest, dtype) else rows
+            choices = (max(longest, 2 * have_tokens, 64), max(longest, 2 * have_tokens), longest)
             self._allocate(new_rows, next(t for t in choices if self._fits(new_rows, t, dtype)), dtype)
         width = self.layers[0][0].shape[1]
         source, target, held = [], [], []

@@ -138,7 +138,7 @@ class Tokenizer:
 
     def token_text(self, token_id: int) -> str:
         """Surface text of one token (``decode([id])``, special tokens kept)."""
-        return self.hf.decode([self._checked(token_id)], skip_special_tokens=False)
+        return self.decode([self._checked(token_id)], skip_special_tokens=False)
 
     def token_bytes(self, token_id: int) -> bytes:
         """The raw UTF-8 bytes one token stands for (may be part of a multi-byte character)."""
