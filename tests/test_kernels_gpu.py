@@ -700,6 +700,20 @@ def test_greedy_argmax_matches_torch_with_ties():
     assert torch.equal(greedy_argmax(logits[:, :9000]), logits[:, :9000].argmax(dim=-1))
 
 
+def test_one_row_contexts_fall_in_their_split_count():
+    """The context each one-row decode graph's settings are timed at asks for that graph's split count."""
+    _need_cuda()
+    from pocketllm.kernels.attention import decode_split_options, decode_splits
+    from pocketllm.runner.cuda_graphs import CudaStepRunner
+
+    runner = CudaStepRunner(torch.nn.Identity(), torch.device(DEVICE), 16, num_kv_heads=8)
+    contexts = runner.one_row_contexts(4096)
+    assert sorted(contexts) == decode_split_options(1, 8)
+    for splits, context in contexts.items():
+        assert decode_splits(1, 8, max_context=context) == splits
+    assert all(context < 100 for context in runner.one_row_contexts(100).values())
+
+
 @pytest.mark.parametrize("rows", [1, 3])
 def test_skinny_products_write_into_a_given_buffer(rows):
     """A CUDA graph's LM head writes its logits into one static buffer: the products take it as ``out``."""

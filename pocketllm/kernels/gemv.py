@@ -439,6 +439,12 @@ def fused_rows_for(weight: torch.Tensor, prologue: int, plain_rows: int, plain: 
     return rows
 
 
+def silu_epilogue_candidates(k: int) -> list[OneRowConfig]:
+    """Settings timed for the product with the SiLU·mul epilogue: 2-8 weight rows a program (each program
+    streams twice that, gate and up)."""
+    return one_row_candidates(k)[1:4]
+
+
 def silu_epilogue_choice(weight: torch.Tensor, norm: bool, plain: OneRowConfig | None, plain_rows: int,
                          fused: OneRowConfig | None, fused_rows: int) -> tuple[OneRowConfig | None, bool]:
     """For one row times the [gate; up] ``weight``: the launch settings of the product with its SiLU·mul
@@ -464,7 +470,7 @@ def silu_epilogue_choice(weight: torch.Tensor, norm: bool, plain: OneRowConfig |
                             else torch.nn.functional.linear(h, next_weight()))
 
     best: tuple[float, OneRowConfig | None, bool] = (time_in_graph(baseline), None, False)
-    for config in one_row_candidates(k)[1:4]:   # 2-8 rows: each program streams twice that (gate and up)
+    for config in silu_epilogue_candidates(k):
         options = [(False, lambda c=config: one_row_silu_product(normed(), next_weight(), c))]
         if norm:
             options.append((True, lambda c=config: one_row_silu_product(x, next_weight(), c, residual, norm_weight,

@@ -19,12 +19,14 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
 import numpy as np
 import torch
 
 from pocketllm.runner.attention_metadata import AttentionMetadata
 from pocketllm.runner.host_batch import HostBatch
+from pocketllm.runner.sampler import SampleResult
 
 logger = logging.getLogger("pocketllm.runner")
 
@@ -185,9 +187,26 @@ class CudaStepRunner:
         return self.model.unnormed(view("ids"), view("pos"), meta), view("sample")
 
     # ------------------------------------------------------------------------------------------ graphs
-    def capture(self, max_num_seqs: int, max_model_len: int) -> None:
+    def one_row_contexts(self, max_context: int) -> dict[int, int]:
+        """For each split count of a one-row decode, a context in the middle of those it serves (below
+        ``max_context``); the largest count serves every longer context, and gets twice its shortest."""
+        from pocketllm.kernels.attention import SPLIT_TOKENS, decode_split_options
+
+        options = decode_split_options(1, self.num_kv_heads)
+        contexts = {}
+        for splits in options:
+            low = splits // 2 * SPLIT_TOKENS + 1
+            high = splits * SPLIT_TOKENS if splits < options[-1] else 2 * low
+            if low < max_context:
+                contexts[splits] = min((low + high) // 2, max_context - 1)
+        return contexts
+
+    def capture(self, max_num_seqs: int, max_model_len: int,
+                one_row_settings: dict[int, Callable[[], None]] | None = None) -> None:
         """Capture one decode graph per bucket size up to ``max_num_seqs`` and split count the bucket can take
-        (largest first, one memory pool)."""
+        (largest first, one memory pool). A one-row graph is captured after ``one_row_settings`` of its split
+        count (or the nearest count it has) set the products' one-row settings; afterwards those of the largest
+        count stay set, for one-row steps run eagerly."""
         from pocketllm.kernels.attention import decode_split_options
 
         started = time.perf_counter()
@@ -205,9 +224,14 @@ class CudaStepRunner:
         counters = self._counters(maxb)   # the graphs' metadata keeps this buffer alive
         self.graph_logits = torch.empty(maxb, self.model.lm_head.vocab_size, dtype=self.model.lm_head.weight.dtype,
                                         device=self.device)
+        settled = sorted(one_row_settings or {})
         for bs in reversed(graph_buckets(max_num_seqs)):
             for splits in reversed(decode_split_options(bs, self.num_kv_heads)):
+                if bs == 1 and settled:
+                    one_row_settings[min(settled, key=lambda s: abs(s - splits))]()
                 self._capture_one(bs, splits, (ids, pos, slots, ctx, state, tables), counters)
+        if settled:
+            one_row_settings[settled[-1]]()
         torch.cuda.synchronize(self.device)
         self.max_graph_bs = max_num_seqs
         self.buckets = sorted({bs for bs, _ in self.graphs})
@@ -233,6 +257,60 @@ class CudaStepRunner:
             self.model.logits_unnormed(*self.model.unnormed(ids[:bs], pos[:bs], meta), logits)
         self.graphs[bs, splits] = graph
         self.graph_meta[bs, splits] = meta
+
+    def time_one_row_step(self, context: int, sample: Callable[[torch.Tensor], SampleResult],
+                          block_ms: float = 25.0) -> float:
+        """Wall milliseconds per one-row decode step at ``context`` tokens, pipelined as the engine loop runs
+        them: each step's inputs copied from pinned host memory, the whole model and its LM head replayed from
+        a (throwaway) CUDA graph, ``sample`` queued on the logits, and only then the step before read back. The
+        step's KV slot is -1 (nothing is stored); it reads the first blocks of the allocated cache, whatever
+        they hold."""
+        blocks = -(-context // self.block_size)
+        seg, width = 16, _align(blocks)
+        inputs = torch.zeros(5 * seg + width, dtype=torch.int32, device=self.device)
+        ids, pos, slots, ctx, state = (inputs[k * seg:k * seg + 1] for k in range(5))
+        pos.fill_(context - 1)
+        slots.fill_(-1)
+        ctx.fill_(context)
+        torch.arange(blocks, out=inputs[5 * seg:5 * seg + blocks])
+        hybrid = self.state_padding_slot is not None
+        if hybrid:
+            state.fill_(self.state_padding_slot)
+        splits = self._splits(1, [context])
+        meta = AttentionMetadata(
+            slot_mapping=slots, block_tables=inputs[5 * seg:].view(1, width), query_start=[0, 1],
+            context_lens=[context], block_size=self.block_size, context_lens_gpu=ctx, query_start_gpu=None,
+            max_query_len=1, num_splits=splits, decode_tile=self._tile(1, splits), split_counters=self._counters(1),
+            state_slots=state if hybrid else None, state_slots_host=[self.state_padding_slot] if hybrid else None)
+        logits = torch.empty(1, self.model.lm_head.vocab_size, dtype=self.model.lm_head.weight.dtype,
+                             device=self.device)
+
+        def step() -> None:
+            self.model.logits_unnormed(*self.model.unnormed(ids, pos, meta), logits)
+
+        step()   # compiles what the settings need before the capture
+        torch.cuda.synchronize(self.device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            step()
+        staged = inputs.cpu().pin_memory()
+
+        def timed(steps: int) -> float:
+            started = time.perf_counter()
+            previous = None
+            for _ in range(steps):
+                inputs.copy_(staged, non_blocking=True)
+                graph.replay()
+                result = sample(logits)
+                if previous is not None:
+                    previous.to_host()
+                previous = result
+            previous.to_host()
+            return (time.perf_counter() - started) * 1000 / steps
+
+        timed(3)
+        steps = max(3, min(60, int(block_ms / timed(3))))
+        return min(timed(steps) for _ in range(3))   # the least of three runs of ~block_ms
 
     def _replay(self, host: HostBatch, previous_tokens: torch.Tensor | None) -> torch.Tensor:
         n = host.num_seqs

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import math
-from collections.abc import Iterable
+import time
+from collections.abc import Callable, Iterable
 
 import torch
 
@@ -19,6 +21,7 @@ from pocketllm.models.weights import init_dummy_weights, load_weights
 from pocketllm.runner.attention_metadata import AttentionMetadata
 from pocketllm.runner.host_batch import HostBatch, gather_host_batch
 from pocketllm.runner.sampler import SampledToken, Sampler, SampleResult, SamplingRow
+from pocketllm.sampling_params import SamplingParams
 
 logger = logging.getLogger("pocketllm.runner")
 
@@ -35,6 +38,25 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return DTYPES[name]
+
+
+@dataclasses.dataclass
+class OneRowSetting:
+    """One-row launch settings that ``modules`` (same weight shape, same path) share in ``attribute``, and the
+    settings timed for it."""
+
+    attribute: str
+    modules: list[torch.nn.Module]
+    candidates: list
+
+    def apply(self, config) -> None:
+        for module in self.modules:
+            setattr(module, self.attribute, config)
+
+
+def _apply_all(choices: list[tuple[OneRowSetting, object]]) -> None:
+    for setting, config in choices:
+        setting.apply(config)
 
 
 class ModelRunner:
@@ -137,20 +159,22 @@ class ModelRunner:
         tensor parallelism (the step's all-reduces run eagerly)."""
         if self.cuda_step is None:
             return
-        self.choose_kernels()
+        settings = self.choose_kernels()
         if self.tp_size > 1:
             logger.info("decode CUDA graphs off under tensor parallelism")
             return
         with torch.inference_mode():
-            self.cuda_step.capture(max_num_seqs, max_model_len)
+            one_row = self.settle_in_step(settings, max_model_len) if settings else {}
+            self.cuda_step.capture(max_num_seqs, max_model_len, one_row)
 
-    def choose_kernels(self) -> None:
+    def choose_kernels(self) -> list[OneRowSetting]:
         """CUDA: time the skinny Triton kernel against cuBLAS on each distinct weight shape (LM head and the
         per-layer projections) and keep the faster for each number of rows; likewise, for projections that
         declare an input prologue (a norm or SiLU·mul before them), the fused kernel against the two launches, and
-        for a [gate; up] projection feeding SiLU·mul, the activation computed in the product's kernel (one row)."""
+        for a [gate; up] projection feeding SiLU·mul, the activation computed in the product's kernel (one row).
+        Returns the one-row launch settings chosen, with the modules sharing each and its candidates."""
         if self.cuda_step is None:
-            return
+            return []
         from pocketllm.kernels.gemv import (
             RMS_NORM,
             SILU_MUL,
@@ -158,6 +182,8 @@ class ModelRunner:
             best_one_row_config,
             fused_candidates,
             fused_rows_for,
+            one_row_candidates,
+            silu_epilogue_candidates,
             silu_epilogue_choice,
             skinny_rows_for,
         )
@@ -166,6 +192,7 @@ class ModelRunner:
         chosen: dict[tuple[int, ...], tuple[OneRowConfig, int]] = {}
         fused: dict[tuple[str | int, ...], tuple[OneRowConfig, int]] = {}
         epilogues: dict[tuple[str | int, ...], tuple[OneRowConfig | None, bool]] = {}
+        settings: dict[tuple, OneRowSetting] = {}
         for name, module in self.model.named_modules():
             weight = getattr(module, "weight", None)
             if not hasattr(module, "skinny_rows") or weight is None or weight.dim() != 2:
@@ -196,6 +223,58 @@ class ModelRunner:
                     logger.info("%s %s: SiLU·mul in the product's kernel for one row: %s (norm in it too: %s)",
                                 name, list(shape), *epilogues[key])
                 module.silu_epilogue, module.silu_epilogue_norm = epilogues[key]
+            # The one-row settings the module's path at one row runs with: the product with the SiLU·mul epilogue
+            # where chosen, else with its norm prologue fused where chosen, else the plain product (a SiLU·mul
+            # prologue is fused or not as the [gate; up] product before it decides: both).
+            k = shape[1]
+            if getattr(module, "silu_epilogue", None) is not None:
+                used = [("silu_epilogue", silu_epilogue_candidates(k))]
+            elif prologue == "rms_norm" and module.fused_rows >= 1:
+                used = [("fused_one_row", fused_candidates(k, module.one_row))]
+            else:
+                used = [("one_row", one_row_candidates(k))] if module.skinny_rows >= 1 else []
+                if prologue is not None and module.fused_rows >= 1:
+                    used.append(("fused_one_row", fused_candidates(k, module.one_row)))
+            for attribute, candidates in used:
+                settings.setdefault((attribute, prologue or "", shape),
+                                    OneRowSetting(attribute, [], candidates)).modules.append(module)
+        return list(settings.values())
+
+    def settle_in_step(self, settings: list[OneRowSetting], max_model_len: int) -> dict[int, Callable[[], None]]:
+        """CUDA: for each split count a one-row decode graph is captured with, time the one-row settings'
+        candidates again in whole one-row decode steps (greedy sampling included, pipelined as the engine runs
+        them) at a context that split count serves, and keep the fastest; returns, per split count, what sets
+        them. In a step a product launches as a dependent of the kernel before it and reads its first weight
+        tile while that kernel runs, which a product timed alone does not show, and how much that hides depends
+        on the attention before it, so on the context: on Qwen3-0.6B (H200) one O-projection setting gave
+        643-650 µs steps at contexts 130-192 and 671 µs at 256, another 664-667 µs at all of them. Settings are
+        changed one at a time, each kept only when the step is at least 0.2% faster."""
+        started = time.perf_counter()
+        greedy = [SamplingRow(SamplingParams(max_tokens=1, temperature=0.0), [], [])]
+        contexts = self.cuda_step.one_row_contexts(min(max_model_len, self.num_blocks * self.block_size))
+        chosen: dict[int, list[tuple[OneRowSetting, object]]] = {}
+        for splits, context in contexts.items():
+            def step_time(context: int = context) -> float:
+                return self.cuda_step.time_one_row_step(
+                    context, lambda logits: self.sampler.sample_async(logits, greedy).start_copy())
+
+            best_time = step_time()
+            for setting in settings:
+                best = getattr(setting.modules[0], setting.attribute)
+                for candidate in setting.candidates:
+                    if candidate != best:
+                        setting.apply(candidate)
+                        t = step_time()
+                        if t < 0.998 * best_time:
+                            best, best_time = candidate, t
+                setting.apply(best)
+            chosen[splits] = [(setting, getattr(setting.modules[0], setting.attribute)) for setting in settings]
+            described = "; ".join(f"{setting.attribute} {list(setting.modules[0].weight.shape)} {tuple(config)}"
+                                  for setting, config in chosen[splits])
+            logger.info("one-row settings timed in the step, %d splits (context %d, %.1f µs a step): %s", splits,
+                        context, best_time * 1000, described)
+        logger.info("one-row settings timed in the step in %.1f s", time.perf_counter() - started)
+        return {splits: functools.partial(_apply_all, choices) for splits, choices in chosen.items()}
 
     def kv_bytes_per_block(self) -> int:
         element = torch.tensor([], dtype=self.kv_dtype).element_size()
