@@ -259,7 +259,7 @@ class CudaStepRunner:
         self.graph_meta[bs, splits] = meta
 
     def time_one_row_step(self, context: int, sample: Callable[[torch.Tensor], SampleResult],
-                          block_ms: float = 25.0) -> float:
+                          block_ms: float = 15.0) -> float:
         """Wall milliseconds per one-row decode step at ``context`` tokens, pipelined as the engine loop runs
         them: each step's inputs copied from pinned host memory, the whole model and its LM head replayed from
         a (throwaway) CUDA graph, ``sample`` queued on the logits, and only then the step before read back. The
