@@ -39,10 +39,10 @@ class EngineArgs:
                                           "its 4-bit codes) | int8 (8-bit weights and activations: faster than "
                                           "int4 for batches of 2-8 rows). bfloat16, int4 and int8 change results "
                                           "slightly (docs/benchmarks.md).")
-    cpu_compile: bool = _opt(False, "CPU: compile the one-row decode step with PyTorch's inductor (max-autotune, "
-                                    "weights frozen into the compiled code) at start-up, which takes minutes: "
-                                    "~14% faster one-row steps with int4 weights; batches of several rows run "
-                                    "eagerly, as fast (docs/benchmarks.md).")
+    cpu_compile: bool = _opt(False, "CPU: compile the one-row decode step with PyTorch's inductor (C++ wrapper) "
+                                    "at start-up, which takes minutes: about a third less time per one-row step "
+                                    "with int4 weights on a 2-core machine; batches of several rows run eagerly, "
+                                    "as fast (docs/benchmarks.md).")
     max_model_len: int | None = _opt(None, "Longest prompt + output in tokens (default: the checkpoint's "
                                            "context, capped by the KV cache).")
     max_num_seqs: int = _opt(64, "Most requests running at once.")

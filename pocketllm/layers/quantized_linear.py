@@ -111,8 +111,8 @@ class CpuLinear(nn.Module):
         self.out_features, self.in_features = weight.shape
         self.keep = keep if keep is not None and keep < self.out_features else None
         self.bias = None if bias is None else bias.detach().to(torch.bfloat16)
-        # Buffers, not plain attributes: a compiled decode step (``cpu_compile``) freezes a module's buffers into
-        # its code as constants, which inductor's int4 product templates need.
+        # Buffers, not plain attributes: module state that a compiled decode step (``cpu_compile``) takes as
+        # the module's, not as constants of the traced function.
         self.register_buffer("packed", None)
         self.register_buffer("scales_zeros", None)
         self.int8: Int8Product | None = None
