@@ -241,6 +241,14 @@ class CudaStepRunner:
     def _capture_one(self, bs: int, splits: int, inputs: tuple[torch.Tensor, ...], counters: torch.Tensor) -> None:
         """Capture the decode graph of bucket ``bs`` with ``splits`` context splits over the static ``inputs``
         (token ids, positions, slots, context lengths, state slots, block tables)."""
+        graph, meta = self._decode_graph(bs, splits, inputs, counters, self.graph_logits[:bs], self.pool)
+        self.graphs[bs, splits] = graph
+        self.graph_meta[bs, splits] = meta
+
+    def _decode_graph(self, bs: int, splits: int, inputs: tuple[torch.Tensor, ...], counters: torch.Tensor,
+                      logits: torch.Tensor, pool) -> tuple[torch.cuda.CUDAGraph, AttentionMetadata]:
+        """A graph of the decode step of ``bs`` rows over the static ``inputs`` (as ``_capture_one``) writing
+        ``logits``, captured into ``pool`` (None: a pool of its own) after one eager run, and its metadata."""
         ids, pos, slots, ctx, state, tables = inputs
         hybrid = self.state_padding_slot is not None
         meta = AttentionMetadata(
@@ -249,14 +257,12 @@ class CudaStepRunner:
             query_start_gpu=None, max_query_len=1, num_splits=splits, decode_tile=self._tile(bs, splits),
             split_counters=counters, state_slots=state[:bs] if hybrid else None,
             state_slots_host=[self.state_padding_slot] * bs if hybrid else None)
-        logits = self.graph_logits[:bs]
         self.model.logits_unnormed(*self.model.unnormed(ids[:bs], pos[:bs], meta), logits)  # compile, warm up
         torch.cuda.synchronize(self.device)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        with torch.cuda.graph(graph, pool=pool):
             self.model.logits_unnormed(*self.model.unnormed(ids[:bs], pos[:bs], meta), logits)
-        self.graphs[bs, splits] = graph
-        self.graph_meta[bs, splits] = meta
+        return graph, meta
 
     def time_one_row_step(self, context: int, sample: Callable[[torch.Tensor], SampleResult],
                           block_ms: float = 15.0) -> float:
@@ -273,26 +279,13 @@ class CudaStepRunner:
         slots.fill_(-1)
         ctx.fill_(context)
         torch.arange(blocks, out=inputs[5 * seg:5 * seg + blocks])
-        hybrid = self.state_padding_slot is not None
-        if hybrid:
+        if self.state_padding_slot is not None:
             state.fill_(self.state_padding_slot)
-        splits = self._splits(1, [context])
-        meta = AttentionMetadata(
-            slot_mapping=slots, block_tables=inputs[5 * seg:].view(1, width), query_start=[0, 1],
-            context_lens=[context], block_size=self.block_size, context_lens_gpu=ctx, query_start_gpu=None,
-            max_query_len=1, num_splits=splits, decode_tile=self._tile(1, splits), split_counters=self._counters(1),
-            state_slots=state if hybrid else None, state_slots_host=[self.state_padding_slot] if hybrid else None)
         logits = torch.empty(1, self.model.lm_head.vocab_size, dtype=self.model.lm_head.weight.dtype,
                              device=self.device)
-
-        def step() -> None:
-            self.model.logits_unnormed(*self.model.unnormed(ids, pos, meta), logits)
-
-        step()   # compiles what the settings need before the capture
-        torch.cuda.synchronize(self.device)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            step()
+        graph, _ = self._decode_graph(1, self._splits(1, [context]), (ids, pos, slots, ctx, state,
+                                                                      inputs[5 * seg:].view(1, width)),
+                                      self._counters(1), logits, None)
         staged = inputs.cpu().pin_memory()
 
         def timed(steps: int) -> float:
