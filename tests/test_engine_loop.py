@@ -30,7 +30,7 @@ class _CrashingCore:
 
 def test_commands_queued_during_a_crashing_step_fail_instead_of_hanging() -> None:
     core = _CrashingCore()
-    loop = EngineLoop(core)
+    loop = EngineLoop(lambda: core)
     assert core.entered.wait(10)
     queued = loop.call(lambda: 42)          # queued while the step runs; the step then raises
     core.release.set()

@@ -61,14 +61,19 @@ class TorchBackend:
                                           self.checkpoint.hf_config, self.tokenizer)
         dummy = args.load_format == "dummy" or self.checkpoint.format == "dummy"
         weights = None if dummy else self.checkpoint.iter_weights()
-        self.core = EngineCore(args, self.checkpoint.hf_config, weights, eos_ids)
-        if self.tokenizer is not None and xgrammar_available():
-            tokenizer = self.tokenizer
-            # Added tokens (<|im_end|>, <think>, <tool_call>, ...) never appear inside constrained text.
-            never_in_text = tokenizer.special_token_ids | frozenset(tokenizer.hf.added_tokens_decoder)
-            self.core.grammar_compiler = GrammarCompiler(tokenizer.vocab_bytes, never_in_text,
-                                                         self.core.vocab_size, eos_ids)
-        self.loop = EngineLoop(self.core)
+        hf_config, tokenizer = self.checkpoint.hf_config, self.tokenizer
+
+        def build() -> EngineCore:   # runs on the engine thread (EngineLoop says why)
+            core = EngineCore(args, hf_config, weights, eos_ids)
+            if tokenizer is not None and xgrammar_available():
+                # Added tokens (<|im_end|>, <think>, <tool_call>, ...) never appear inside constrained text.
+                never_in_text = tokenizer.special_token_ids | frozenset(tokenizer.hf.added_tokens_decoder)
+                core.grammar_compiler = GrammarCompiler(tokenizer.vocab_bytes, never_in_text, core.vocab_size,
+                                                        eos_ids)
+            return core
+
+        self.loop = EngineLoop(build)
+        self.core = self.loop.core
         self.caps = EngineCaps(
             max_slots=args.max_num_seqs,
             chunked_prefill=args.enable_chunked_prefill,

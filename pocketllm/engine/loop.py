@@ -31,10 +31,19 @@ class OutputSink(Protocol):
 
 
 class EngineLoop:
-    """Runs ``EngineCore.step`` on a daemon thread. All engine state is touched only on that thread."""
+    """Runs ``EngineCore.step`` on a daemon thread. All engine state is touched only on that thread.
 
-    def __init__(self, core: EngineCore) -> None:
-        self.core = core
+    The core is built on that thread too (``build``), so that loading, compiling and every step run their torch
+    work on one thread. On CPU this matters for speed: each thread that runs a parallel torch op gets its own
+    OpenMP worker team, and with more OpenMP threads than cores the runtime shortens its spin-waiting, so
+    every later parallel op waits for a sleeping worker to wake. Measured on the 2-core development machine:
+    a 70,000-element add took 11.7 µs on a thread that alone ran parallel ops, 19-35 µs once another thread
+    had run one (docs/benchmarks.md, tenth session).
+    """
+
+    def __init__(self, build: Callable[[], EngineCore]) -> None:
+        """Start the engine thread and wait until it has built the core (an error building it is raised
+        here, and the thread has ended)."""
         self.commands: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
         self.sinks: dict[str, OutputSink] = {}
         self.active: set[str] = set()
@@ -43,8 +52,11 @@ class EngineLoop:
         # Held while a caller queues a command and while a crash fails the queued ones: a command is either
         # queued before the crash (and failed by it) or refused afterwards, never left waiting.
         self._queue_lock = threading.Lock()
-        self.thread = threading.Thread(target=self._run, name="pocketllm-engine", daemon=True)
+        built: Future = Future()
+        self.thread = threading.Thread(target=self._run, args=(build, built), name="pocketllm-engine",
+                                       daemon=True)
         self.thread.start()
+        self.core: EngineCore = built.result()
 
     # --- called from any thread -------------------------------------------------------------------
     def submit(self, request_id: str, prompt_token_ids: list[int], params, sink: OutputSink) -> Future:
@@ -189,7 +201,14 @@ class EngineLoop:
             except queue.Empty:
                 return True
 
-    def _run(self) -> None:
+    def _run(self, build: Callable[[], EngineCore], built: Future) -> None:
+        try:
+            self.core = build()
+        except BaseException as exc:  # handed to the constructor's caller
+            self._stopping = True
+            built.set_exception(exc)
+            return
+        built.set_result(self.core)
         try:
             if getattr(self.core, "pipelined", False):
                 self._run_pipelined()
