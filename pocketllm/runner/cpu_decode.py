@@ -199,8 +199,13 @@ class CpuDecodeStep:
         compiling it doubled the start-up compile."""
         if self._compiled is None or batch.ids.shape[0] != 1:
             return self.run(batch)
-        # Without duck sizing, sizes that happen to be equal at the first compile are not tied to each other
-        # (such a tie would compile the step again once they differ).
+        # Only the context length varies between one-row steps: the rotary rows and (``_cache_views``) the
+        # caches keep static sizes, which lets inductor emit fixed-size loops for rotary and the cache store
+        # (same process, same batches: 0.91 of the step with every size symbolic). Without duck sizing, sizes
+        # that happen to be equal at the first compile are not tied to each other (such a tie would compile
+        # the step again once they differ).
+        torch._dynamo.mark_static(batch.cos)
+        torch._dynamo.mark_static(batch.sin)
         with torch.fx.experimental._config.patch(use_duck_shape=False):
             return self._compiled(batch)
 
@@ -212,6 +217,10 @@ class CpuDecodeStep:
             shape = (-1, self.num_kv_heads, self.head_dim)
             self._views = [(layer[5].k_cache.view(shape), layer[5].v_cache.view(shape)) for layer in self.layers]
             self._views_of = first
+            if self._compiled is not None:   # static sizes in the compiled step (``run_step``)
+                for k, v in self._views:
+                    torch._dynamo.mark_static(k)
+                    torch._dynamo.mark_static(v)
         return self._views
 
     def run(self, batch: DecodeBatch) -> torch.Tensor:
