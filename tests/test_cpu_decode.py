@@ -148,8 +148,10 @@ def test_greedy_tokens_equal_with_and_without_the_fast_path(fmt: str, tiny_check
 def test_compiled_decode_step_matches_the_eager_step(tiny_checkpoint) -> None:
     """``cpu_compile``: every decode step (one request over its cache span, then two over dense rows) computed
     by ``run_step`` and by the eager step on the same batch gives the same hidden states, within the rounding
-    of bfloat16 activations (inductor fuses the elementwise ops between the int4 products); the compiled step
-    runs the one-row steps only."""
+    of bfloat16 activations (inductor fuses the elementwise ops between the int4 products); both kinds of step
+    ran compiled, and none compiled again after start-up."""
+    from torch._dynamo.utils import counters
+
     seen = []
     compiled_rows = []
     with LLM(EngineArgs(model=tiny_checkpoint("llama"), device="cpu", num_kv_blocks=64, cpu_weight_format="int4",
@@ -163,6 +165,7 @@ def test_compiled_decode_step_matches_the_eager_step(tiny_checkpoint) -> None:
             return compiled(batch)
 
         step._compiled = counted
+        graphs = counters["stats"]["unique_graphs"]
 
         def both(chunks):
             batch = step._metadata(chunks)
@@ -176,9 +179,10 @@ def test_compiled_decode_step_matches_the_eager_step(tiny_checkpoint) -> None:
         params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
         alone = llm.generate([[1, 400, 401, 402]], params)
         pair = llm.generate([[1, 500, 501], [1, 600, 601, 602, 603]], params)
+        assert counters["stats"]["unique_graphs"] == graphs
     assert [len(out.token_ids) for out in alone + pair] == [4, 4, 4]
     assert 1 in seen and 2 in seen
-    assert compiled_rows and set(compiled_rows) == {1}
+    assert set(compiled_rows) == {1, 2}
 
 
 def test_cpu_compile_refuses_a_model_without_the_fast_path() -> None:

@@ -15,6 +15,7 @@ from pocketllm.engine.request import FinishReason, Request, RequestStatus
 from pocketllm.engine.scheduler import ScheduledChunk, Scheduler, SchedulerLimits
 from pocketllm.engine.state_pool import StatePool
 from pocketllm.errors import InvalidRequestError, UnsupportedFeatureError
+from pocketllm.runner.cpu_decode import COMPILED_ROWS_MAX
 from pocketllm.runner.model_runner import ModelRunner, resolve_device, resolve_dtype
 from pocketllm.runner.sampler import SampledToken, SampleResult
 from pocketllm.sampling_params import SamplingParams
@@ -131,12 +132,15 @@ class EngineCore:
             self._compile_cpu_decode()
 
     def _compile_cpu_decode(self) -> None:
-        """``cpu_compile``: run a throwaway request now, so that the compiled one-row decode step compiles at
-        start-up, its int4 products tuned for one row, not during the first request."""
+        """``cpu_compile``: run throwaway requests now (several at once, then one), so that the compiled decode
+        steps compile at start-up, not during the first requests."""
         started = time.perf_counter()
-        self.add_request("compile-1", [1] * 4, SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
-        while self.has_work():
-            self.step()
+        params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+        for batch in ((min(self.args.max_num_seqs, COMPILED_ROWS_MAX), 1) if self.args.max_num_seqs > 1 else (1,)):
+            for i in range(batch):
+                self.add_request(f"compile-{batch}-{i}", [1] * 4, params)
+            while self.has_work():
+                self.step()
         self.blocks.reset_prefix_cache()
         self.num_steps = 0
         logger.info("compiled the CPU decode step in %.1f s", time.perf_counter() - started)

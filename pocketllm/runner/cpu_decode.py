@@ -19,12 +19,16 @@ import torch.nn.functional as F
 
 from pocketllm.distributed import tp_size
 from pocketllm.errors import InvalidRequestError
+from pocketllm.layers.quantized_linear import INT4_MAX_ROWS
 from pocketllm.runner.cpu_kv_rows import DenseDecodeRows
 
 logger = logging.getLogger("pocketllm.runner")
 
 # Multi-row decode steps of up to this many sequences keep their context in dense rows (cpu_kv_rows.py).
 DENSE_ROWS_MAX = 16
+# The most rows a compiled step (``cpu_compile``) runs: the linear layers change kernels above INT4_MAX_ROWS,
+# so a larger batch would need a graph of its own.
+COMPILED_ROWS_MAX = INT4_MAX_ROWS
 
 
 def setup_cpu(model: torch.nn.Module, weight_format: str, block_size: int,
@@ -75,6 +79,14 @@ def _plain_rms_norm(norm: torch.nn.Module) -> bool:
     return isinstance(norm, RMSNorm) and not norm.offset
 
 
+def _output_dtype(module: torch.nn.Module) -> torch.dtype:
+    """The dtype ``_linear(module)`` returns."""
+    inner = getattr(module, "inner", None)
+    if inner is None:
+        return module.weight.dtype
+    return torch.float32 if inner.int8 is not None else inner.act_dtype
+
+
 def _linear(module: torch.nn.Module):
     """The callable computing ``module``: a CpuLinear directly (skipping its float32 wrapper), else F.linear."""
     inner = getattr(module, "inner", None)
@@ -96,8 +108,11 @@ class CpuDecodeStep:
         cos = first.rotary_emb.cos_cache
         half = self.head_dim // 2
         sign = torch.cat([-torch.ones(half), torch.ones(half)]).to(cos.dtype)
-        self.cos = cos
-        self.sin_signed = first.rotary_emb.sin_cache * sign
+        # Rotary runs in the dtype of the q/k rows: the QKV projection's output (float32, or bfloat16 from
+        # bfloat16/int4 weights), float32 after q/k norms; every layer has the same.
+        self.layer_dtype = torch.float32 if first.q_norm is not None else _output_dtype(first.qkv_proj)
+        self.cos = cos.to(self.layer_dtype)
+        self.sin_signed = (first.rotary_emb.sin_cache * sign).to(self.layer_dtype)
         self.layers = []
         for layer in model.layers:
             attn = layer.self_attn
@@ -194,18 +209,24 @@ class CpuDecodeStep:
         return self.run_step(self._metadata(chunks))
 
     def run_step(self, batch: DecodeBatch) -> torch.Tensor:
-        """``run``, compiled for one row when the step was built to be. Several rows run eagerly: on the same
-        batches of the 8-stream bench the compiled step took 0.99 of the eager one's time (one row: 0.86), and
-        compiling it doubled the start-up compile."""
-        if self._compiled is None or batch.ids.shape[0] != 1:
+        """``run``, compiled when the step was built to be: one row over its cache span or gathered blocks, or
+        up to ``COMPILED_ROWS_MAX`` rows over the dense K/V rows (other batches run eagerly)."""
+        rows = batch.ids.shape[0]
+        if self._compiled is None or (rows > 1 and (batch.dense_index is None or rows > COMPILED_ROWS_MAX)):
             return self.run(batch)
-        # Only the context length varies between one-row steps: the rotary rows and (``_cache_views``) the
-        # caches keep static sizes, which lets inductor emit fixed-size loops for rotary and the cache store
-        # (same process, same batches: 0.91 of the step with every size symbolic). Without duck sizing, sizes
-        # that happen to be equal at the first compile are not tied to each other (such a tie would compile
-        # the step again once they differ).
-        torch._dynamo.mark_static(batch.cos)
-        torch._dynamo.mark_static(batch.sin)
+        # Only the row count and the context length vary between steps: the rotary rows' width, the caches
+        # (``_cache_views``) and the dense rows' heads keep static sizes, which lets inductor emit fixed-size
+        # loops for rotary and the cache store (same process, same one-row batches: 0.91 of the step with every
+        # size symbolic). Without duck sizing, sizes that happen to be equal at the first compile are not tied
+        # to each other (such a tie would compile the step again once they differ).
+        for table in (batch.cos, batch.sin):
+            torch._dynamo.mark_static(table, 1)
+            torch._dynamo.mark_static(table, 2)
+        if rows > 1:
+            for k_rows, v_rows in self.dense_rows.layers:
+                for t in (k_rows, v_rows):
+                    torch._dynamo.mark_static(t, 2)
+                    torch._dynamo.mark_static(t, 3)
         with torch.fx.experimental._config.patch(use_duck_shape=False):
             return self._compiled(batch)
 
@@ -225,68 +246,71 @@ class CpuDecodeStep:
 
     def run(self, batch: DecodeBatch) -> torch.Tensor:
         """The layers over a built decode batch."""
+        dense = self.dense_rows.layers if batch.dense_index is not None else [None] * len(self.layers)
+        hidden = F.embedding(batch.ids, self.model.embed_tokens.weight)
+        residual = hidden
+        for index, (layer, views, rows_kv) in enumerate(zip(self.layers, self._cache_views(), dense)):
+            # The first residual is the embedding's fresh output; later ones are added to in place.
+            hidden = self.layer(batch, layer, views, rows_kv, residual, hidden, index > 0)
+        residual = residual + hidden
+        return F.rms_norm(residual, self.norm[0].shape, self.norm[0], self.norm[1])
+
+    def layer(self, batch: DecodeBatch, layer: tuple, views: tuple[torch.Tensor, torch.Tensor],
+              rows_kv: tuple[torch.Tensor, torch.Tensor] | None, residual: torch.Tensor, hidden: torch.Tensor,
+              add: bool) -> torch.Tensor:
+        """One decoder layer: adds the attention output to ``residual`` in place (and ``hidden`` first when
+        ``add``); returns the MLP's output, which the next layer (or the final norm) adds."""
         slots, cos, sin, span, index, bias = batch.slots, batch.cos, batch.sin, batch.span, batch.index, batch.bias
         dense_index, dense_length = batch.dense_index, batch.dense_length
-        dense = self.dense_rows.layers if dense_index is not None else [None] * len(self.layers)
+        k_flat, v_flat = views
         rows = batch.ids.shape[0]
         heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
         q_width = heads * dim
-        hidden = F.embedding(batch.ids, self.model.embed_tokens.weight)
-        residual = None
-        views = self._cache_views()
-        as_positions = self.grouped
-        for layer, (k_flat, v_flat), rows_kv in zip(self.layers, views, dense):
-            norm1, eps1, qkv_proj, q_norm, k_norm, attn, o_proj, norm2, eps2, gate_up, down = layer
-            # The first residual is the embedding's fresh output; later ones are added to in place.
-            residual = hidden if residual is None else residual.add_(hidden)
-            x = F.rms_norm(residual, norm1.shape, norm1, eps1)
-            qkv = qkv_proj(x)  # float32, or bfloat16 from bfloat16/int4 weights: rotary runs in that dtype
-            if q_norm is not None:
-                qkv = qkv.float()
-            qk = qkv[:, : q_width + kv_heads * dim].view(rows, heads + kv_heads, dim)
-            if q_norm is not None:
-                qk = torch.cat([F.rms_norm(qk[:, :heads], (dim,), q_norm.weight, q_norm.eps),
-                                F.rms_norm(qk[:, heads:], (dim,), k_norm.weight, k_norm.eps)], dim=1)
-            if cos.dtype != qk.dtype:
-                cos, sin = cos.to(qk.dtype), sin.to(qk.dtype)  # once per step: every layer has the same dtype
-            qk = torch.addcmul(qk * cos, qk.roll(dim // 2, -1), sin)
-            q = qk[:, :heads]
-            k = qk[:, heads:]
-            v = qkv[:, q_width + kv_heads * dim:].view(rows, kv_heads, dim)
-            kv_dtype = k_flat.dtype
-            k, v = (k if k.dtype == kv_dtype else k.to(kv_dtype)), (v if v.dtype == kv_dtype else v.to(kv_dtype))
-            k_flat.index_copy_(0, slots, k)
-            v_flat.index_copy_(0, slots, v)
-            # Dense rows are [rows, length, kv heads, dim] already; other contexts are viewed that way.
-            if rows_kv is not None:
-                k_rows, v_rows = rows_kv
-                k_rows.view(-1, kv_heads, dim).index_copy_(0, dense_index, k)
-                v_rows.view(-1, kv_heads, dim).index_copy_(0, dense_index, v)
-                keys, values = k_rows[:rows, :dense_length], v_rows[:rows, :dense_length]
-            else:
-                if span is not None:
-                    keys, values = k_flat[span[0]:span[1]], v_flat[span[0]:span[1]]
-                else:
-                    keys, values = attn.k_cache.index_select(0, index), attn.v_cache.index_select(0, index)
-                keys = keys.view(rows, -1, kv_heads, dim)
-                values = values.view(rows, -1, kv_heads, dim)
-            keys, values = keys.transpose(1, 2), values.transpose(1, 2)
-            # One fused kernel reads the strided context in place, in the cache's dtype. A KV head's query heads
-            # go in as query positions of that head: measured faster than grouped heads at 1-8 rows, float32
-            # (8-41%) and bfloat16 (SmolLM2's heads, gathered context 144-384: 11-20% at 1 row, 23-51% at 8).
-            if as_positions:
-                query = q.reshape(rows, kv_heads, heads // kv_heads, dim)
-            else:
-                query = q.unsqueeze(2)
-            out = F.scaled_dot_product_attention(query if query.dtype == kv_dtype else query.to(kv_dtype), keys,
-                                                 values, attn_mask=bias, scale=self.scale,
-                                                 enable_gqa=self.grouped and not as_positions)
-            out = out.reshape(rows, q_width)
-            hidden = o_proj(out if out.dtype == qkv.dtype else out.to(qkv.dtype))
+        norm1, eps1, qkv_proj, q_norm, k_norm, attn, o_proj, norm2, eps2, gate_up, down = layer
+        if add:
             residual.add_(hidden)
-            x = F.rms_norm(residual, norm2.shape, norm2, eps2)
-            gu = gate_up(x)
-            width = gu.shape[-1] // 2
-            hidden = down(F.silu(gu[:, :width]) * gu[:, width:])
-        residual = residual + hidden
-        return F.rms_norm(residual, self.norm[0].shape, self.norm[0], self.norm[1])
+        x = F.rms_norm(residual, norm1.shape, norm1, eps1)
+        qkv = qkv_proj(x)  # float32, or bfloat16 from bfloat16/int4 weights: rotary runs in that dtype
+        if q_norm is not None:
+            qkv = qkv.float()
+        qk = qkv[:, : q_width + kv_heads * dim].view(rows, heads + kv_heads, dim)
+        if q_norm is not None:
+            qk = torch.cat([F.rms_norm(qk[:, :heads], (dim,), q_norm.weight, q_norm.eps),
+                            F.rms_norm(qk[:, heads:], (dim,), k_norm.weight, k_norm.eps)], dim=1)
+        qk = torch.addcmul(qk * cos, qk.roll(dim // 2, -1), sin)
+        q = qk[:, :heads]
+        k = qk[:, heads:]
+        v = qkv[:, q_width + kv_heads * dim:].view(rows, kv_heads, dim)
+        kv_dtype = k_flat.dtype
+        k, v = (k if k.dtype == kv_dtype else k.to(kv_dtype)), (v if v.dtype == kv_dtype else v.to(kv_dtype))
+        k_flat.index_copy_(0, slots, k)
+        v_flat.index_copy_(0, slots, v)
+        # Dense rows are [rows, length, kv heads, dim] already; other contexts are viewed that way.
+        if rows_kv is not None:
+            k_rows, v_rows = rows_kv
+            k_rows.view(-1, kv_heads, dim).index_copy_(0, dense_index, k)
+            v_rows.view(-1, kv_heads, dim).index_copy_(0, dense_index, v)
+            keys, values = k_rows[:rows, :dense_length], v_rows[:rows, :dense_length]
+        else:
+            if span is not None:
+                keys, values = k_flat[span[0]:span[1]], v_flat[span[0]:span[1]]
+            else:
+                keys, values = attn.k_cache.index_select(0, index), attn.v_cache.index_select(0, index)
+            keys = keys.view(rows, -1, kv_heads, dim)
+            values = values.view(rows, -1, kv_heads, dim)
+        keys, values = keys.transpose(1, 2), values.transpose(1, 2)
+        # One fused kernel reads the strided context in place, in the cache's dtype. A KV head's query heads
+        # go in as query positions of that head: measured faster than grouped heads at 1-8 rows, float32
+        # (8-41%) and bfloat16 (SmolLM2's heads, gathered context 144-384: 11-20% at 1 row, 23-51% at 8).
+        if self.grouped:
+            query = q.reshape(rows, kv_heads, heads // kv_heads, dim)
+        else:
+            query = q.unsqueeze(2)
+        out = F.scaled_dot_product_attention(query if query.dtype == kv_dtype else query.to(kv_dtype), keys,
+                                             values, attn_mask=bias, scale=self.scale)
+        out = out.reshape(rows, q_width)
+        residual.add_(o_proj(out if out.dtype == qkv.dtype else out.to(qkv.dtype)))
+        x = F.rms_norm(residual, norm2.shape, norm2, eps2)
+        gu = gate_up(x)
+        width = gu.shape[-1] // 2
+        return down(F.silu(gu[:, :width]) * gu[:, width:])

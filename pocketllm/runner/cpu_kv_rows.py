@@ -53,13 +53,15 @@ class DenseDecodeRows:
         ``index_copy_``), or None when the batch does not fit the rows' limits (the caller gathers)."""
         rows, longest = len(requests), max(positions) + 1
         dtype = paged[0][0].dtype
-        if not self._fits(rows, longest, dtype):
+        if not self._fits(rows, longest + 1, dtype):
             return None
         have_rows, have_tokens = self.layers[0][0].shape[:2] if self.layers else (0, 0)
-        if rows > have_rows or longest > have_tokens or self.layers[0][0].dtype != dtype:
-            # Grow by doubling (each growth regathers every row), within the byte limit.
-            new_rows = max(rows, have_rows) if self._fits(max(rows, have_rows), longest, dtype) else rows
-            choices = (max(longest, 2 * have_tokens, 64), max(longest, 2 * have_tokens), longest)
+        if rows > have_rows or longest >= have_tokens or self.layers[0][0].dtype != dtype:
+            # Grow by doubling (each growth regathers every row), within the byte limit. One position stays
+            # spare: a compiled step (``cpu_compile``) that met rows exactly as long as the attended context
+            # would take them as equal sizes and compile again when they differ.
+            new_rows = max(rows, have_rows) if self._fits(max(rows, have_rows), longest + 1, dtype) else rows
+            choices = (max(longest + 1, 2 * have_tokens, 64), max(longest + 1, 2 * have_tokens), longest + 1)
             self._allocate(new_rows, next(t for t in choices if self._fits(new_rows, t, dtype)), dtype)
         width = self.layers[0][0].shape[1]
         source, target, held = [], [], []
