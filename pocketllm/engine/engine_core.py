@@ -15,7 +15,6 @@ from pocketllm.engine.request import FinishReason, Request, RequestStatus
 from pocketllm.engine.scheduler import ScheduledChunk, Scheduler, SchedulerLimits
 from pocketllm.engine.state_pool import StatePool
 from pocketllm.errors import InvalidRequestError, UnsupportedFeatureError
-from pocketllm.runner.cpu_decode import COMPILED_ROWS_MAX
 from pocketllm.runner.model_runner import ModelRunner, resolve_device, resolve_dtype
 from pocketllm.runner.sampler import SampledToken, SampleResult
 from pocketllm.sampling_params import SamplingParams
@@ -136,7 +135,8 @@ class EngineCore:
         steps compile at start-up, not during the first requests."""
         started = time.perf_counter()
         params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
-        for batch in ((min(self.args.max_num_seqs, COMPILED_ROWS_MAX), 1) if self.args.max_num_seqs > 1 else (1,)):
+        several = min(self.args.max_num_seqs, self.runner.cpu_decode.compiled_max_rows)
+        for batch in sorted({several, 1}, reverse=True):
             for i in range(batch):
                 self.add_request(f"compile-{batch}-{i}", [1] * 4, params)
             while self.has_work():

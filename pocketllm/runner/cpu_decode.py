@@ -26,9 +26,6 @@ logger = logging.getLogger("pocketllm.runner")
 
 # Multi-row decode steps of up to this many sequences keep their context in dense rows (cpu_kv_rows.py).
 DENSE_ROWS_MAX = 16
-# The most rows a compiled step (``cpu_compile``) runs: the linear layers change kernels above INT4_MAX_ROWS,
-# so a larger batch would need a graph of its own.
-COMPILED_ROWS_MAX = INT4_MAX_ROWS
 
 
 def setup_cpu(model: torch.nn.Module, weight_format: str, block_size: int,
@@ -110,9 +107,9 @@ class CpuDecodeStep:
         sign = torch.cat([-torch.ones(half), torch.ones(half)]).to(cos.dtype)
         # Rotary runs in the dtype of the q/k rows: the QKV projection's output (float32, or bfloat16 from
         # bfloat16/int4 weights), float32 after q/k norms; every layer has the same.
-        self.layer_dtype = torch.float32 if first.q_norm is not None else _output_dtype(first.qkv_proj)
-        self.cos = cos.to(self.layer_dtype)
-        self.sin_signed = (first.rotary_emb.sin_cache * sign).to(self.layer_dtype)
+        rotary_dtype = torch.float32 if first.q_norm is not None else _output_dtype(first.qkv_proj)
+        self.cos = cos.to(rotary_dtype)
+        self.sin_signed = (first.rotary_emb.sin_cache * sign).to(rotary_dtype)
         self.layers = []
         for layer in model.layers:
             attn = layer.self_attn
@@ -127,15 +124,20 @@ class CpuDecodeStep:
         self._views: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._views_of: torch.Tensor | None = None
         self.dense_rows: DenseDecodeRows | None = None   # made at the first multi-row step (caches bound)
-        # Compiled (one-row steps only, see ``run_step``): inductor's C++ code for the whole step around torch's
-        # int4 products, called from a C++ wrapper rather than a Python one (same process, same steps: 0.88 of
-        # the Python wrapper's step time; max-autotune with frozen weights, which offers inductor's own int4
-        # templates, found none faster than torch's kernel on the 2-core development machine). The context
-        # length stays symbolic, so each kind of one-row step (over a cache span, over gathered blocks) is one
-        # compile.
+        self._static_rows: list | None = None            # the dense rows last marked static (``run_step``)
+        # Compiled (the steps ``run_step`` names): inductor's C++ code for the whole step around torch's int4
+        # products, called from a C++ wrapper rather than a Python one (same process, same steps: 0.88 of the
+        # Python wrapper's step time; max-autotune with frozen weights, which offers inductor's own int4
+        # templates, found none faster than torch's kernel on the 2-core development machine). Row count and
+        # context length stay symbolic, so each kind of step (one row over a cache span or gathered blocks,
+        # several rows over dense rows) is one compile.
         self._compiled = None
         if compile_step:
             self._compiled = torch.compile(self.run, dynamic=True, options={"cpp_wrapper": True})
+
+    # The most rows a compiled step runs: the linear layers change kernels above INT4_MAX_ROWS, so a larger
+    # batch would need a graph of its own.
+    compiled_max_rows = INT4_MAX_ROWS
 
     @staticmethod
     def supports(model: torch.nn.Module) -> bool:
@@ -210,9 +212,9 @@ class CpuDecodeStep:
 
     def run_step(self, batch: DecodeBatch) -> torch.Tensor:
         """``run``, compiled when the step was built to be: one row over its cache span or gathered blocks, or
-        up to ``COMPILED_ROWS_MAX`` rows over the dense K/V rows (other batches run eagerly)."""
+        up to ``compiled_max_rows`` rows over the dense K/V rows (other batches run eagerly)."""
         rows = batch.ids.shape[0]
-        if self._compiled is None or (rows > 1 and (batch.dense_index is None or rows > COMPILED_ROWS_MAX)):
+        if self._compiled is None or (rows > 1 and (batch.dense_index is None or rows > self.compiled_max_rows)):
             return self.run(batch)
         # Only the row count and the context length vary between steps: the rotary rows' width, the caches
         # (``_cache_views``) and the dense rows' heads keep static sizes, which lets inductor emit fixed-size
@@ -222,11 +224,12 @@ class CpuDecodeStep:
         for table in (batch.cos, batch.sin):
             torch._dynamo.mark_static(table, 1)
             torch._dynamo.mark_static(table, 2)
-        if rows > 1:
+        if rows > 1 and self._static_rows is not self.dense_rows.layers:   # once per allocation of the rows
             for k_rows, v_rows in self.dense_rows.layers:
                 for t in (k_rows, v_rows):
                     torch._dynamo.mark_static(t, 2)
                     torch._dynamo.mark_static(t, 3)
+            self._static_rows = self.dense_rows.layers
         with torch.fx.experimental._config.patch(use_duck_shape=False):
             return self._compiled(batch)
 

@@ -51,17 +51,19 @@ class DenseDecodeRows:
         ``paged`` per-layer ``[slots, kv heads, head dim]`` views where a row is stale) and record that the
         step adds position ``positions[i]``. Returns each row's flat index of that position in the rows (for
         ``index_copy_``), or None when the batch does not fit the rows' limits (the caller gathers)."""
-        rows, longest = len(requests), max(positions) + 1
+        rows = len(requests)
+        # One position beyond the longest context stays spare: a compiled step (``cpu_compile``) that met rows
+        # exactly as long as the attended context would take them as equal sizes and compile again when they
+        # differ.
+        needed = max(positions) + 2
         dtype = paged[0][0].dtype
-        if not self._fits(rows, longest + 1, dtype):
+        if not self._fits(rows, needed, dtype):
             return None
         have_rows, have_tokens = self.layers[0][0].shape[:2] if self.layers else (0, 0)
-        if rows > have_rows or longest >= have_tokens or self.layers[0][0].dtype != dtype:
-            # Grow by doubling (each growth regathers every row), within the byte limit. One position stays
-            # spare: a compiled step (``cpu_compile``) that met rows exactly as long as the attended context
-            # would take them as equal sizes and compile again when they differ.
-            new_rows = max(rows, have_rows) if self._fits(max(rows, have_rows), longest + 1, dtype) else rows
-            choices = (max(longest + 1, 2 * have_tokens, 64), max(longest + 1, 2 * have_tokens), longest + 1)
+        if rows > have_rows or needed > have_tokens or self.layers[0][0].dtype != dtype:
+            # Grow by doubling (each growth regathers every row), within the byte limit.
+            new_rows = max(rows, have_rows) if self._fits(max(rows, have_rows), needed, dtype) else rows
+            choices = (max(needed, 2 * have_tokens, 64), max(needed, 2 * have_tokens), needed)
             self._allocate(new_rows, next(t for t in choices if self._fits(new_rows, t, dtype)), dtype)
         width = self.layers[0][0].shape[1]
         source, target, held = [], [], []
