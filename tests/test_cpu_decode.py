@@ -146,22 +146,25 @@ def test_greedy_tokens_equal_with_and_without_the_fast_path(fmt: str, tiny_check
 
 
 def test_compiled_decode_step_matches_the_eager_step(tiny_checkpoint) -> None:
-    """``cpu_compile``: every decode step (one request over its cache span, then two over dense rows) computed
-    by ``run_step`` and by the eager step on the same batch gives the same hidden states, within the rounding
-    of bfloat16 activations (inductor fuses the elementwise ops between the int4 products); both kinds of step
-    ran compiled, and none compiled again after start-up."""
+    """``cpu_compile``: every decode step (one request over its cache span, two over dense rows, one over a
+    dense row because its blocks are not consecutive) computed by ``run_step`` and by the eager step on the same
+    batch gives the same hidden states, within the rounding of bfloat16 activations (inductor fuses the
+    elementwise ops between the int4 products); every kind of step ran compiled, and none compiled again after
+    start-up."""
     from torch._dynamo.utils import counters
 
     seen = []
-    compiled_rows = []
+    compiled_kinds = set()
     with LLM(EngineArgs(model=tiny_checkpoint("llama"), device="cpu", num_kv_blocks=64, cpu_weight_format="int4",
                         cpu_compile=True)) as llm:
-        step = llm._client.backend.core.runner.cpu_decode
+        core = llm._client.backend.core
+        step = core.runner.cpu_decode
         assert step._compiled is not None
         compiled = step._compiled
 
         def counted(batch):
-            compiled_rows.append(batch.ids.shape[0])
+            kind = "span" if batch.span is not None else "dense" if batch.dense_index is not None else "gather"
+            compiled_kinds.add((batch.ids.shape[0], kind))
             return compiled(batch)
 
         step._compiled = counted
@@ -179,10 +182,16 @@ def test_compiled_decode_step_matches_the_eager_step(tiny_checkpoint) -> None:
         params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
         alone = llm.generate([[1, 400, 401, 402]], params)
         pair = llm.generate([[1, 500, 501], [1, 600, 601, 602, 603]], params)
+        # Free blocks in the order concurrent requests leave them (interleaved): the next request's two blocks
+        # are not consecutive, so it decodes alone over a dense row.
+        free = list(core.blocks.free)
+        core.blocks.free.clear()
+        core.blocks.free.update((block, None) for block in free[::2] + free[1::2])
+        scattered = llm.generate([[1, *range(700, 720)]], params)
         assert counters["stats"]["unique_graphs"] == graphs
-    assert [len(out.token_ids) for out in alone + pair] == [4, 4, 4]
+    assert [len(out.token_ids) for out in alone + pair + scattered] == [4, 4, 4, 4]
     assert 1 in seen and 2 in seen
-    assert set(compiled_rows) == {1, 2}
+    assert compiled_kinds == {(1, "span"), (2, "dense"), (1, "dense")}
 
 
 def test_cpu_compile_refuses_a_model_without_the_fast_path() -> None:

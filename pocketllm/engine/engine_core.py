@@ -131,16 +131,21 @@ class EngineCore:
             self._compile_cpu_decode()
 
     def _compile_cpu_decode(self) -> None:
-        """``cpu_compile``: run throwaway requests now (several at once, then one), so that the compiled decode
-        steps compile at start-up, not during the first requests."""
+        """``cpu_compile``: run throwaway requests now, so that every kind of compiled decode step compiles at
+        start-up, not during the first requests. The first request outlives the others, which hold one block
+        each: it decodes with them over the dense rows, then alone over its first block (a cache span), then
+        alone over a first and a third block (one dense row). Later batches of another kind run eagerly."""
         started = time.perf_counter()
-        params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
-        several = min(self.args.max_num_seqs, self.runner.cpu_decode.compiled_max_rows)
-        for batch in sorted({several, 1}, reverse=True):
-            for i in range(batch):
-                self.add_request(f"compile-{batch}-{i}", [1] * 4, params)
-            while self.has_work():
-                self.step()
+        step = self.runner.cpu_decode
+        several = min(self.args.max_num_seqs, step.compiled_max_rows)
+        prompt = [1] * 4
+        self.add_request("compile-0", prompt, SamplingParams(max_tokens=self.args.block_size + 2, temperature=0.0,
+                                                             ignore_eos=True))
+        for i in range(1, several):
+            self.add_request(f"compile-{i}", prompt, SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+        while self.has_work():
+            self.step()
+        step.compiled_all()
         self.blocks.reset_prefix_cache()
         self.num_steps = 0
         logger.info("compiled the CPU decode step in %.1f s", time.perf_counter() - started)

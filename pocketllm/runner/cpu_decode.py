@@ -129,9 +129,11 @@ class CpuDecodeStep:
         # products, called from a C++ wrapper rather than a Python one (same process, same steps: 0.88 of the
         # Python wrapper's step time; max-autotune with frozen weights, which offers inductor's own int4
         # templates, found none faster than torch's kernel on the 2-core development machine). Row count and
-        # context length stay symbolic, so each kind of step (one row over a cache span or gathered blocks,
-        # several rows over dense rows) is one compile.
+        # context length stay symbolic, so each kind of step is one compile: one row over a cache span, one row
+        # over a dense row (its blocks are not consecutive), several rows over dense rows (a row count of one is
+        # a size of its own to the compiler).
         self._compiled = None
+        self._stance = "default"   # until ``compiled_all``
         if compile_step:
             self._compiled = torch.compile(self.run, dynamic=True, options={"cpp_wrapper": True})
 
@@ -211,8 +213,9 @@ class CpuDecodeStep:
         return self.run_step(self._metadata(chunks))
 
     def run_step(self, batch: DecodeBatch) -> torch.Tensor:
-        """``run``, compiled when the step was built to be: one row over its cache span or gathered blocks, or
-        up to ``compiled_max_rows`` rows over the dense K/V rows (other batches run eagerly)."""
+        """``run``, compiled when the step was built to be: one row over its cache span, or up to
+        ``compiled_max_rows`` rows over the dense K/V rows (one row too, when its blocks are not consecutive);
+        other batches run eagerly."""
         rows = batch.ids.shape[0]
         if self._compiled is None or (rows > 1 and (batch.dense_index is None or rows > self.compiled_max_rows)):
             return self.run(batch)
@@ -220,7 +223,10 @@ class CpuDecodeStep:
         # (``_cache_views``) and the dense rows' heads keep static sizes, which lets inductor emit fixed-size
         # loops for rotary and the cache store (same process, same one-row batches: 0.91 of the step with every
         # size symbolic). Without duck sizing, sizes that happen to be equal at the first compile are not tied
-        # to each other (such a tie would compile the step again once they differ).
+        # to each other (such a tie would compile the step again once they differ). Python floats (the norms'
+        # eps, the attention scale) are constants of the step: left symbolic, they made dynamo trace every step
+        # twice (it restarts once it finds it cannot turn them into tensors): 171 s of start-up instead of 58 s
+        # with inductor's cache warm.
         for table in (batch.cos, batch.sin):
             torch._dynamo.mark_static(table, 1)
             torch._dynamo.mark_static(table, 2)
@@ -230,8 +236,14 @@ class CpuDecodeStep:
                     torch._dynamo.mark_static(t, 2)
                     torch._dynamo.mark_static(t, 3)
             self._static_rows = self.dense_rows.layers
-        with torch.fx.experimental._config.patch(use_duck_shape=False):
+        shapes = torch.fx.experimental._config.patch(use_duck_shape=False)
+        with shapes, torch._dynamo.config.patch(specialize_float=True), torch.compiler.set_stance(self._stance):
             return self._compiled(batch)
+
+    def compiled_all(self) -> None:
+        """Start-up has compiled every kind of step (``EngineCore``): from now on a batch that matches none of
+        the compiled steps runs eagerly instead of compiling mid-run (10-25 s on two cores, inside a request)."""
+        self._stance = "eager_on_recompile"
 
     def _cache_views(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Every layer's K and V cache as ``[slots, kv_heads, head_dim]`` views, made again only when the runner
