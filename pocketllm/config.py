@@ -40,7 +40,8 @@ class EngineArgs:
                                           "int4 for batches of 2-8 rows). bfloat16, int4 and int8 change results "
                                           "slightly (docs/benchmarks.md).")
     cpu_compile: bool = _opt(False, "CPU: compile the decode steps of one row and of 2-8 rows with PyTorch's "
-                                    "inductor (C++ wrapper) at start-up, which takes minutes: about 0.6 of the eager "
+                                    "inductor (C++ wrapper) at start-up, which takes about a minute on 2 cores with "
+                                    "inductor's cache warm and about nine the first time: about 0.6 of the eager "
                                     "step's time at one row and 0.84 at eight with int4 weights on a 2-core "
                                     "machine (docs/benchmarks.md).")
     max_model_len: int | None = _opt(None, "Longest prompt + output in tokens (default: the checkpoint's "
