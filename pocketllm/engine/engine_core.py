@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -138,11 +138,10 @@ class EngineCore:
         started = time.perf_counter()
         step = self.runner.cpu_decode
         several = min(self.args.max_num_seqs, step.compiled_max_rows)
-        prompt = [1] * 4
-        self.add_request("compile-0", prompt, SamplingParams(max_tokens=self.args.block_size + 2, temperature=0.0,
-                                                             ignore_eos=True))
+        prompt, short = [1] * 4, SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+        self.add_request("compile-0", prompt, replace(short, max_tokens=self.args.block_size + 2))
         for i in range(1, several):
-            self.add_request(f"compile-{i}", prompt, SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+            self.add_request(f"compile-{i}", prompt, short)
         while self.has_work():
             self.step()
         step.compiled_all()

@@ -133,7 +133,7 @@ class CpuDecodeStep:
         # over a dense row (its blocks are not consecutive), several rows over dense rows (a row count of one is
         # a size of its own to the compiler).
         self._compiled = None
-        self._stance = "default"   # until ``compiled_all``
+        self._tracing = True   # dynamo may still compile a step (until ``compiled_all``)
         if compile_step:
             self._compiled = torch.compile(self.run, dynamic=True, options={"cpp_wrapper": True})
 
@@ -225,8 +225,9 @@ class CpuDecodeStep:
         # size symbolic). Without duck sizing, sizes that happen to be equal at the first compile are not tied
         # to each other (such a tie would compile the step again once they differ). Python floats (the norms'
         # eps, the attention scale) are constants of the step: left symbolic, they made dynamo trace every step
-        # twice (it restarts once it finds it cannot turn them into tensors): 171 s of start-up instead of 58 s
-        # with inductor's cache warm.
+        # twice (it restarts once it finds it cannot turn them into tensors): 171 s of start-up instead of about
+        # 60 s with inductor's cache warm. Both settings only matter while dynamo traces, and entering them costs
+        # ~0.1 ms, so steps after start-up skip them.
         for table in (batch.cos, batch.sin):
             torch._dynamo.mark_static(table, 1)
             torch._dynamo.mark_static(table, 2)
@@ -236,14 +237,17 @@ class CpuDecodeStep:
                     torch._dynamo.mark_static(t, 2)
                     torch._dynamo.mark_static(t, 3)
             self._static_rows = self.dense_rows.layers
-        shapes = torch.fx.experimental._config.patch(use_duck_shape=False)
-        with shapes, torch._dynamo.config.patch(specialize_float=True), torch.compiler.set_stance(self._stance):
+        if self._tracing:
+            shapes = torch.fx.experimental._config.patch(use_duck_shape=False)
+            with shapes, torch._dynamo.config.patch(specialize_float=True):
+                return self._compiled(batch)
+        with torch.compiler.set_stance("eager_on_recompile"):
             return self._compiled(batch)
 
     def compiled_all(self) -> None:
         """Start-up has compiled every kind of step (``EngineCore``): from now on a batch that matches none of
         the compiled steps runs eagerly instead of compiling mid-run (10-25 s on two cores, inside a request)."""
-        self._stance = "eager_on_recompile"
+        self._tracing = False
 
     def _cache_views(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Every layer's K and V cache as ``[slots, kv_heads, head_dim]`` views, made again only when the runner
