@@ -5,7 +5,10 @@ that decode runs, ``--rows`` windows of the text at once (each its own KV blocks
 place, several gather it, as in serving). Greedy agreement: six chat prompts x ``--tokens`` greedy tokens,
 generated one request at a time, compared with the first format's tokens.
 
-    python scripts/cpu_quality.py --formats auto int4 --rows 1 8
+    python scripts/cpu_quality.py --formats auto int4 int4-torch --rows 1 8
+
+``int4-torch`` is ``int4`` through torch's int4 kernel (bfloat16 activations) where the CPU would otherwise run
+the 4-bit x 8-bit kernel (``pocketllm/layers/q4_linear.py``).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import torch
 from pocketllm.api import LLM
 from pocketllm.config import EngineArgs
 from pocketllm.engine.scheduler import ScheduledChunk
+from pocketllm.layers import q4_linear
 from pocketllm.sampling_params import SamplingParams
 
 TEXT = (
@@ -103,7 +107,18 @@ def main() -> None:
     reference = None
     for fmt in args.formats:
         extra = {} if args.model is None else {"model": args.model}
-        with LLM(EngineArgs(device="cpu", cpu_weight_format=fmt, max_model_len=512, **extra)) as llm:
+        kernel = q4_linear._state.get("ok")
+        if fmt == "int4-torch":
+            q4_linear._state["ok"] = False   # read when the layers are built
+        try:
+            llm = LLM(EngineArgs(device="cpu", cpu_weight_format=fmt.removesuffix("-torch"), max_model_len=512,
+                                 **extra))
+        finally:
+            if kernel is None:
+                q4_linear._state.pop("ok", None)
+            else:
+                q4_linear._state["ok"] = kernel
+        with llm:
             ids = llm._client.encode_prompt(TEXT)
             ppl = {rows: perplexity(llm, ids, rows, args.length) for rows in args.rows}
             tokens = greedy(llm, args.tokens)

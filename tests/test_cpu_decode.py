@@ -12,7 +12,7 @@ from pocketllm.api import LLM
 from pocketllm.config import EngineArgs
 from pocketllm.engine.scheduler import ScheduledChunk
 from pocketllm.errors import InvalidRequestError
-from pocketllm.layers import quantized_linear
+from pocketllm.layers import q4_linear, quantized_linear
 from pocketllm.layers.quantized_linear import CpuLinear, RescoredLMHead, dequantize_int4, quantize_int4
 from pocketllm.runner.host_batch import gather_host_batch
 from pocketllm.sampling_params import SamplingParams
@@ -37,15 +37,31 @@ def test_int4_recovers_a_q4_1_grid_exactly() -> None:
 
 @pytest.mark.parametrize("rows", [1, 3, 40])
 @pytest.mark.parametrize("bias", [False, True])
-def test_int4_linear_matches_dequantised_matmul(rows: int, bias: bool) -> None:
+@pytest.mark.parametrize("kernel", ["q4", "torch"])
+def test_int4_linear_matches_dequantised_matmul(rows: int, bias: bool, kernel: str,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """int4 layers multiply by the 4-bit weights they hold: through the 4-bit x 8-bit kernel (where the CPU has
+    it) or torch's int4 kernel up to 8 rows, the same weights dense in bfloat16 above."""
+    if kernel == "q4" and not q4_linear.available():
+        pytest.skip("the CPU has no AVX-512 VNNI (or no compiler)")
+    if kernel == "torch":
+        monkeypatch.setitem(q4_linear._state, "ok", False)
     torch.manual_seed(1)
     weight, x = torch.randn(48, 96), torch.randn(rows, 96)
     b = torch.randn(48) if bias else None
     layer = CpuLinear(weight, b, "int4")
-    reference = F.linear(x.bfloat16().float(), dequantize_int4(*quantize_int4(weight)),
-                         None if b is None else b.bfloat16().float())
-    torch.testing.assert_close(layer(x).float(), reference, rtol=2e-2, atol=5e-2)
-    assert (dequantize_int4(*quantize_int4(weight)) - weight).abs().max() < 0.1 * weight.abs().max()
+    assert (layer.records is not None) == (kernel == "q4")
+    held = q4_linear.unpack_q4(layer.records) if kernel == "q4" else dequantize_int4(*quantize_int4(weight))
+    out = layer(x)
+    if kernel == "q4" and rows <= 8:   # 8-bit activations per block of 32: the kernel's own reference
+        assert out.dtype == torch.float32
+        reference = q4_linear.reference(x, *q4_linear.quantize_q4(weight)) + (0 if b is None else b.bfloat16())
+        torch.testing.assert_close(out, reference, rtol=1e-5, atol=1e-4)
+    else:
+        dense = held if rows <= 8 else held.bfloat16().float()   # many rows: the held weights in bfloat16
+        reference = F.linear(x.bfloat16().float(), dense, None if b is None else b.bfloat16().float())
+        torch.testing.assert_close(out.float(), reference, rtol=2e-2, atol=5e-2)
+    assert (held - weight).abs().max() < 0.1 * weight.abs().max()
 
 
 @pytest.mark.parametrize("rows", [1, 8, 40])

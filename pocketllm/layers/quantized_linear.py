@@ -1,9 +1,10 @@
 """CPU weight formats for the linear layers and the LM head: dense bfloat16, int4 weight-only, or int8.
 
-int4 uses torch's packed CPU kernel (``_weight_int4pack_mm_for_cpu``, bfloat16 activations, float
-accumulation): each group of 32 input weights of a row is ``(q - 8) * scale + zero`` with a 4-bit code ``q``
-and a bfloat16 ``scale``/``zero``. A GGUF Q4_0/Q4_1 block is exactly such a group, so quantising the
-dequantised GGUF weights recovers their codes; only the scale and offset are rounded to bfloat16.
+int4 holds each group of 32 input weights of a row as 4-bit codes with a scale and an offset: GGUF's Q4_1 block,
+so quantising the dequantised GGUF weights recovers their codes. Where the CPU has AVX-512 VNNI, the product is
+PocketLLM's own kernel (``q4_linear.py``: fp16 scale and minimum, exactly the GGUF's; activations quantised to
+8 bits per row and block of 32, as llama.cpp does; float32 out). Elsewhere it is torch's packed kernel
+(``_weight_int4pack_mm_for_cpu``: bfloat16 activations, the scale and offset rounded to bfloat16).
 
 That kernel is fast for a few rows (decode) and slow for many (prefill), so each layer also keeps the same
 int4 weights dequantised to dense bfloat16 and uses them above ``INT4_MAX_ROWS`` rows.
@@ -21,6 +22,8 @@ import warnings
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from pocketllm.layers import q4_linear
 
 GROUP_SIZE = 32
 INT4_MAX_ROWS = 8  # measured (2-core Xeon, all 30 layers in turn: weights not cache-hot): faster up to ~10 rows
@@ -115,8 +118,12 @@ class CpuLinear(nn.Module):
         # the module's, not as constants of the traced function.
         self.register_buffer("packed", None)
         self.register_buffer("scales_zeros", None)
+        self.register_buffer("records", None)   # the 4-bit x 8-bit kernel's weights (q4_linear.py)
         self.int8: Int8Product | None = None
-        if weight_format == "int4":
+        if weight_format == "int4" and q4_linear.available():
+            self.records = q4_linear.Q4Weights(weight).records
+            full = q4_linear.unpack_q4(self.records) if dense else None
+        elif weight_format == "int4":
             codes, self.scales_zeros = quantize_int4(weight)
             self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
             full = dequantize_int4(codes, self.scales_zeros) if dense else None
@@ -130,11 +137,19 @@ class CpuLinear(nn.Module):
         # The same weights dense, for many rows (prefill); None: the caller never passes many rows.
         self.dense = None if full is None else full.to(torch.bfloat16).contiguous()
 
+    @property
+    def few_rows_dtype(self) -> torch.dtype:
+        """The dtype of a few rows' result: float32 from the 8-bit products, else ``act_dtype``."""
+        return torch.float32 if self.int8 is not None or self.records is not None else self.act_dtype
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``x`` [..., K] of any float dtype → [..., N] bfloat16 (float32 from the 8-bit product)."""
+        """``x`` [..., K] of any float dtype → [..., N] bfloat16 (float32 from the 8-bit products)."""
         few = self.dense is None or x.dim() == 2 and x.shape[0] <= INT4_MAX_ROWS
-        if self.int8 is not None and few:
-            out = self.int8(x)
+        if few and (self.int8 is not None or self.records is not None):
+            if self.int8 is not None:
+                out = self.int8(x)
+            else:
+                out = torch.ops.pocketllm_cpu.q4_linear(x.float(), self.records, self.out_features)
             if self.bias is not None:
                 out = out + self.bias
             return out if self.keep is None else out[..., : self.keep]
@@ -150,6 +165,8 @@ class CpuLinear(nn.Module):
 
     def weight_bytes(self) -> int:
         """Bytes one decode step (a few rows) reads from this layer's weights."""
+        if self.records is not None:
+            return self.records.numel()
         if self.packed is not None:
             return self.packed.numel() * self.packed.element_size() + self.scales_zeros.numel() * 2
         if self.int8 is not None:

@@ -81,7 +81,7 @@ def _output_dtype(module: torch.nn.Module) -> torch.dtype:
     inner = getattr(module, "inner", None)
     if inner is None:
         return module.weight.dtype
-    return torch.float32 if inner.int8 is not None else inner.act_dtype
+    return inner.few_rows_dtype
 
 
 def _linear(module: torch.nn.Module):

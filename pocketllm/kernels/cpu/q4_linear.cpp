@@ -1,0 +1,155 @@
+// x @ W.T on CPU with W in 4-bit blocks (a code 0..15, an fp16 scale d and minimum m per 32 inputs: w = d*q + m,
+// GGUF's Q4_1) and x quantised per row and block of 32 inputs to 8 bits (llama.cpp's Q8_1 activations), the dot
+// products in AVX-512 VNNI (u8 x s8 -> s32). Built at run time by pocketllm/layers/q4_linear.py.
+//
+// Weights are records of 320 bytes, one per (tile of 16 output channels, block of 32 inputs), tile-major:
+//   bytes 0..255: four chunks j of 64 bytes; byte 4*lane + i of chunk j holds, for channel 16*tile + lane,
+//                 input 32*block + 8*j + i in its low nibble and input 32*block + 8*j + 4 + i in its high one;
+//   bytes 256..287: the 16 channels' d (fp16), bytes 288..319: their m (fp16).
+// So one 64-byte load holds 16 channels x 8 inputs, and each 32-bit lane of a VNNI dot product is one channel.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <immintrin.h>
+
+#include <cstdint>
+#include <cstring>
+
+namespace {
+
+constexpr int64_t kTile = 16;     // output channels per record
+constexpr int64_t kBlock = 32;    // inputs per record
+constexpr int64_t kRecord = 320;  // bytes per record
+constexpr int kMaxRows = 8;       // rows one pass over the weights carries
+
+// One row's activations: int8 codes q = round(x * 127 / amax) per block of 32, the block's scale d = amax / 127
+// and d * sum(q) (which multiplies the weights' minimum m).
+void quantize_row(const float* x, int64_t blocks, int8_t* q, float* d, float* s) {
+  for (int64_t b = 0; b < blocks; ++b) {
+    const __m512 lo = _mm512_loadu_ps(x + b * kBlock);
+    const __m512 hi = _mm512_loadu_ps(x + b * kBlock + 16);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
+    const float inv = amax > 0.f ? 127.f / amax : 0.f;
+    const __m512i qlo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, _mm512_set1_ps(inv)));
+    const __m512i qhi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, _mm512_set1_ps(inv)));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + b * kBlock), _mm512_cvtsepi32_epi8(qlo));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + b * kBlock + 16), _mm512_cvtsepi32_epi8(qhi));
+    d[b] = amax / 127.f;
+    s[b] = d[b] * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi)));
+  }
+}
+
+inline __m512i broadcast4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm512_set1_epi32(v);
+}
+
+// Rows [0, M) of the output for tiles [tile, tile + T): T * M accumulators in registers, the weights read once.
+template <int M, int T>
+void tiles(const uint8_t* weights, int64_t blocks, const int8_t* xq, const float* xd, const float* xs,
+           float* out, int64_t n_out, int64_t tile) {
+  const __m512i nibble = _mm512_set1_epi8(0x0F);
+  __m512 total[M][T];
+  for (int m = 0; m < M; ++m)
+    for (int t = 0; t < T; ++t) total[m][t] = _mm512_setzero_ps();
+  const int64_t k = blocks * kBlock;
+  for (int64_t b = 0; b < blocks; ++b) {
+    __m512i dot[M][T];
+    for (int m = 0; m < M; ++m)
+      for (int t = 0; t < T; ++t) dot[m][t] = _mm512_setzero_si512();
+    for (int j = 0; j < 4; ++j) {
+      for (int t = 0; t < T; ++t) {
+        const uint8_t* rec = weights + ((tile + t) * blocks + b) * kRecord;
+        const __m512i v = _mm512_loadu_si512(rec + 64 * j);
+        const __m512i low = _mm512_and_si512(v, nibble);
+        const __m512i high = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
+        for (int m = 0; m < M; ++m) {
+          const int8_t* xk = xq + m * k + b * kBlock + 8 * j;
+          dot[m][t] = _mm512_dpbusd_epi32(dot[m][t], low, broadcast4(xk));
+          dot[m][t] = _mm512_dpbusd_epi32(dot[m][t], high, broadcast4(xk + 4));
+        }
+      }
+    }
+    for (int t = 0; t < T; ++t) {
+      const uint8_t* rec = weights + ((tile + t) * blocks + b) * kRecord;
+      const __m512 wd = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 256)));
+      const __m512 wm = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 288)));
+      for (int m = 0; m < M; ++m) {
+        const __m512 scale = _mm512_mul_ps(wd, _mm512_set1_ps(xd[m * blocks + b]));
+        total[m][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[m][t]), scale, total[m][t]);
+        total[m][t] = _mm512_fmadd_ps(wm, _mm512_set1_ps(xs[m * blocks + b]), total[m][t]);
+      }
+    }
+  }
+  for (int m = 0; m < M; ++m)
+    for (int t = 0; t < T; ++t) _mm512_storeu_ps(out + m * n_out + (tile + t) * kTile, total[m][t]);
+}
+
+// Tiles [begin, end) for M rows: T tiles at a time (enough independent accumulators to hide the dot products'
+// latency), then one at a time.
+template <int M, int T>
+void tile_range(const uint8_t* w, int64_t blocks, const int8_t* xq, const float* xd, const float* xs, float* out,
+                int64_t n_out, int64_t begin, int64_t end) {
+  int64_t tile = begin;
+  for (; tile + T <= end; tile += T) tiles<M, T>(w, blocks, xq, xd, xs, out, n_out, tile);
+  for (; tile < end; ++tile) tiles<M, 1>(w, blocks, xq, xd, xs, out, n_out, tile);
+}
+
+void rows_pass(int rows, const uint8_t* w, int64_t blocks, const int8_t* xq, const float* xd, const float* xs,
+               float* out, int64_t n_out, int64_t begin, int64_t end) {
+  switch (rows) {
+    case 1: return tile_range<1, 4>(w, blocks, xq, xd, xs, out, n_out, begin, end);
+    case 2: return tile_range<2, 2>(w, blocks, xq, xd, xs, out, n_out, begin, end);
+    case 3: return tile_range<3, 2>(w, blocks, xq, xd, xs, out, n_out, begin, end);
+    case 4: return tile_range<4, 1>(w, blocks, xq, xd, xs, out, n_out, begin, end);
+    case 5: return tile_range<5, 1>(w, blocks, xq, xd, xs, out, n_out, begin, end);
+    case 6: return tile_range<6, 1>(w, blocks, xq, xd, xs, out, n_out, begin, end);
+    case 7: return tile_range<7, 1>(w, blocks, xq, xd, xs, out, n_out, begin, end);
+    default: return tile_range<8, 1>(w, blocks, xq, xd, xs, out, n_out, begin, end);
+  }
+}
+
+at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& weights, int64_t out_features) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "q4_linear: x must be a 2-D float32 tensor");
+  TORCH_CHECK(weights.dim() == 3 && weights.scalar_type() == at::kByte && weights.size(2) == kRecord,
+              "q4_linear: weights must be uint8 [N / 16, K / 32, 320] records");
+  const int64_t tiles_n = weights.size(0), blocks = weights.size(1);
+  TORCH_CHECK(tiles_n * kTile == out_features && x.size(1) == blocks * kBlock,
+              "q4_linear: shapes do not match the weight records");
+  const at::Tensor xc = x.contiguous();
+  const at::Tensor wc = weights.contiguous();
+  const int64_t rows = xc.size(0), k = xc.size(1);
+  at::Tensor out = at::empty({rows, out_features}, x.options());
+  if (rows == 0) return out;
+  at::Tensor xq = at::empty({rows, k}, x.options().dtype(at::kChar));
+  at::Tensor xd = at::empty({rows, blocks}, x.options());
+  at::Tensor xs = at::empty({rows, blocks}, x.options());
+  const float* xp = xc.data_ptr<float>();
+  int8_t* qp = xq.data_ptr<int8_t>();
+  float* dp = xd.data_ptr<float>();
+  float* sp = xs.data_ptr<float>();
+  for (int64_t r = 0; r < rows; ++r) quantize_row(xp + r * k, blocks, qp + r * k, dp + r * blocks, sp + r * blocks);
+  const uint8_t* wp = wc.data_ptr<uint8_t>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, tiles_n, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = 0; r < rows; r += kMaxRows) {
+      const int n = static_cast<int>(std::min<int64_t>(kMaxRows, rows - r));
+      rows_pass(n, wp, blocks, qp + r * k, dp + r * blocks, sp + r * blocks, op + r * out_features, out_features,
+                begin, end);
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(pocketllm_cpu, m) {
+  m.def("q4_linear(Tensor x, Tensor weights, int out_features) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(pocketllm_cpu, CPU, m) {
+  m.impl("q4_linear", &q4_linear);
+}
