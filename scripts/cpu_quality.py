@@ -22,7 +22,7 @@ import torch
 from pocketllm.api import LLM
 from pocketllm.config import EngineArgs
 from pocketllm.engine.scheduler import ScheduledChunk
-from pocketllm.layers import q4_linear
+from pocketllm.kernels import cpu_native
 from pocketllm.sampling_params import SamplingParams
 
 TEXT = (
@@ -107,17 +107,17 @@ def main() -> None:
     reference = None
     for fmt in args.formats:
         extra = {} if args.model is None else {"model": args.model}
-        kernel = q4_linear._state.get("ok")
+        kernel = cpu_native._state.get("ok")
         if fmt == "int4-torch":
-            q4_linear._state["ok"] = False   # read when the layers are built
+            cpu_native._state["ok"] = False   # read when the layers are built
         try:
             llm = LLM(EngineArgs(device="cpu", cpu_weight_format=fmt.removesuffix("-torch"), max_model_len=512,
                                  **extra))
         finally:
             if kernel is None:
-                q4_linear._state.pop("ok", None)
+                cpu_native._state.pop("ok", None)
             else:
-                q4_linear._state["ok"] = kernel
+                cpu_native._state["ok"] = kernel
         with llm:
             ids = llm._client.encode_prompt(TEXT)
             ppl = {rows: perplexity(llm, ids, rows, args.length) for rows in args.rows}

@@ -12,6 +12,7 @@ from pocketllm.api import LLM
 from pocketllm.config import EngineArgs
 from pocketllm.engine.scheduler import ScheduledChunk
 from pocketllm.errors import InvalidRequestError
+from pocketllm.kernels import cpu_native
 from pocketllm.layers import q4_linear, quantized_linear
 from pocketllm.layers.quantized_linear import CpuLinear, RescoredLMHead, dequantize_int4, quantize_int4
 from pocketllm.runner.host_batch import gather_host_batch
@@ -42,10 +43,10 @@ def test_int4_linear_matches_dequantised_matmul(rows: int, bias: bool, kernel: s
                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     """int4 layers multiply by the 4-bit weights they hold: through the 4-bit x 8-bit kernel (where the CPU has
     it) or torch's int4 kernel up to 8 rows, the same weights dense in bfloat16 above."""
-    if kernel == "q4" and not q4_linear.available():
+    if kernel == "q4" and not cpu_native.available():
         pytest.skip("the CPU has no AVX-512 VNNI (or no compiler)")
     if kernel == "torch":
-        monkeypatch.setitem(q4_linear._state, "ok", False)
+        monkeypatch.setitem(cpu_native._state, "ok", False)
     torch.manual_seed(1)
     weight, x = torch.randn(48, 96), torch.randn(rows, 96)
     b = torch.randn(48) if bias else None
@@ -119,13 +120,21 @@ def _chunk(ids: list[int], table: list[int]) -> SimpleNamespace:
     return ScheduledChunk(request, 1, len(ids) - 1, True)
 
 
+@pytest.mark.parametrize("kernels", ["native", "torch"])
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
-def test_fast_decode_step_equals_reference_forward(arch: str, tiny_checkpoint) -> None:
+def test_fast_decode_step_equals_reference_forward(arch: str, kernels: str, tiny_checkpoint,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     """One request over consecutive blocks (cache view), one over scattered blocks (gather), and a batch of
-    three of different lengths (gather with padding): hidden states equal the model's own forward pass."""
+    three of different lengths (gather with padding): hidden states equal the model's own forward pass, with
+    PocketLLM's decode attention (where the CPU runs it) and with torch's."""
+    if kernels == "native" and not cpu_native.available():
+        pytest.skip("the CPU has no AVX-512 VNNI (or no compiler)")
+    if kernels == "torch":
+        monkeypatch.setitem(cpu_native._state, "ok", False)
     with LLM(EngineArgs(model=tiny_checkpoint(arch), device="cpu", num_kv_blocks=32, block_size=4)) as llm:
         runner = llm._client.backend.core.runner
         assert runner.cpu_decode is not None
+        assert runner.cpu_decode.native_attention() == (kernels == "native")
         torch.manual_seed(3)
         for layer in runner.attention_layers:
             layer.k_cache.normal_()

@@ -6,9 +6,10 @@ import numpy as np
 import pytest
 import torch
 
+from pocketllm.kernels import cpu_native
 from pocketllm.layers import q4_linear
 
-needs_kernel = pytest.mark.skipif(not q4_linear.available(), reason="the CPU has no AVX-512 VNNI (or no compiler)")
+needs_kernel = pytest.mark.skipif(not cpu_native.available(), reason="the CPU has no AVX-512 VNNI (or no compiler)")
 
 
 def _q4_1_grid(rows: int, cols: int, seed: int) -> torch.Tensor:

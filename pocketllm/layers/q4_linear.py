@@ -1,77 +1,21 @@
-"""A 4-bit CPU product with 8-bit activations: ``pocketllm/kernels/cpu/q4_linear.cpp``, built at first use.
+"""The weights of a 4-bit CPU product with 8-bit activations (``pocketllm/kernels/cpu/q4_linear.cpp``).
 
 Weights are GGUF's Q4_1 blocks (a code 0..15, an fp16 scale ``d`` and minimum ``m`` per 32 inputs of a row,
 ``w = d * q + m``); the activations are quantised per row and block of 32 inputs to 8 bits (llama.cpp's Q8
 activations), and the dot products run in AVX-512 VNNI. Each weight block is unpacked once for all the rows of a
 call (up to eight at a time), where torch's int4 kernel unpacks every weight for every row in bfloat16.
 
-The kernel needs AVX-512 (F, BW, VL) with VNNI, and a C++ compiler the first time (torch's extension builder,
-cached across processes, as inductor's code is). Where either is missing, ``available()`` is False and the int4
-layers keep torch's int4 kernel.
+Where the kernel is unavailable (``pocketllm.kernels.cpu_native``: no AVX-512 VNNI, no compiler), the int4 layers
+keep torch's int4 kernel.
 """
 
 from __future__ import annotations
 
-import logging
-import os
-import shutil
-import sys
-import threading
-from pathlib import Path
-
 import torch
-
-logger = logging.getLogger("pocketllm.layers")
 
 BLOCK = 32    # inputs per weight block and per activation scale
 TILE = 16     # output channels per record (the 16 lanes of a vector of int32 sums)
 RECORD = 320  # bytes per record: 16 channels x 32 codes, then 16 fp16 scales and 16 fp16 minimums
-_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni")
-_SOURCE = Path(__file__).resolve().parent.parent / "kernels" / "cpu" / "q4_linear.cpp"
-
-_lock = threading.Lock()
-_state: dict[str, bool] = {}
-
-
-def _cpu_has_flags() -> bool:
-    try:
-        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as handle:
-            flags = set(handle.read().split())
-    except OSError:
-        return False
-    return all(flag in flags for flag in _FLAGS)
-
-
-def _build() -> None:
-    """Compile and load the kernel (torch's extension builder caches the library by the source's hash)."""
-    from torch.utils import cpp_extension
-
-    if shutil.which("ninja") is None:   # the ninja wheel's binary sits next to this interpreter
-        os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
-    cpp_extension.load(
-        name="pocketllm_q4_linear", sources=[str(_SOURCE)], is_python_module=False, verbose=False,
-        extra_cflags=["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni", "-mfma",
-                      "-mf16c"])
-
-    @torch.library.register_fake("pocketllm_cpu::q4_linear")
-    def _(x: torch.Tensor, weights: torch.Tensor, out_features: int) -> torch.Tensor:
-        return x.new_empty((x.shape[0], out_features))
-
-
-def available() -> bool:
-    """Whether the kernel runs here (built and loaded on the first call; False where it cannot be)."""
-    with _lock:
-        if "ok" not in _state:
-            ok = False
-            if os.environ.get("POCKETLLM_Q4_KERNEL", "1") != "0" and _cpu_has_flags():
-                try:
-                    _build()
-                    ok = True
-                except Exception as exc:  # no compiler, no ninja, a failed build: torch's int4 kernel instead
-                    logger.warning("the 4-bit x 8-bit CPU kernel is unavailable (%s); int4 layers use torch's "
-                                   "int4 kernel", exc)
-            _state["ok"] = ok
-        return _state["ok"]
 
 
 def quantize_q4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

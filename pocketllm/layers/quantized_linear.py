@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pocketllm.kernels import cpu_native
 from pocketllm.layers import q4_linear
 
 GROUP_SIZE = 32
@@ -120,7 +121,7 @@ class CpuLinear(nn.Module):
         self.register_buffer("scales_zeros", None)
         self.register_buffer("records", None)   # the 4-bit x 8-bit kernel's weights (q4_linear.py)
         self.int8: Int8Product | None = None
-        if weight_format == "int4" and q4_linear.available():
+        if weight_format == "int4" and cpu_native.available():
             self.records = q4_linear.Q4Weights(weight).records
             full = q4_linear.unpack_q4(self.records) if dense else None
         elif weight_format == "int4":

@@ -1,0 +1,222 @@
+// Decode attention on CPU: a few query rows, each over its own context of cached K/V (bfloat16 or float32), in
+// AVX-512 float32 arithmetic. Built at run time with q4_linear.cpp by pocketllm/layers/q4_linear.py.
+//
+// q [R, KVH, G, D] float32: a KV head's G query heads; k, v [R, L, KVH, D] (any strides, the last dimension
+// contiguous): row r attends to its first lengths[r] positions. Out [R, KVH, G, D] float32.
+// Work is split over (row, KV head, a range of positions), so that one row still keeps both cores busy; each
+// range keeps its softmax maximum, sum and unnormalised output, and a last pass merges the ranges of a head.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+namespace {
+
+// e^x for x <= 0 (scores minus their maximum): 2^n * 2^f, 2^f by its Taylor polynomial on [-0.5, 0.5] (relative
+// error ~2e-7); below -87 the result is 0.
+inline __m512 exp_nonpositive(__m512 x) {
+  const __m512 t = _mm512_mul_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.f)), _mm512_set1_ps(1.44269504f));
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, n);
+  __m512 p = _mm512_set1_ps(1.5403530e-4f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504109e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022651e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  const __m512 r = _mm512_scalef_ps(p, n);
+  return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.f), _CMP_GT_OQ), r);
+}
+
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const at::BFloat16* p) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+
+struct Partial {   // one range of positions of one (row, KV head): per query head
+  float* max;      // [G]
+  float* sum;      // [G]
+  float* out;      // [G, D] unnormalised
+};
+
+// Positions [p0, p1) of one (row, KV head) for its G query heads; D = 16 * DV.
+template <typename T, int DV, int G>
+void attend_range(const float* q, const T* k, const T* v, int64_t k_step, int64_t v_step, int64_t p0, int64_t p1,
+                  float scale, std::vector<float>& scores, Partial part) {
+  constexpr int D = 16 * DV;
+  const int64_t n = p1 - p0;
+  scores.resize(static_cast<size_t>(G * n));
+  __m512 qv[G][DV];
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < DV; ++c) qv[g][c] = _mm512_mul_ps(_mm512_loadu_ps(q + g * D + 16 * c), _mm512_set1_ps(scale));
+  float best[G];
+  for (int g = 0; g < G; ++g) best[g] = -std::numeric_limits<float>::infinity();
+  for (int64_t i = 0; i < n; ++i) {
+    const T* kp = k + (p0 + i) * k_step;
+    __m512 kv[DV];
+    for (int c = 0; c < DV; ++c) kv[c] = load16(kp + 16 * c);
+    for (int g = 0; g < G; ++g) {
+      __m512 acc = _mm512_mul_ps(qv[g][0], kv[0]);
+      for (int c = 1; c < DV; ++c) acc = _mm512_fmadd_ps(qv[g][c], kv[c], acc);
+      const float s = _mm512_reduce_add_ps(acc);
+      scores[g * n + i] = s;
+      best[g] = std::max(best[g], s);
+    }
+  }
+  for (int g = 0; g < G; ++g) {
+    float* s = scores.data() + g * n;
+    __m512 total = _mm512_setzero_ps();
+    const __m512 m = _mm512_set1_ps(best[g]);
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+      const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(s + i), m));
+      _mm512_storeu_ps(s + i, e);
+      total = _mm512_add_ps(total, e);
+    }
+    if (i < n) {
+      const __mmask16 tail = static_cast<__mmask16>((1u << (n - i)) - 1);
+      const __m512 e = _mm512_maskz_mov_ps(tail, exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, s + i), m)));
+      _mm512_mask_storeu_ps(s + i, tail, e);
+      total = _mm512_add_ps(total, e);
+    }
+    part.max[g] = best[g];
+    part.sum[g] = _mm512_reduce_add_ps(total);
+  }
+  __m512 ov[G][DV];
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < DV; ++c) ov[g][c] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < n; ++i) {
+    const T* vp = v + (p0 + i) * v_step;
+    __m512 vv[DV];
+    for (int c = 0; c < DV; ++c) vv[c] = load16(vp + 16 * c);
+    for (int g = 0; g < G; ++g) {
+      const __m512 p = _mm512_set1_ps(scores[g * n + i]);
+      for (int c = 0; c < DV; ++c) ov[g][c] = _mm512_fmadd_ps(p, vv[c], ov[g][c]);
+    }
+  }
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < DV; ++c) _mm512_storeu_ps(part.out + g * D + 16 * c, ov[g][c]);
+}
+
+template <typename T, int DV, int G>
+void attend_all(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const int64_t* lengths, float scale,
+                at::Tensor& out) {
+  constexpr int D = 16 * DV;
+  const int64_t rows = q.size(0), heads = q.size(1), longest = k.size(1);
+  // Ranges per (row, KV head): enough tasks for every thread twice, none shorter than 32 positions.
+  const int64_t want = (2 * at::get_num_threads() + rows * heads - 1) / (rows * heads);
+  const int64_t splits = std::max<int64_t>(1, std::min<int64_t>(want, (longest + 31) / 32));
+  const int64_t stride = G * (D + 2);
+  std::vector<float> partials(static_cast<size_t>(rows * heads * splits * stride));
+  const float* qp = q.data_ptr<float>();
+  const T* kp = k.data_ptr<T>();
+  const T* vp = v.data_ptr<T>();
+  at::parallel_for(0, rows * heads * splits, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores;
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t r = task / (heads * splits), h = task / splits % heads, s = task % splits;
+      const int64_t length = lengths[r], chunk = (length + splits - 1) / splits;
+      const int64_t p0 = std::min(length, s * chunk), p1 = std::min(length, p0 + chunk);
+      float* base = partials.data() + task * stride;
+      Partial part{base, base + G, base + 2 * G};
+      if (p0 >= p1) {
+        for (int g = 0; g < G; ++g) part.sum[g] = 0.f, part.max[g] = -std::numeric_limits<float>::infinity();
+        continue;
+      }
+      attend_range<T, DV, G>(qp + (r * heads + h) * G * D, kp + r * k.stride(0) + h * k.stride(2),
+                             vp + r * v.stride(0) + h * v.stride(2), k.stride(1), v.stride(1), p0, p1, scale,
+                             scores, part);
+    }
+  });
+  float* op = out.data_ptr<float>();
+  for (int64_t rh = 0; rh < rows * heads; ++rh) {
+    for (int g = 0; g < G; ++g) {
+      float top = -std::numeric_limits<float>::infinity();
+      for (int64_t s = 0; s < splits; ++s) top = std::max(top, partials[(rh * splits + s) * stride + g]);
+      float total = 0.f;
+      float acc[D] = {};
+      for (int64_t s = 0; s < splits; ++s) {
+        const float* base = partials.data() + (rh * splits + s) * stride;
+        if (base[G + g] == 0.f) continue;
+        const float w = std::exp(base[g] - top);
+        total += w * base[G + g];
+        for (int d = 0; d < D; ++d) acc[d] += w * base[2 * G + g * D + d];
+      }
+      float* o = op + (rh * G + g) * D;
+      for (int d = 0; d < D; ++d) o[d] = acc[d] / total;
+    }
+  }
+}
+
+template <typename T, int DV>
+void by_group(int64_t group, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const int64_t* lengths,
+              float scale, at::Tensor& out) {
+  switch (group) {
+    case 1: return attend_all<T, DV, 1>(q, k, v, lengths, scale, out);
+    case 2: return attend_all<T, DV, 2>(q, k, v, lengths, scale, out);
+    case 3: return attend_all<T, DV, 3>(q, k, v, lengths, scale, out);
+    case 4: return attend_all<T, DV, 4>(q, k, v, lengths, scale, out);
+    case 5: return attend_all<T, DV, 5>(q, k, v, lengths, scale, out);
+    case 6: return attend_all<T, DV, 6>(q, k, v, lengths, scale, out);
+    case 7: return attend_all<T, DV, 7>(q, k, v, lengths, scale, out);
+    default: return attend_all<T, DV, 8>(q, k, v, lengths, scale, out);
+  }
+}
+
+template <typename T>
+void by_dim(int64_t dim, int64_t group, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+            const int64_t* lengths, float scale, at::Tensor& out) {
+  switch (dim) {
+    case 16: return by_group<T, 1>(group, q, k, v, lengths, scale, out);
+    case 32: return by_group<T, 2>(group, q, k, v, lengths, scale, out);
+    case 64: return by_group<T, 4>(group, q, k, v, lengths, scale, out);
+    default: return by_group<T, 8>(group, q, k, v, lengths, scale, out);
+  }
+}
+
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& lengths,
+                            double scale) {
+  TORCH_CHECK(q.dim() == 4 && q.scalar_type() == at::kFloat, "decode_attention: q must be float32 [R, KVH, G, D]");
+  TORCH_CHECK(k.dim() == 4 && v.dim() == 4 && k.sizes() == v.sizes() && k.scalar_type() == v.scalar_type(),
+              "decode_attention: k and v must be [R, L, KVH, D] of one dtype");
+  TORCH_CHECK(k.scalar_type() == at::kBFloat16 || k.scalar_type() == at::kFloat,
+              "decode_attention: k and v must be bfloat16 or float32");
+  const int64_t rows = q.size(0), heads = q.size(1), group = q.size(2), dim = q.size(3);
+  TORCH_CHECK(k.size(0) == rows && k.size(2) == heads && k.size(3) == dim, "decode_attention: shapes do not match");
+  TORCH_CHECK((dim == 16 || dim == 32 || dim == 64 || dim == 128) && group >= 1 && group <= 8,
+              "decode_attention: head size 16, 32, 64 or 128 and 1-8 query heads per KV head");
+  TORCH_CHECK(k.stride(3) == 1 && v.stride(3) == 1, "decode_attention: the head dimension must be contiguous");
+  TORCH_CHECK(lengths.dim() == 1 && lengths.size(0) == rows && lengths.scalar_type() == at::kLong,
+              "decode_attention: lengths must be int64 [R]");
+  const at::Tensor qc = q.contiguous();
+  const at::Tensor lc = lengths.contiguous();
+  const int64_t* lp = lc.data_ptr<int64_t>();
+  for (int64_t r = 0; r < rows; ++r)
+    TORCH_CHECK(lp[r] >= 1 && lp[r] <= k.size(1), "decode_attention: each length must be in [1, L]");
+  at::Tensor out = at::empty(q.sizes(), q.options());
+  if (k.scalar_type() == at::kBFloat16) {
+    by_dim<at::BFloat16>(dim, group, qc, k, v, lp, static_cast<float>(scale), out);
+  } else {
+    by_dim<float>(dim, group, qc, k, v, lp, static_cast<float>(scale), out);
+  }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(pocketllm_cpu, m) {
+  m.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor lengths, float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(pocketllm_cpu, CPU, m) {
+  m.impl("decode_attention", &decode_attention);
+}

@@ -1,0 +1,95 @@
+"""PocketLLM's own CPU kernels (``pocketllm/kernels/cpu/*.cpp``), compiled and loaded at first use.
+
+``q4_linear``: a 4-bit x 8-bit product (``pocketllm/layers/q4_linear.py``); ``decode_attention``: a few query rows
+over their cached K/V. Both need AVX-512 (F, BW, VL) with VNNI, and a C++ compiler the first time (torch's
+extension builder, which caches the library across processes by the sources' hash, as inductor does its code).
+Where either is missing, ``available()`` is False and callers keep torch's kernels.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import sys
+import threading
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger("pocketllm.kernels")
+
+_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni")
+_SOURCES = [Path(__file__).resolve().parent / "cpu" / name for name in ("q4_linear.cpp", "decode_attention.cpp")]
+
+_lock = threading.Lock()
+_state: dict[str, bool] = {}
+
+
+def _cpu_has_flags() -> bool:
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as handle:
+            flags = set(handle.read().split())
+    except OSError:
+        return False
+    return all(flag in flags for flag in _FLAGS)
+
+
+def _build() -> None:
+    """Compile and load the kernels, and register the shapes of their results for torch.compile."""
+    from torch.utils import cpp_extension
+
+    if shutil.which("ninja") is None:   # the ninja wheel's binary sits next to this interpreter
+        os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
+    cpp_extension.load(
+        name="pocketllm_cpu_kernels", sources=[str(s) for s in _SOURCES], is_python_module=False, verbose=False,
+        extra_cflags=["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni", "-mfma",
+                      "-mf16c"])
+
+    @torch.library.register_fake("pocketllm_cpu::q4_linear")
+    def _(x: torch.Tensor, weights: torch.Tensor, out_features: int) -> torch.Tensor:
+        return x.new_empty((x.shape[0], out_features))
+
+    @torch.library.register_fake("pocketllm_cpu::decode_attention")
+    def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor, scale: float) -> torch.Tensor:
+        return torch.empty_like(q, memory_format=torch.contiguous_format)
+
+
+def available() -> bool:
+    """Whether the kernels run here (built and loaded on the first call; False where they cannot be)."""
+    with _lock:
+        if "ok" not in _state:
+            ok = False
+            if _cpu_has_flags():
+                try:
+                    _build()
+                    ok = True
+                except Exception as exc:  # no compiler, no ninja, a failed build: torch's kernels instead
+                    logger.warning("PocketLLM's CPU kernels are unavailable (%s); torch's kernels run instead", exc)
+            _state["ok"] = ok
+        return _state["ok"]
+
+
+ATTENTION_DTYPES = (torch.bfloat16, torch.float32)   # the K/V dtypes ``decode_attention`` reads
+
+
+def attention_supported(head_dim: int, group: int) -> bool:
+    """Whether ``decode_attention`` takes heads of this size, ``group`` query heads per KV head (and runs here)."""
+    return head_dim in (16, 32, 64, 128) and 1 <= group <= 8 and available()
+
+
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor,
+                     scale: float) -> torch.Tensor:
+    """``q`` [R, KVH, G, D] float32 over ``k``/``v`` [R, L, KVH, D]: row r attends to its first ``lengths[r]``
+    positions; [R, KVH, G, D] float32."""
+    return torch.ops.pocketllm_cpu.decode_attention(q, k, v, lengths, scale)
+
+
+def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor,
+                        scale: float) -> torch.Tensor:
+    """``decode_attention`` in float64 torch ops (tests)."""
+    keys, values = k.double().transpose(1, 2), v.double().transpose(1, 2)    # [R, KVH, L, D]
+    scores = q.double() @ keys.transpose(-1, -2) * scale                     # [R, KVH, G, L]
+    hidden = torch.arange(k.shape[1])[None, :] >= lengths[:, None]
+    scores = scores.masked_fill(hidden[:, None, None, :], float("-inf"))
+    return (scores.softmax(-1) @ values).float()
