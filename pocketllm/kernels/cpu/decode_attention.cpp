@@ -1,7 +1,7 @@
 // Decode attention on CPU: a few query rows, each over its own context of cached K/V (bfloat16 or float32), in
 // AVX-512 float32 arithmetic. Built at run time with q4_linear.cpp by pocketllm/layers/q4_linear.py.
 //
-// q [R, KVH, G, D] float32: a KV head's G query heads; k, v [R, L, KVH, D] (any strides, the last dimension
+// q [R, KVH, G, D] float32 (any strides, the last dimension contiguous): a KV head's G query heads; k, v [R, L, KVH, D] (any strides, the last dimension
 // contiguous): row r attends to its first lengths[r] positions. Out [R, KVH, G, D] float32.
 // Work is split over (row, KV head, a range of positions), so that one row still keeps both cores busy; each
 // range keeps its softmax maximum, sum and unnormalised output, and a last pass merges the ranges of a head.
@@ -42,6 +42,22 @@ inline __m512 load16(const at::BFloat16* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
 }
 
+// Lane i of the result is the sum of the 16 lanes of v[i], for 8 vectors (lanes 8..15 repeat 0..7): three rounds
+// of pairwise shuffles and adds instead of a horizontal sum each.
+inline __m512 sum_lanes8(const __m512 v[8]) {
+  __m512 w[4], u[2];
+  for (int j = 0; j < 4; ++j)   // 128-bit lanes (0, 1 | 0, 1) + (2, 3 | 2, 3): halves of v[2j] | v[2j+1]
+    w[j] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * j], v[2 * j + 1], 0x44),
+                         _mm512_shuffle_f32x4(v[2 * j], v[2 * j + 1], 0xEE));
+  for (int j = 0; j < 2; ++j)   // lane pairs summed: 128-bit lane c holds 4 partial sums of one vector
+    u[j] = _mm512_add_ps(_mm512_shuffle_f32x4(w[2 * j], w[2 * j + 1], 0x88),
+                         _mm512_shuffle_f32x4(w[2 * j], w[2 * j + 1], 0xDD));
+  // Within each 128-bit lane, elements (0, 2) + (1, 3) twice: element l of t is the sum of v[l / 4 + 4 * (l % 2)].
+  const __m512 z = _mm512_add_ps(_mm512_shuffle_ps(u[0], u[1], 0x88), _mm512_shuffle_ps(u[0], u[1], 0xDD));
+  const __m512 t = _mm512_add_ps(_mm512_shuffle_ps(z, z, 0x88), _mm512_shuffle_ps(z, z, 0xDD));
+  return _mm512_permutexvar_ps(_mm512_set_epi32(13, 9, 5, 1, 12, 8, 4, 0, 13, 9, 5, 1, 12, 8, 4, 0), t);
+}
+
 struct Partial {   // one range of positions of one (row, KV head): per query head
   float* max;      // [G]
   float* sum;      // [G]
@@ -50,17 +66,38 @@ struct Partial {   // one range of positions of one (row, KV head): per query he
 
 // Positions [p0, p1) of one (row, KV head) for its G query heads; D = 16 * DV.
 template <typename T, int DV, int G>
-void attend_range(const float* q, const T* k, const T* v, int64_t k_step, int64_t v_step, int64_t p0, int64_t p1,
+void attend_range(const float* q, int64_t q_step, const T* k, const T* v, int64_t k_step, int64_t v_step, int64_t p0, int64_t p1,
                   float scale, std::vector<float>& scores, Partial part) {
   constexpr int D = 16 * DV;
   const int64_t n = p1 - p0;
   scores.resize(static_cast<size_t>(G * n));
   __m512 qv[G][DV];
   for (int g = 0; g < G; ++g)
-    for (int c = 0; c < DV; ++c) qv[g][c] = _mm512_mul_ps(_mm512_loadu_ps(q + g * D + 16 * c), _mm512_set1_ps(scale));
+    for (int c = 0; c < DV; ++c) qv[g][c] = _mm512_mul_ps(_mm512_loadu_ps(q + g * q_step + 16 * c), _mm512_set1_ps(scale));
   float best[G];
   for (int g = 0; g < G; ++g) best[g] = -std::numeric_limits<float>::infinity();
-  for (int64_t i = 0; i < n; ++i) {
+  __m512 top[G];
+  for (int g = 0; g < G; ++g) top[g] = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {   // eight positions at a time: their dot products summed together
+    __m512 acc[G][8];
+    for (int e = 0; e < 8; ++e) {
+      const T* kp = k + (p0 + i + e) * k_step;
+      __m512 kv[DV];
+      for (int c = 0; c < DV; ++c) kv[c] = load16(kp + 16 * c);
+      for (int g = 0; g < G; ++g) {
+        acc[g][e] = _mm512_mul_ps(qv[g][0], kv[0]);
+        for (int c = 1; c < DV; ++c) acc[g][e] = _mm512_fmadd_ps(qv[g][c], kv[c], acc[g][e]);
+      }
+    }
+    for (int g = 0; g < G; ++g) {
+      const __m512 sums = sum_lanes8(acc[g]);
+      _mm512_mask_storeu_ps(scores.data() + g * n + i, 0xFF, sums);
+      top[g] = _mm512_max_ps(top[g], sums);
+    }
+  }
+  for (int g = 0; g < G; ++g) best[g] = _mm512_reduce_max_ps(top[g]);
+  for (; i < n; ++i) {
     const T* kp = k + (p0 + i) * k_step;
     __m512 kv[DV];
     for (int c = 0; c < DV; ++c) kv[c] = load16(kp + 16 * c);
@@ -132,7 +169,7 @@ void attend_all(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, c
         for (int g = 0; g < G; ++g) part.sum[g] = 0.f, part.max[g] = -std::numeric_limits<float>::infinity();
         continue;
       }
-      attend_range<T, DV, G>(qp + (r * heads + h) * G * D, kp + r * k.stride(0) + h * k.stride(2),
+      attend_range<T, DV, G>(qp + r * q.stride(0) + h * q.stride(1), q.stride(2), kp + r * k.stride(0) + h * k.stride(2),
                              vp + r * v.stride(0) + h * v.stride(2), k.stride(1), v.stride(1), p0, p1, scale,
                              scores, part);
     }
@@ -197,16 +234,16 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
   TORCH_CHECK(k.stride(3) == 1 && v.stride(3) == 1, "decode_attention: the head dimension must be contiguous");
   TORCH_CHECK(lengths.dim() == 1 && lengths.size(0) == rows && lengths.scalar_type() == at::kLong,
               "decode_attention: lengths must be int64 [R]");
-  const at::Tensor qc = q.contiguous();
+  TORCH_CHECK(q.stride(3) == 1, "decode_attention: the head dimension of q must be contiguous");
   const at::Tensor lc = lengths.contiguous();
   const int64_t* lp = lc.data_ptr<int64_t>();
   for (int64_t r = 0; r < rows; ++r)
     TORCH_CHECK(lp[r] >= 1 && lp[r] <= k.size(1), "decode_attention: each length must be in [1, L]");
-  at::Tensor out = at::empty(q.sizes(), q.options());
+  at::Tensor out = at::empty(q.sizes(), q.options().memory_format(at::MemoryFormat::Contiguous));
   if (k.scalar_type() == at::kBFloat16) {
-    by_dim<at::BFloat16>(dim, group, qc, k, v, lp, static_cast<float>(scale), out);
+    by_dim<at::BFloat16>(dim, group, q, k, v, lp, static_cast<float>(scale), out);
   } else {
-    by_dim<float>(dim, group, qc, k, v, lp, static_cast<float>(scale), out);
+    by_dim<float>(dim, group, q, k, v, lp, static_cast<float>(scale), out);
   }
   return out;
 }
