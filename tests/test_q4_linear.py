@@ -96,3 +96,20 @@ def test_kernel_runs_inside_a_compiled_function() -> None:
     x = torch.randn(3, 64)
     compiled = torch.compile(lambda t: layer(t) * 2, dynamic=True)
     torch.testing.assert_close(compiled(x), layer(x) * 2)
+
+
+def test_a_failed_build_leaves_torch_kernels(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """No compiler (or any build error): a warning, and int4 layers on torch's int4 kernel."""
+    from pocketllm.layers.quantized_linear import CpuLinear
+
+    def fail() -> None:
+        raise RuntimeError("no C++ compiler")
+
+    monkeypatch.setattr(cpu_native, "_state", {})
+    monkeypatch.setattr(cpu_native, "_cpu_has_flags", lambda: True)
+    monkeypatch.setattr(cpu_native, "_build", fail)
+    assert not cpu_native.available()
+    assert "no C++ compiler" in caplog.text
+    layer = CpuLinear(torch.randn(32, 64), None, "int4")
+    assert layer.records is None and layer.packed is not None
+    assert layer(torch.randn(2, 64)).dtype == torch.bfloat16

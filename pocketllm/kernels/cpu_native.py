@@ -19,10 +19,12 @@ import torch
 
 logger = logging.getLogger("pocketllm.kernels")
 
-_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni")
+_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni")
 _SOURCES = [Path(__file__).resolve().parent / "cpu" / name for name in ("q4_linear.cpp", "decode_attention.cpp")]
 
 _lock = threading.Lock()
+# "ok": whether the kernels run (tests set it False to run torch's kernels); "loaded": the library is loaded and
+# its fakes registered, which may happen once per process.
 _state: dict[str, bool] = {}
 
 
@@ -60,10 +62,12 @@ def available() -> bool:
     with _lock:
         if "ok" not in _state:
             ok = False
-            if _cpu_has_flags():
+            if _state.get("loaded"):
+                ok = True
+            elif _cpu_has_flags():
                 try:
                     _build()
-                    ok = True
+                    _state["loaded"] = ok = True
                 except Exception as exc:  # no compiler, no ninja, a failed build: torch's kernels instead
                     logger.warning("PocketLLM's CPU kernels are unavailable (%s); torch's kernels run instead", exc)
             _state["ok"] = ok
