@@ -14,6 +14,7 @@ the 4-bit x 8-bit kernel (``pocketllm/layers/q4_linear.py``).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 from types import SimpleNamespace
 
@@ -107,17 +108,10 @@ def main() -> None:
     reference = None
     for fmt in args.formats:
         extra = {} if args.model is None else {"model": args.model}
-        kernel = cpu_native._state.get("ok")
-        if fmt == "int4-torch":
-            cpu_native._state["ok"] = False   # read when the layers are built
-        try:
+        kernels = cpu_native.switched_off() if fmt == "int4-torch" else contextlib.nullcontext()
+        with kernels:   # the kernels are chosen while the layers and the decode step are built
             llm = LLM(EngineArgs(device="cpu", cpu_weight_format=fmt.removesuffix("-torch"), max_model_len=512,
                                  **extra))
-        finally:
-            if kernel is None:
-                cpu_native._state.pop("ok", None)
-            else:
-                cpu_native._state["ok"] = kernel
         with llm:
             ids = llm._client.encode_prompt(TEXT)
             ppl = {rows: perplexity(llm, ids, rows, args.length) for rows in args.rows}

@@ -84,9 +84,9 @@ def test_kernel_takes_zero_rows_and_strided_input_and_refuses_wrong_shapes() -> 
     x = torch.randn(64, 3)
     torch.testing.assert_close(layer(x.T), layer(x.T.contiguous()))
     with pytest.raises(RuntimeError, match="shapes do not match"):
-        torch.ops.pocketllm_cpu.q4_linear(torch.randn(2, 96), layer.records, 32)
+        torch.ops.pocketllm_cpu.q4_linear(torch.randn(2, 96), layer.records)
     with pytest.raises(RuntimeError, match="float32"):
-        torch.ops.pocketllm_cpu.q4_linear(torch.randn(2, 64).bfloat16(), layer.records, 32)
+        torch.ops.pocketllm_cpu.q4_linear(torch.randn(2, 64).bfloat16(), layer.records)
 
 
 @needs_kernel

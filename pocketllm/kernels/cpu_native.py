@@ -8,11 +8,13 @@ Where either is missing, ``available()`` is False and callers keep torch's kerne
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
 import sys
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -26,6 +28,22 @@ _lock = threading.Lock()
 # "ok": whether the kernels run (tests set it False to run torch's kernels); "loaded": the library is loaded and
 # its fakes registered, which may happen once per process.
 _state: dict[str, bool] = {}
+
+
+@contextlib.contextmanager
+def switched_off() -> Iterator[None]:
+    """Layers and decode steps built inside use torch's kernels (to compare with them); later ones ours again."""
+    with _lock:
+        before = _state.get("ok")
+        _state["ok"] = False
+    try:
+        yield
+    finally:
+        with _lock:
+            if before is None:
+                _state.pop("ok", None)
+            else:
+                _state["ok"] = before
 
 
 def _cpu_has_flags() -> bool:
@@ -49,8 +67,8 @@ def _build() -> None:
                       "-mf16c"])
 
     @torch.library.register_fake("pocketllm_cpu::q4_linear")
-    def _(x: torch.Tensor, weights: torch.Tensor, out_features: int) -> torch.Tensor:
-        return x.new_empty((x.shape[0], out_features))
+    def _(x: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        return x.new_empty((x.shape[0], weights.shape[0] * 16))   # 16 output channels per record
 
     @torch.library.register_fake("pocketllm_cpu::decode_attention")
     def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor, scale: float) -> torch.Tensor:

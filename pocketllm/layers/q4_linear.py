@@ -70,16 +70,19 @@ def reference(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, minimum
     return (xq @ dequantize_q4(codes, scale, minimum).double().T).float()
 
 
+def matmul(x: torch.Tensor, records: torch.Tensor) -> torch.Tensor:
+    """``x`` [M, K] (any float dtype) @ W.T for the weights ``records`` hold: [M, N] float32."""
+    return torch.ops.pocketllm_cpu.q4_linear(x.float(), records)
+
+
 class Q4Weights:
-    """One linear layer's weights as the kernel's records: ``self(x)`` is ``x @ W.T`` in float32."""
+    """One weight matrix as the kernel's records: ``self(x)`` is ``x @ W.T`` in float32."""
 
     def __init__(self, weight: torch.Tensor) -> None:
-        codes, scale, minimum = quantize_q4(weight)
-        self.records = pack_q4(codes, scale, minimum)
-        self.out_features = weight.shape[0]
+        self.records = pack_q4(*quantize_q4(weight))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.pocketllm_cpu.q4_linear(x.float(), self.records, self.out_features)
+        return matmul(x, self.records)
 
 
 def unpack_q4(records: torch.Tensor) -> torch.Tensor:

@@ -122,8 +122,9 @@ class CpuLinear(nn.Module):
         self.register_buffer("records", None)   # the 4-bit x 8-bit kernel's weights (q4_linear.py)
         self.int8: Int8Product | None = None
         if weight_format == "int4" and cpu_native.available():
-            self.records = q4_linear.Q4Weights(weight).records
-            full = q4_linear.unpack_q4(self.records) if dense else None
+            held = q4_linear.quantize_q4(weight)
+            self.records = q4_linear.pack_q4(*held)
+            full = q4_linear.dequantize_q4(*held) if dense else None
         elif weight_format == "int4":
             codes, self.scales_zeros = quantize_int4(weight)
             self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
@@ -150,7 +151,7 @@ class CpuLinear(nn.Module):
             if self.int8 is not None:
                 out = self.int8(x)
             else:
-                out = torch.ops.pocketllm_cpu.q4_linear(x.float(), self.records, self.out_features)
+                out = q4_linear.matmul(x, self.records)
             if self.bias is not None:
                 out = out + self.bias
             return out if self.keep is None else out[..., : self.keep]

@@ -183,6 +183,7 @@ class CpuDecodeStep:
             tables.append(table[: pos // bs + 1])
         lengths = [p + 1 for p in positions]
         span, index, bias, dense_index, padded = None, None, None, None, 0
+        native = self.native_attention()
         table = tables[0]
         if len(chunks) == 1 and all(b == table[0] + i for i, b in enumerate(table)):
             span = (table[0] * bs, table[0] * bs + lengths[0])
@@ -196,7 +197,7 @@ class CpuDecodeStep:
                 blocks = max(len(t) for t in tables)
                 index = torch.tensor([b for t in tables for b in t + [0] * (blocks - len(t))])
                 padded = blocks * bs
-            if not self.native_attention():
+            if not native:
                 # The mask hides the positions past each row's length (added to scores in the cache's dtype).
                 mask = torch.arange(padded)[None, :] < torch.tensor(lengths)[:, None]
                 cache_dtype = self.first_attention.k_cache.dtype
@@ -206,7 +207,7 @@ class CpuDecodeStep:
         return DecodeBatch(torch.tensor(ids), torch.tensor(slots), self.cos[pos][:, None, :],
                            self.sin_signed[pos][:, None, :], span, index, bias, dense_index,
                            padded if dense_index is not None else 0,
-                           torch.tensor(lengths) if self.native_attention() else None)
+                           torch.tensor(lengths) if native else None)
 
     def native_attention(self) -> bool:
         """Whether steps attend through ``cpu_native.decode_attention`` (else torch's SDPA)."""

@@ -102,12 +102,12 @@ void rows_pass(int rows, const uint8_t* w, int64_t blocks, const int8_t* xq, con
   }
 }
 
-at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& weights, int64_t out_features) {
+at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& weights) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "q4_linear: x must be a 2-D float32 tensor");
   TORCH_CHECK(weights.dim() == 3 && weights.scalar_type() == at::kByte && weights.size(2) == kRecord,
               "q4_linear: weights must be uint8 [N / 16, K / 32, 320] records");
-  const int64_t tiles_n = weights.size(0), blocks = weights.size(1);
-  TORCH_CHECK(tiles_n * kTile == out_features && x.size(1) == blocks * kBlock,
+  const int64_t tiles_n = weights.size(0), blocks = weights.size(1), out_features = tiles_n * kTile;
+  TORCH_CHECK(x.size(1) == blocks * kBlock,
               "q4_linear: shapes do not match the weight records");
   const at::Tensor xc = x.contiguous();
   const at::Tensor wc = weights.contiguous();
@@ -137,7 +137,7 @@ at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& weights, int64_t out
 }  // namespace
 
 TORCH_LIBRARY(pocketllm_cpu, m) {
-  m.def("q4_linear(Tensor x, Tensor weights, int out_features) -> Tensor");
+  m.def("q4_linear(Tensor x, Tensor weights) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(pocketllm_cpu, CPU, m) {
