@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from types import SimpleNamespace
 
 import pytest
@@ -152,6 +153,63 @@ def test_fast_decode_step_equals_reference_forward(arch: str, kernels: str, tiny
                 torch.testing.assert_close(fast, reference, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("kv", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_fused_step_equals_the_step_of_torch_ops(arch: str, kv: torch.dtype, tiny_checkpoint) -> None:
+    """int4 weights in q4 records: the step in one C++ call (``decode_layers``) over a cache span, over the dense
+    rows of three requests and over one request's dense row gives the hidden states of the step's torch ops
+    around the same kernels, stores the same K/V in the paged cache and the dense rows, and leaves a gathered
+    batch to the torch ops. Qwen2 adds a QKV bias; the cache is bfloat16 (int4's default) or float32."""
+    if not cpu_native.available():
+        pytest.skip("the CPU has no AVX-512 VNNI (or no compiler)")
+    with LLM(EngineArgs(model=tiny_checkpoint(arch), device="cpu", num_kv_blocks=256, block_size=4,
+                        cpu_weight_format="int4", cpu_compile=True)) as llm:
+        runner = llm._client.backend.core.runner
+        step = runner.cpu_decode
+        assert step.fused is not None and (len(step.fused.qkv_bias) > 0) == (arch == "qwen2")
+        assert not step.compiles   # cpu_compile: nothing left to compile
+        if kv != runner.kv_dtype:
+            runner.kv_dtype = kv
+            runner.allocate_kv_cache(runner.num_blocks)
+        assert step.first_attention.k_cache.dtype == kv
+        torch.manual_seed(3)
+        for layer in runner.attention_layers:
+            layer.k_cache.normal_()
+            layer.v_cache.normal_()
+        batches = {
+            "span": [_chunk(list(range(10, 21)), [4, 5, 6])],
+            "dense": [_chunk(list(range(50, 57)), [13, 14]), _chunk(list(range(60, 78)), [20, 3, 15, 16, 17]),
+                      _chunk([70, 71], [25])],
+            "one dense row": [_chunk(list(range(30, 44)), [9, 2, 7, 12])],
+        }
+        fused_calls = []
+        run_fused = step.run_fused
+        step.run_fused = lambda batch: fused_calls.append(batch) or run_fused(batch)
+        with torch.inference_mode():
+            for kind, chunks in batches.items():
+                batch = step._metadata(chunks)
+                assert (batch.span is not None, batch.dense_index is not None) == (kind == "span", kind != "span")
+                eager = step.run(batch)
+                stored = [(k[batch.slots].clone(), v[batch.slots].clone()) for k, v in step._cache_views()]
+                fused = step.run_step(batch)
+                assert fused_calls[-1] is batch
+                assert float((fused - eager).norm() / eager.norm()) < 2e-3, kind
+                for (k, v), (k_eager, v_eager) in zip(step._cache_views(), stored):
+                    torch.testing.assert_close(k[batch.slots], k_eager, rtol=2e-2, atol=2e-2)
+                    torch.testing.assert_close(v[batch.slots], v_eager, rtol=2e-2, atol=2e-2)
+                if batch.dense_index is not None:
+                    for (k, v), (k_rows, v_rows) in zip(step._cache_views(), step.dense_rows.layers):
+                        shape = (-1, *k_rows.shape[2:])
+                        assert torch.equal(k_rows.view(shape)[batch.dense_index], k[batch.slots])
+                        assert torch.equal(v_rows.view(shape)[batch.dense_index], v[batch.slots])
+            # More rows than the dense rows hold: the batch gathers its blocks, through the torch ops.
+            many = [_chunk([1, 100 + i, 200 + i], [i]) for i in range(17)]
+            batch = step._metadata(many)
+            assert batch.index is not None
+            torch.testing.assert_close(step.run_step(batch), step.run(batch))
+        assert len(fused_calls) == 3
+
+
 @pytest.mark.parametrize("fmt", ["auto", "int4", "int8"])
 def test_greedy_tokens_equal_with_and_without_the_fast_path(fmt: str, tiny_checkpoint) -> None:
     """Whole generations, three requests at once: the fast path changes no greedy token (float32), and with
@@ -170,18 +228,21 @@ def test_greedy_tokens_equal_with_and_without_the_fast_path(fmt: str, tiny_check
         assert results[0] == results[1]
 
 
-def test_compiled_decode_step_matches_the_eager_step(tiny_checkpoint) -> None:
+@pytest.mark.parametrize("fmt", ["int4", "bfloat16"])
+def test_compiled_decode_step_matches_the_eager_step(fmt: str, tiny_checkpoint) -> None:
     """``cpu_compile``: every decode step (one request over its cache span, two over dense rows, one over a
     dense row because its blocks are not consecutive) computed by ``run_step`` and by the eager step on the same
     batch gives the same hidden states, within the rounding of bfloat16 activations (inductor fuses the
-    elementwise ops between the int4 products); every kind of step ran compiled, and none compiled again after
-    start-up."""
+    elementwise ops between the products); every kind of step ran compiled, and none compiled again after
+    start-up. int4 compiles with torch's kernels (with PocketLLM's, its steps are fused, not compiled: below);
+    bfloat16 with PocketLLM's decode attention where the CPU runs it."""
     from torch._dynamo.utils import counters
 
     seen = []
     compiled_kinds = set()
-    with LLM(EngineArgs(model=tiny_checkpoint("llama"), device="cpu", num_kv_blocks=64, cpu_weight_format="int4",
-                        cpu_compile=True)) as llm:
+    off = cpu_native.switched_off() if fmt == "int4" else contextlib.nullcontext()
+    with off, LLM(EngineArgs(model=tiny_checkpoint("llama"), device="cpu", num_kv_blocks=64, cpu_weight_format=fmt,
+                             cpu_compile=True)) as llm:
         core = llm._client.backend.core
         step = core.runner.cpu_decode
         assert step._compiled is not None

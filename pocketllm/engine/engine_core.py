@@ -127,7 +127,7 @@ class EngineCore:
         logger.info("KV cache: %d blocks of %d tokens (%.2f GiB), max_model_len %d",
                     num_blocks, args.block_size, num_blocks * self.runner.kv_bytes_per_block() / GiB,
                     max_model_len)
-        if args.cpu_compile and self.runner.cpu_decode is not None:
+        if args.cpu_compile and self.runner.cpu_decode is not None and self.runner.cpu_decode.compiles:
             self._compile_cpu_decode()
 
     def _compile_cpu_decode(self) -> None:

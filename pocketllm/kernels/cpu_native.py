@@ -1,14 +1,16 @@
 """PocketLLM's own CPU kernels (``pocketllm/kernels/cpu/*.cpp``), compiled and loaded at first use.
 
 ``q4_linear``: a 4-bit x 8-bit product (``pocketllm/layers/q4_linear.py``); ``decode_attention``: a few query rows
-over their cached K/V. Both need AVX-512 (F, BW, VL) with VNNI, and a C++ compiler the first time (torch's
-extension builder, which caches the library across processes by the sources' hash, as inductor does its code).
-Where either is missing, ``available()`` is False and callers keep torch's kernels.
+over their cached K/V; ``decode_layers``: every layer of a Llama-family decode step with q4 weights in one call
+(``pocketllm/runner/cpu_decode.py``). They need AVX-512 (F, BW, VL) with VNNI, and a C++ compiler the first time
+(torch's extension builder, which caches the library across processes by the sources' hash, as inductor does its
+code). Where either is missing, ``available()`` is False and callers keep torch's kernels.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import os
 import shutil
@@ -22,7 +24,9 @@ import torch
 logger = logging.getLogger("pocketllm.kernels")
 
 _FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni")
-_SOURCES = [Path(__file__).resolve().parent / "cpu" / name for name in ("q4_linear.cpp", "decode_attention.cpp")]
+_DIR = Path(__file__).resolve().parent / "cpu"
+_SOURCES = [_DIR / name for name in ("q4_linear.cpp", "decode_attention.cpp", "decode_step.cpp")]
+_HEADER = _DIR / "cpu_kernels.h"
 
 _lock = threading.Lock()
 # "ok": whether the kernels run (tests set it False to run torch's kernels); "loaded": the library is loaded and
@@ -61,10 +65,13 @@ def _build() -> None:
 
     if shutil.which("ninja") is None:   # the ninja wheel's binary sits next to this interpreter
         os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
+    # The builder reuses a library whose sources are unchanged; the header's hash in the flags makes a change to
+    # the shared header count too.
+    header = hashlib.sha256(_HEADER.read_bytes()).hexdigest()[:16]
     cpp_extension.load(
         name="pocketllm_cpu_kernels", sources=[str(s) for s in _SOURCES], is_python_module=False, verbose=False,
         extra_cflags=["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni", "-mfma",
-                      "-mf16c"])
+                      "-mf16c", f"-DPOCKETLLM_HEADER={header}"])
 
     @torch.library.register_fake("pocketllm_cpu::q4_linear")
     def _(x: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -105,6 +112,21 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths:
     """``q`` [R, KVH, G, D] float32 over ``k``/``v`` [R, L, KVH, D]: row r attends to its first ``lengths[r]``
     positions; [R, KVH, G, D] float32."""
     return torch.ops.pocketllm_cpu.decode_attention(q, k, v, lengths, scale)
+
+
+def decode_layers(hidden: torch.Tensor, weights: list[torch.Tensor], qkv_bias: list[torch.Tensor],
+                  caches: list[torch.Tensor], slots: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                  rows: list[torch.Tensor], row_index: torch.Tensor | None, span_start: int, lengths: torch.Tensor,
+                  heads: int, kv_heads: int, eps: float, scale: float, final_norm: torch.Tensor,
+                  final_eps: float) -> torch.Tensor:
+    """Every layer of a decode step (``decode_step.cpp``): ``hidden`` [R, H] float32 embeddings in, the final
+    norm's output out. Stores each row's new K/V at ``slots`` of the per-layer ``caches`` (K, V, ... as
+    ``[slots, KV heads, D]``) and, with dense ``rows`` (K, V, ... as ``[rows, tokens, KV heads, D]``), at
+    ``row_index`` of those; row r attends to its first ``lengths[r]`` positions of its dense row, or (one row) of
+    the cache from slot ``span_start``."""
+    return torch.ops.pocketllm_cpu.decode_layers(hidden, weights, qkv_bias, caches, slots, cos, sin, rows, row_index,
+                                                 span_start, lengths, heads, kv_heads, eps, scale, final_norm,
+                                                 final_eps)
 
 
 def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor,

@@ -72,6 +72,39 @@ class DecodeBatch(NamedTuple):
     lengths: torch.Tensor | None = None
 
 
+class FusedLayers(NamedTuple):
+    """What ``cpu_native.decode_layers`` takes of the model: six weights per layer (norm, QKV records, output
+    records, norm, gate/up records, down records; norms in float32), the QKV biases (float32; empty when there
+    are none), the layers' shared norm eps, and the final norm."""
+
+    weights: list[torch.Tensor]
+    qkv_bias: list[torch.Tensor]
+    eps: float
+    final_norm: torch.Tensor
+    final_eps: float
+
+
+def _fused_layers(layers: list[tuple], final_norm: tuple[torch.Tensor, float]) -> FusedLayers | None:
+    """The layers as ``cpu_native.decode_layers`` takes them, or None when some product is not held as q4 records
+    (another weight format, or torch's int4 kernel), a layer has q/k norms or a bias outside the QKV product, or
+    the layers' norms differ in eps."""
+    weights, biases, eps = [], [], set()
+    for norm1, eps1, qkv, q_norm, _k_norm, _attn, o_proj, norm2, eps2, gate_up, down in layers:
+        products = (qkv, o_proj, gate_up, down)
+        if q_norm is not None or any(getattr(p, "records", None) is None or p.keep is not None for p in products):
+            return None
+        if any(p.bias is not None for p in products[1:]):
+            return None
+        weights.extend([norm1.float().contiguous(), qkv.records, o_proj.records, norm2.float().contiguous(),
+                        gate_up.records, down.records])
+        if qkv.bias is not None:
+            biases.append(qkv.bias.float().contiguous())
+        eps.update((eps1, eps2))
+    if len(eps) != 1 or len(biases) not in (0, len(layers)):
+        return None
+    return FusedLayers(weights, biases, eps.pop(), final_norm[0].float().contiguous(), final_norm[1])
+
+
 def _plain_rms_norm(norm: torch.nn.Module) -> bool:
     """An ``RMSNorm`` that scales by its weight itself (not the zero-centred ``1 + weight`` form)."""
     from pocketllm.layers.norm import RMSNorm
@@ -127,6 +160,12 @@ class CpuDecodeStep:
         # PocketLLM's decode attention where it runs (``cpu_native``): over the same bfloat16 rows on the 2-core
         # development machine, 4.1-5.9x faster than torch's SDPA at 1 row and 2.2-2.7x at 8 (contexts 160-384).
         self._native_heads = cpu_native.attention_supported(self.head_dim, self.num_heads // self.num_kv_heads)
+        # With every product in q4 records, the steps over a cache span or the dense rows run as one C++ call
+        # (``cpu_native.decode_layers``): no per-op Python, dispatch or compiled graph's guards.
+        self.fused = _fused_layers(self.layers, self.norm) if self._native_heads else None
+        self._flat_caches: list[torch.Tensor] = []
+        self._flat_rows: list[torch.Tensor] = []
+        self._flat_rows_of: list | None = None
         self._views: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._views_of: torch.Tensor | None = None
         self.dense_rows: DenseDecodeRows | None = None   # made at the first multi-row step (caches bound)
@@ -140,12 +179,19 @@ class CpuDecodeStep:
         # a size of its own to the compiler).
         self._compiled = None
         self._tracing = True   # dynamo may still compile a step (until ``compiled_all``)
-        if compile_step:
+        if compile_step and self.fused is not None:
+            logger.info("CPU decode steps run as one C++ call (q4 weights); cpu_compile has nothing to compile")
+        elif compile_step:
             self._compiled = torch.compile(self.run, dynamic=True, options={"cpp_wrapper": True})
 
     # The most rows a compiled step runs: the linear layers change kernels above INT4_MAX_ROWS, so a larger
     # batch would need a graph of its own.
     compiled_max_rows = INT4_MAX_ROWS
+
+    @property
+    def compiles(self) -> bool:
+        """Whether some kind of step is compiled (``cpu_compile``, unless every step it would compile is fused)."""
+        return self._compiled is not None
 
     @staticmethod
     def supports(model: torch.nn.Module) -> bool:
@@ -231,6 +277,9 @@ class CpuDecodeStep:
         ``compiled_max_rows`` rows over the dense K/V rows (one row too, when its blocks are not consecutive);
         other batches run eagerly."""
         rows = batch.ids.shape[0]
+        if self.fused is not None and batch.lengths is not None and (
+                batch.span is not None or batch.dense_index is not None):
+            return self.run_fused(batch)
         if self._compiled is None or (rows > 1 and (batch.dense_index is None or rows > self.compiled_max_rows)):
             return self.run(batch)
         # Only the row count and the context length vary between steps: the rotary rows' width, the caches
@@ -257,6 +306,24 @@ class CpuDecodeStep:
                 return self._compiled(batch)
         with torch.compiler.set_stance("eager_on_recompile"):
             return self._compiled(batch)
+
+    def run_fused(self, batch: DecodeBatch) -> torch.Tensor:
+        """The layers over a batch whose context is a cache span or the dense rows, in ``decode_layers``."""
+        fused = self.fused
+        rows = batch.ids.shape[0]
+        views = self._cache_views()
+        if not self._flat_caches or self._flat_caches[0] is not views[0][0]:
+            self._flat_caches = [t for pair in views for t in pair]
+        dense = batch.dense_index is not None
+        if dense and self._flat_rows_of is not self.dense_rows.layers:
+            self._flat_rows = [t for pair in self.dense_rows.layers for t in pair]
+            self._flat_rows_of = self.dense_rows.layers
+        hidden = F.embedding(batch.ids, self.model.embed_tokens.weight)
+        return cpu_native.decode_layers(
+            hidden if hidden.dtype == torch.float32 else hidden.float(), fused.weights, fused.qkv_bias,
+            self._flat_caches, batch.slots, batch.cos.reshape(rows, -1), batch.sin.reshape(rows, -1),
+            self._flat_rows if dense else [], batch.dense_index, 0 if dense else batch.span[0], batch.lengths,
+            self.num_heads, self.num_kv_heads, fused.eps, self.scale, fused.final_norm, fused.final_eps)
 
     def compiled_all(self) -> None:
         """Start-up has compiled every kind of step (``EngineCore``): from now on a batch that matches none of

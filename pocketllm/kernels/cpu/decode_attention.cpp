@@ -1,5 +1,5 @@
 // Decode attention on CPU: a few query rows, each over its own context of cached K/V (bfloat16 or float32), in
-// AVX-512 float32 arithmetic. Built at run time with q4_linear.cpp by pocketllm/layers/q4_linear.py.
+// AVX-512 float32 arithmetic. Built at run time with the other sources here by pocketllm/kernels/cpu_native.py.
 //
 // q [R, KVH, G, D] float32 (any strides, the last dimension contiguous): a KV head's G query heads; k, v [R, L, KVH, D] (any strides, the last dimension
 // contiguous): row r attends to its first lengths[r] positions. Out [R, KVH, G, D] float32.
@@ -17,24 +17,10 @@
 #include <limits>
 #include <vector>
 
-namespace {
+#include "cpu_kernels.h"
 
-// e^x for x <= 0 (scores minus their maximum): 2^n * 2^f, 2^f by its Taylor polynomial on [-0.5, 0.5] (relative
-// error ~2e-7); below -87 the result is 0.
-inline __m512 exp_nonpositive(__m512 x) {
-  const __m512 t = _mm512_mul_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.f)), _mm512_set1_ps(1.44269504f));
-  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(t, n);
-  __m512 p = _mm512_set1_ps(1.5403530e-4f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504109e-2f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022651e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
-  const __m512 r = _mm512_scalef_ps(p, n);
-  return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.f), _CMP_GT_OQ), r);
-}
+namespace pocketllm_cpu {
+namespace {
 
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const at::BFloat16* p) {
@@ -220,6 +206,20 @@ void by_dim(int64_t dim, int64_t group, const at::Tensor& q, const at::Tensor& k
   }
 }
 
+}  // namespace
+
+void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const int64_t* lengths, float scale,
+            at::Tensor& out) {
+  const int64_t dim = q.size(3), group = q.size(2);
+  if (k.scalar_type() == at::kBFloat16) {
+    by_dim<at::BFloat16>(dim, group, q, k, v, lengths, scale, out);
+  } else {
+    by_dim<float>(dim, group, q, k, v, lengths, scale, out);
+  }
+}
+
+namespace {
+
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& lengths,
                             double scale) {
   TORCH_CHECK(q.dim() == 4 && q.scalar_type() == at::kFloat, "decode_attention: q must be float32 [R, KVH, G, D]");
@@ -240,20 +240,17 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
   for (int64_t r = 0; r < rows; ++r)
     TORCH_CHECK(lp[r] >= 1 && lp[r] <= k.size(1), "decode_attention: each length must be in [1, L]");
   at::Tensor out = at::empty(q.sizes(), q.options().memory_format(at::MemoryFormat::Contiguous));
-  if (k.scalar_type() == at::kBFloat16) {
-    by_dim<at::BFloat16>(dim, group, q, k, v, lp, static_cast<float>(scale), out);
-  } else {
-    by_dim<float>(dim, group, q, k, v, lp, static_cast<float>(scale), out);
-  }
+  attend(q, k, v, lp, static_cast<float>(scale), out);
   return out;
 }
 
 }  // namespace
+}  // namespace pocketllm_cpu
 
 TORCH_LIBRARY_FRAGMENT(pocketllm_cpu, m) {
   m.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor lengths, float scale) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(pocketllm_cpu, CPU, m) {
-  m.impl("decode_attention", &decode_attention);
+  m.impl("decode_attention", &pocketllm_cpu::decode_attention);
 }

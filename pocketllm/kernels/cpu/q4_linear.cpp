@@ -1,6 +1,6 @@
 // x @ W.T on CPU with W in 4-bit blocks (a code 0..15, an fp16 scale d and minimum m per 32 inputs: w = d*q + m,
 // GGUF's Q4_1) and x quantised per row and block of 32 inputs to 8 bits (llama.cpp's Q8_1 activations), the dot
-// products in AVX-512 VNNI (u8 x s8 -> s32). Built at run time by pocketllm/layers/q4_linear.py.
+// products in AVX-512 VNNI (u8 x s8 -> s32). Built at run time by pocketllm/kernels/cpu_native.py.
 //
 // Weights are records of 320 bytes, one per (tile of 16 output channels, block of 32 inputs), tile-major:
 //   bytes 0..255: four chunks j of 64 bytes; byte 4*lane + i of chunk j holds, for channel 16*tile + lane,
@@ -17,11 +17,11 @@
 #include <cstdint>
 #include <cstring>
 
+#include "cpu_kernels.h"
+
+namespace pocketllm_cpu {
 namespace {
 
-constexpr int64_t kTile = 16;     // output channels per record
-constexpr int64_t kBlock = 32;    // inputs per record
-constexpr int64_t kRecord = 320;  // bytes per record
 constexpr int kMaxRows = 8;       // rows one pass over the weights carries
 
 // One row's activations: int8 codes q = round(x * 127 / amax) per block of 32, the block's scale d = amax / 127
@@ -102,44 +102,48 @@ void rows_pass(int rows, const uint8_t* w, int64_t blocks, const int8_t* xq, con
   }
 }
 
-at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& weights) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "q4_linear: x must be a 2-D float32 tensor");
-  TORCH_CHECK(weights.dim() == 3 && weights.scalar_type() == at::kByte && weights.size(2) == kRecord,
-              "q4_linear: weights must be uint8 [N / 16, K / 32, 320] records");
-  const int64_t tiles_n = weights.size(0), blocks = weights.size(1), out_features = tiles_n * kTile;
-  TORCH_CHECK(x.size(1) == blocks * kBlock,
-              "q4_linear: shapes do not match the weight records");
-  const at::Tensor xc = x.contiguous();
-  const at::Tensor wc = weights.contiguous();
-  const int64_t rows = xc.size(0), k = xc.size(1);
-  at::Tensor out = at::empty({rows, out_features}, x.options());
-  if (rows == 0) return out;
-  at::Tensor xq = at::empty({rows, k}, x.options().dtype(at::kChar));
-  at::Tensor xd = at::empty({rows, blocks}, x.options());
-  at::Tensor xs = at::empty({rows, blocks}, x.options());
-  const float* xp = xc.data_ptr<float>();
-  int8_t* qp = xq.data_ptr<int8_t>();
-  float* dp = xd.data_ptr<float>();
-  float* sp = xs.data_ptr<float>();
-  for (int64_t r = 0; r < rows; ++r) quantize_row(xp + r * k, blocks, qp + r * k, dp + r * blocks, sp + r * blocks);
-  const uint8_t* wp = wc.data_ptr<uint8_t>();
-  float* op = out.data_ptr<float>();
+}  // namespace
+
+void q4_matmul(const float* x, int64_t rows, const at::Tensor& records, float* out, uint8_t* scratch) {
+  const int64_t tiles_n = records.size(0), blocks = records.size(1), out_features = tiles_n * kTile;
+  const int64_t k = blocks * kBlock;
+  int8_t* qp = reinterpret_cast<int8_t*>(scratch);
+  float* dp = reinterpret_cast<float*>(scratch + rows * k);
+  float* sp = dp + rows * blocks;
+  for (int64_t r = 0; r < rows; ++r) quantize_row(x + r * k, blocks, qp + r * k, dp + r * blocks, sp + r * blocks);
+  const uint8_t* wp = records.data_ptr<uint8_t>();
   at::parallel_for(0, tiles_n, 1, [&](int64_t begin, int64_t end) {
     for (int64_t r = 0; r < rows; r += kMaxRows) {
       const int n = static_cast<int>(std::min<int64_t>(kMaxRows, rows - r));
-      rows_pass(n, wp, blocks, qp + r * k, dp + r * blocks, sp + r * blocks, op + r * out_features, out_features,
+      rows_pass(n, wp, blocks, qp + r * k, dp + r * blocks, sp + r * blocks, out + r * out_features, out_features,
                 begin, end);
     }
   });
+}
+
+namespace {
+
+at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& weights) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "q4_linear: x must be a 2-D float32 tensor");
+  TORCH_CHECK(weights.dim() == 3 && weights.scalar_type() == at::kByte && weights.size(2) == kRecord &&
+              weights.is_contiguous(), "q4_linear: weights must be contiguous uint8 [N / 16, K / 32, 320] records");
+  TORCH_CHECK(x.size(1) == weights.size(1) * kBlock, "q4_linear: shapes do not match the weight records");
+  const at::Tensor xc = x.contiguous();
+  const int64_t rows = xc.size(0), k = xc.size(1);
+  at::Tensor out = at::empty({rows, weights.size(0) * kTile}, x.options());
+  if (rows == 0) return out;
+  at::Tensor scratch = at::empty({q4_scratch_bytes(rows, k)}, x.options().dtype(at::kByte));
+  q4_matmul(xc.data_ptr<float>(), rows, weights, out.data_ptr<float>(), scratch.data_ptr<uint8_t>());
   return out;
 }
 
 }  // namespace
+}  // namespace pocketllm_cpu
 
 TORCH_LIBRARY(pocketllm_cpu, m) {
   m.def("q4_linear(Tensor x, Tensor weights) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(pocketllm_cpu, CPU, m) {
-  m.impl("q4_linear", &q4_linear);
+  m.impl("q4_linear", &pocketllm_cpu::q4_linear);
 }
