@@ -68,10 +68,13 @@ def _build() -> None:
     # The builder reuses a library whose sources are unchanged; the header's hash in the flags makes a change to
     # the shared header count too.
     header = hashlib.sha256(_HEADER.read_bytes()).hexdigest()[:16]
+    # OpenMP: without it ``at::parallel_for`` compiles to a plain loop (one thread); the library then shares the
+    # OpenMP runtime torch has loaded (same soname), so its threads are torch's intra-op threads.
     cpp_extension.load(
         name="pocketllm_cpu_kernels", sources=[str(s) for s in _SOURCES], is_python_module=False, verbose=False,
-        extra_cflags=["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni", "-mfma",
-                      "-mf16c", f"-DPOCKETLLM_HEADER={header}"])
+        extra_cflags=["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni",
+                      "-mfma", "-mf16c", f"-DPOCKETLLM_HEADER={header}"],
+        extra_ldflags=["-fopenmp"])
 
     @torch.library.register_fake("pocketllm_cpu::q4_linear")
     def _(x: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:

@@ -44,6 +44,11 @@ inline __m512 sum_lanes8(const __m512 v[8]) {
   return _mm512_permutexvar_ps(_mm512_set_epi32(13, 9, 5, 1, 12, 8, 4, 0, 13, 9, 5, 1, 12, 8, 4, 0), t);
 }
 
+inline void prefetch_row(const void* p, size_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (size_t b = 0; b < bytes; b += 64) _mm_prefetch(c + b, _MM_HINT_T0);
+}
+
 struct Partial {   // one range of positions of one (row, KV head): per query head
   float* max;      // [G]
   float* sum;      // [G]
@@ -68,6 +73,10 @@ void attend_range(const float* q, int64_t q_step, const T* k, const T* v, int64_
   for (; i + 8 <= n; i += 8) {   // eight positions at a time: their dot products summed together
     __m512 acc[G][8];
     for (int e = 0; e < 8; ++e) {
+      // Short strided streams (one head of each position) that the hardware prefetchers pick up late: ask for
+      // the keys two blocks ahead, and for this block's values, which the last pass reads.
+      prefetch_row(k + (p0 + std::min(i + 16 + e, n - 1)) * k_step, D * sizeof(T));
+      prefetch_row(v + (p0 + i + e) * v_step, D * sizeof(T));
       const T* kp = k + (p0 + i + e) * k_step;
       __m512 kv[DV];
       for (int c = 0; c < DV; ++c) kv[c] = load16(kp + 16 * c);
@@ -119,6 +128,7 @@ void attend_range(const float* q, int64_t q_step, const T* k, const T* v, int64_
     for (int c = 0; c < DV; ++c) ov[g][c] = _mm512_setzero_ps();
   for (int64_t i = 0; i < n; ++i) {
     const T* vp = v + (p0 + i) * v_step;
+    if (i + 16 < n) prefetch_row(v + (p0 + i + 16) * v_step, D * sizeof(T));
     __m512 vv[DV];
     for (int c = 0; c < DV; ++c) vv[c] = load16(vp + 16 * c);
     for (int g = 0; g < G; ++g) {
