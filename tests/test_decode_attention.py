@@ -14,13 +14,20 @@ pytestmark = pytest.mark.skipif(not cpu_native.available(), reason="the CPU has 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize(("rows", "heads", "group", "dim"), [(1, 3, 3, 64), (8, 3, 3, 64), (2, 2, 1, 128),
                                                              (3, 1, 8, 32), (5, 4, 2, 64), (3, 2, 2, 16)])
+@pytest.mark.parametrize("head_major", [False, True])
 def test_kernel_equals_masked_softmax_attention(dtype: torch.dtype, rows: int, heads: int, group: int,
-                                                dim: int) -> None:
-    """Each row attends to its own first ``lengths[r]`` positions of a strided view (the dense K/V rows)."""
+                                                dim: int, head_major: bool) -> None:
+    """Each row attends to its own first ``lengths[r]`` positions of a strided view: the dense K/V rows (a
+    position's heads side by side), or a view whose heads are apart (``head_major``); contexts long enough that
+    a row's positions split into several ranges."""
     torch.manual_seed(rows * 7 + dim)
-    longest = 300
-    store_k = torch.randn(rows + 2, longest + 5, heads, dim).to(dtype)
-    store_v = torch.randn(rows + 2, longest + 5, heads, dim).to(dtype)
+    longest = 600 if rows == 8 else 300
+    if head_major:
+        store_k = torch.randn(rows + 2, heads, longest + 5, dim).to(dtype).transpose(1, 2)
+        store_v = torch.randn(rows + 2, heads, longest + 5, dim).to(dtype).transpose(1, 2)
+    else:
+        store_k = torch.randn(rows + 2, longest + 5, heads, dim).to(dtype)
+        store_v = torch.randn(rows + 2, longest + 5, heads, dim).to(dtype)
     k, v = store_k[:rows, :longest], store_v[:rows, :longest]
     lengths = torch.randint(1, longest + 1, (rows,))
     lengths[0] = 1
