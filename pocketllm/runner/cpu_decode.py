@@ -163,10 +163,8 @@ class CpuDecodeStep:
         # With every product in q4 records, the steps over a cache span or the dense rows run as one C++ call
         # (``cpu_native.decode_layers``): no per-op Python, dispatch or compiled graph's guards.
         self.fused = _fused_layers(self.layers, self.norm) if self._native_heads else None
-        self._flat_caches: list[torch.Tensor] = []
-        self._flat_rows: list[torch.Tensor] = []
-        self._flat_rows_of: list | None = None
         self._views: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._flat_views: list[torch.Tensor] = []   # ``_views`` as K, V, K, V, ... (``decode_layers``)
         self._views_of: torch.Tensor | None = None
         self.dense_rows: DenseDecodeRows | None = None   # made at the first multi-row step (caches bound)
         self._static_rows: list | None = None            # the dense rows last marked static (``run_step``)
@@ -311,18 +309,13 @@ class CpuDecodeStep:
         """The layers over a batch whose context is a cache span or the dense rows, in ``decode_layers``."""
         fused = self.fused
         rows = batch.ids.shape[0]
-        views = self._cache_views()
-        if not self._flat_caches or self._flat_caches[0] is not views[0][0]:
-            self._flat_caches = [t for pair in views for t in pair]
+        self._cache_views()
         dense = batch.dense_index is not None
-        if dense and self._flat_rows_of is not self.dense_rows.layers:
-            self._flat_rows = [t for pair in self.dense_rows.layers for t in pair]
-            self._flat_rows_of = self.dense_rows.layers
         hidden = F.embedding(batch.ids, self.model.embed_tokens.weight)
         return cpu_native.decode_layers(
             hidden if hidden.dtype == torch.float32 else hidden.float(), fused.weights, fused.qkv_bias,
-            self._flat_caches, batch.slots, batch.cos.reshape(rows, -1), batch.sin.reshape(rows, -1),
-            self._flat_rows if dense else [], batch.dense_index, 0 if dense else batch.span[0], batch.lengths,
+            self._flat_views, batch.slots, batch.cos.reshape(rows, -1), batch.sin.reshape(rows, -1),
+            self.dense_rows.flat if dense else [], batch.dense_index, 0 if dense else batch.span[0], batch.lengths,
             self.num_heads, self.num_kv_heads, fused.eps, self.scale, fused.final_norm, fused.final_eps)
 
     def compiled_all(self) -> None:
@@ -337,6 +330,7 @@ class CpuDecodeStep:
         if self._views_of is not first:
             shape = (-1, self.num_kv_heads, self.head_dim)
             self._views = [(layer[5].k_cache.view(shape), layer[5].v_cache.view(shape)) for layer in self.layers]
+            self._flat_views = [t for pair in self._views for t in pair]
             self._views_of = first
             if self._compiled is not None:   # static sizes in the compiled step (``run_step``)
                 for k, v in self._views:

@@ -23,6 +23,7 @@ class DenseDecodeRows:
         self.max_rows = max_rows
         self.max_bytes = max_bytes
         self.layers: list[tuple[torch.Tensor, torch.Tensor]] = []   # [rows, tokens, kv heads, head dim] each
+        self.flat: list[torch.Tensor] = []   # the same tensors as K, V, K, V, ... (``cpu_native.decode_layers``)
         # Row i holds the context of request ``held[i][0]`` (as of its preemption count ``held[i][1]``) for its
         # first ``held[i][2]`` positions.
         self.held: list[tuple[object, int, int]] = []
@@ -43,6 +44,7 @@ class DenseDecodeRows:
         shape = (rows, tokens, *self.kv_shape)
         self.layers = [(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype))
                        for _ in range(self.num_layers)]
+        self.flat = [t for pair in self.layers for t in pair]
         self.held = []
 
     def prepare(self, requests: Sequence[object], positions: Sequence[int], tables: Sequence[Sequence[int]],

@@ -55,19 +55,11 @@ struct Partial {   // one range of positions of one (row, KV head): per query he
   float* out;      // [G, D] unnormalised
 };
 
-// What a range prefetches: `bytes` of each position from `k` and `v` (the row's first head when a row's heads are
-// adjacent, so that the first head's pass brings in every head's keys and values); nothing when `bytes` is 0.
-template <typename T>
-struct Prefetch {
-  const T* k;
-  const T* v;
-  size_t bytes;
-};
-
-// Positions [p0, p1) of one (row, KV head) for its G query heads; D = 16 * DV.
+// Positions [p0, p1) of one (row, KV head) for its G query heads; D = 16 * DV. Prefetches `prefetch_bytes` of each
+// position from k and v (a whole row's heads from the first head, when they are adjacent; none when 0).
 template <typename T, int DV, int G>
 void attend_range(const float* q, int64_t q_step, const T* k, const T* v, int64_t k_step, int64_t v_step, int64_t p0, int64_t p1,
-                  float scale, std::vector<float>& scores, Partial part, Prefetch<T> ahead) {
+                  float scale, std::vector<float>& scores, Partial part, size_t prefetch_bytes) {
   constexpr int D = 16 * DV;
   const int64_t n = p1 - p0;
   scores.resize(static_cast<size_t>(G * n));
@@ -84,9 +76,9 @@ void attend_range(const float* q, int64_t q_step, const T* k, const T* v, int64_
     for (int e = 0; e < 8; ++e) {
       // Short strided streams that the hardware prefetchers pick up late: ask for the keys two blocks ahead,
       // and for this block's values, which the last pass reads.
-      if (ahead.bytes > 0) {
-        prefetch_row(ahead.k + (p0 + std::min(i + 16 + e, n - 1)) * k_step, ahead.bytes);
-        prefetch_row(ahead.v + (p0 + i + e) * v_step, ahead.bytes);
+      if (prefetch_bytes > 0) {
+        prefetch_row(k + (p0 + std::min(i + 16 + e, n - 1)) * k_step, prefetch_bytes);
+        prefetch_row(v + (p0 + i + e) * v_step, prefetch_bytes);
       }
       const T* kp = k + (p0 + i + e) * k_step;
       __m512 kv[DV];
@@ -157,9 +149,8 @@ void attend_all(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, c
   const int64_t rows = q.size(0), heads = q.size(1), longest = k.size(1);
   // A task is a range of one row's positions over all its KV heads, so that the positions' K/V rows are read in
   // order (a task per head read 128 of every 384 bytes of SmolLM2's rows: 4.3 against 3.7 ms for 8 rows of 256
-  // positions over 30 layers on two cores). Ranges: enough
-  // tasks for every thread twice, none shorter than 32 positions, none longer than 256 (their K/V stay in L2
-  // from the first head to the last).
+  // positions over 30 layers on two cores). Ranges: enough tasks for every thread twice, none shorter than 32
+  // positions, none longer than 256 (their K/V stay in L2 from the first head to the last).
   const int64_t want = (2 * at::get_num_threads() + rows - 1) / rows;
   const int64_t splits = std::max<int64_t>({1, std::min<int64_t>(want, (longest + 31) / 32), (longest + 255) / 256});
   const int64_t stride = G * (D + 2);
@@ -183,10 +174,9 @@ void attend_all(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, c
         }
         const T* kh = kp + r * k.stride(0) + h * k.stride(2);
         const T* vh = vp + r * v.stride(0) + h * v.stride(2);
-        const Prefetch<T> ahead = packed ? Prefetch<T>{kh, vh, h == 0 ? heads * D * sizeof(T) : 0}
-                                         : Prefetch<T>{kh, vh, D * sizeof(T)};
+        const size_t prefetch = packed ? (h == 0 ? heads * D * sizeof(T) : 0) : D * sizeof(T);
         attend_range<T, DV, G>(qp + r * q.stride(0) + h * q.stride(1), q.stride(2), kh, vh, k.stride(1), v.stride(1),
-                               p0, p1, scale, scores, part, ahead);
+                               p0, p1, scale, scores, part, prefetch);
       }
     }
   });

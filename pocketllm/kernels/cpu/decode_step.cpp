@@ -134,7 +134,7 @@ at::Tensor decode_layers(const at::Tensor& hidden, at::TensorList weights, at::T
 
   const auto f32 = hidden.options().dtype(at::kFloat);
   at::Tensor residual = hidden.contiguous().clone();
-  at::Tensor x = at::empty({rows, std::max(width, q_width)}, f32);
+  at::Tensor x = at::empty({rows, width}, f32);
   at::Tensor qkv = at::empty({rows, qkv_n}, f32);
   at::Tensor q = at::empty({rows, kv_heads, heads / kv_heads, dim}, f32);
   at::Tensor k_new = at::empty({rows, kv_width}, f32);
