@@ -24,7 +24,7 @@ from pocketllm.kernels.gated_delta_fla import fla_available, fla_recurrent_step
 from pocketllm.kernels.gemv import time_in_graph
 from pocketllm.layers.gated_delta import GatedDeltaNet, causal_conv1d_step
 from pocketllm.loaders.dummy import PRESETS
-from pocketllm.runner.attention_metadata import AttentionMetadata
+from pocketllm.step.attention_metadata import AttentionMetadata
 
 PRESET = "qwen3.5-9b"
 DTYPE = torch.bfloat16

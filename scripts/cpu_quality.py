@@ -22,9 +22,9 @@ import torch
 
 from pocketllm.api import LLM
 from pocketllm.config import EngineArgs
-from pocketllm.engine.scheduler import ScheduledChunk
 from pocketllm.kernels import cpu_native
 from pocketllm.sampling_params import SamplingParams
+from pocketllm.step.scheduled_chunk import ScheduledChunk
 
 TEXT = (
     "The old lighthouse stood at the end of a narrow spit of rock, and for most of the year nobody went "

@@ -16,8 +16,8 @@ import time
 from pocketllm.engine.block_manager import BlockManager
 from pocketllm.engine.request import Request
 from pocketllm.engine.scheduler import Scheduler, SchedulerLimits
-from pocketllm.runner.host_batch import gather_host_batch
 from pocketllm.sampling_params import SamplingParams
+from pocketllm.step.host_batch import gather_host_batch
 
 
 def main() -> None:

@@ -28,8 +28,8 @@ from pocketllm.bench import common
 from pocketllm.config import EngineArgs
 from pocketllm.engine.engine_core import EngineCore
 from pocketllm.engine.loop import EngineLoop
-from pocketllm.runner.sampler import SampleResult
 from pocketllm.sampling_params import SamplingParams
+from pocketllm.step.sampled import SampleResult
 
 GAP_EDGES_US = (10, 50, 200, 1000, 10_000)
 

@@ -11,13 +11,13 @@ import torch.nn.functional as F
 
 from pocketllm.api import LLM
 from pocketllm.config import EngineArgs
-from pocketllm.engine.scheduler import ScheduledChunk
 from pocketllm.errors import InvalidRequestError
 from pocketllm.kernels import cpu_native
 from pocketllm.layers import q4_linear, quantized_linear
 from pocketllm.layers.quantized_linear import CpuLinear, RescoredLMHead, dequantize_int4, quantize_int4
-from pocketllm.runner.host_batch import gather_host_batch
 from pocketllm.sampling_params import SamplingParams
+from pocketllm.step.host_batch import gather_host_batch
+from pocketllm.step.scheduled_chunk import ScheduledChunk
 
 
 def test_int4_recovers_a_q4_1_grid_exactly() -> None:

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from pocketllm.layers.gated_delta import GatedDeltaNet
-from pocketllm.runner.attention_metadata import AttentionMetadata
+from pocketllm.step.attention_metadata import AttentionMetadata
 
 pytestmark = pytest.mark.gpu
 

@@ -246,7 +246,7 @@ def test_mixed_step_sends_leading_decode_rows_to_the_decode_kernel(dtype, splits
     leading one-token rows and the prefill kernel on the rest, and matches the reference on every row."""
     _need_kernels(dtype, uses_dot=True)
     from pocketllm.layers.attention import Attention
-    from pocketllm.runner.attention_metadata import AttentionMetadata
+    from pocketllm.step.attention_metadata import AttentionMetadata
 
     gen = torch.Generator().manual_seed(splits)
     heads, kv_heads, head_dim, block_size, num_blocks = 4, 2, 64, 16, 96

@@ -27,8 +27,8 @@ from pocketllm.protocol.reasoning import (
     initial_state,
     template_reasoning_effort,
 )
-from pocketllm.runner.sampler import SampledToken
 from pocketllm.sampling_params import SamplingParams
+from pocketllm.step.sampled import SampledToken
 
 FIXTURES = Path(__file__).resolve().parents[1] / ".." / "shared" / "fixtures"
 QWEN2_DIR = FIXTURES / "tokenizers" / "qwen2-r1-distill"

@@ -7,8 +7,9 @@ import math
 import pytest
 import torch
 
-from pocketllm.runner.sampler import ARGMAX_CHUNK, SampledToken, Sampler, SamplingRow, argmax_rows
+from pocketllm.runner.sampler import ARGMAX_CHUNK, Sampler, SamplingRow, argmax_rows
 from pocketllm.sampling_params import SamplingParams
+from pocketllm.step.sampled import SampledToken
 
 VOCAB = 64
 

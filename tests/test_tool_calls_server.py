@@ -19,7 +19,7 @@ import pytest
 
 from pocketllm.backends.base import EngineCaps
 from pocketllm.engine.request import FinishReason, Request, RequestStatus
-from pocketllm.runner.sampler import SampledToken
+from pocketllm.step.sampled import SampledToken
 
 FIXTURES = Path(__file__).resolve().parents[1] / ".." / "shared" / "fixtures"
 QWEN2_DIR = FIXTURES / "tokenizers" / "qwen2-r1-distill"

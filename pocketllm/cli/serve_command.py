@@ -44,7 +44,7 @@ def _tensor_parallel_role(args: argparse.Namespace, engine_args) -> int | None:
 
     if RankInfo.from_env(os.environ, engine_args.tensor_parallel_size).rank == 0:
         return None
-    from pocketllm.distributed.worker import run_worker
+    from pocketllm.backends.tp_worker import run_worker
 
     return run_worker(engine_args)
 

@@ -24,7 +24,7 @@ logger = logging.getLogger("pocketllm.distributed")
 def worker_argv(args: EngineArgs) -> list[str]:
     """The command of a worker rank the library starts (no shell; the engine args travel as JSON)."""
     payload = json.dumps(dataclasses.asdict(args.replace(tensor_parallel_supervisor=False)))
-    return [sys.executable, "-m", "pocketllm.distributed.worker", payload]
+    return [sys.executable, "-m", "pocketllm.backends.tp_worker", payload]
 
 
 class EngineGroup:

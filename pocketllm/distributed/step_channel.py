@@ -8,8 +8,8 @@ import torch.distributed as dist
 
 from pocketllm.distributed import lost_rank_is_fatal
 from pocketllm.distributed.group import step_group
-from pocketllm.runner.host_batch import HostBatch
-from pocketllm.runner.pending_inputs import PendingInputs
+from pocketllm.step.host_batch import HostBatch
+from pocketllm.step.pending_inputs import PendingInputs
 
 STOP, STEP = 0, 1
 HEADER = 6  # kind, tokens, sequences, block-table width, sampling rows, 1 (state slots follow)

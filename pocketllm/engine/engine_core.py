@@ -12,12 +12,13 @@ from pocketllm.config import EngineArgs
 from pocketllm.distributed import min_over_ranks
 from pocketllm.engine.block_manager import BlockManager
 from pocketllm.engine.request import FinishReason, Request, RequestStatus
-from pocketllm.engine.scheduler import ScheduledChunk, Scheduler, SchedulerLimits
+from pocketllm.engine.scheduler import Scheduler, SchedulerLimits
 from pocketllm.engine.state_pool import StatePool
 from pocketllm.errors import InvalidRequestError, UnsupportedFeatureError
 from pocketllm.runner.model_runner import ModelRunner, resolve_device, resolve_dtype
-from pocketllm.runner.sampler import SampledToken, SampleResult
 from pocketllm.sampling_params import SamplingParams
+from pocketllm.step.sampled import SampledToken, SampleResult
+from pocketllm.step.scheduled_chunk import ScheduledChunk
 
 logger = logging.getLogger("pocketllm.engine")
 

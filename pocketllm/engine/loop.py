@@ -12,7 +12,7 @@ from typing import Any, Protocol
 from pocketllm.engine.engine_core import EngineCore, StepOutput
 from pocketllm.engine.request import FinishReason, Request
 from pocketllm.errors import EngineDeadError, InvalidRequestError
-from pocketllm.runner.sampler import SampledToken
+from pocketllm.step.sampled import SampledToken
 
 logger = logging.getLogger("pocketllm.engine")
 

@@ -12,7 +12,7 @@ from pocketllm.protocol.detokenizer import IncrementalDetokenizer
 from pocketllm.protocol.reasoning import ReasoningSplitter
 from pocketllm.protocol.stop import StopMatcher
 from pocketllm.protocol.tool_parsers import ToolCallStream
-from pocketllm.runner.sampler import SampledToken
+from pocketllm.step.sampled import SampledToken
 
 
 def usage_of(request: Request) -> Usage:

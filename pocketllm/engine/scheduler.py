@@ -6,38 +6,13 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import NamedTuple
 
 from pocketllm.engine.block_manager import BlockManager
 from pocketllm.engine.request import FinishReason, Request, RequestStatus
 from pocketllm.engine.state_pool import StatePool
+from pocketllm.step.scheduled_chunk import ScheduledChunk
 
 logger = logging.getLogger("pocketllm.scheduler")
-
-
-class ScheduledChunk(NamedTuple):
-    """Tokens ``start:start + num_tokens`` of ``request`` run this step; ``samples``: the chunk reaches the
-    end of the request's tokens, so a new token is sampled after it. (A tuple: a step builds one per running
-    request, hundreds per step.)"""
-
-    request: Request
-    num_tokens: int
-    start: int
-    samples: bool
-
-    @classmethod
-    def of(cls, request: Request, num_tokens: int) -> ScheduledChunk:
-        start = request.num_computed_tokens
-        return cls(request, num_tokens, start, start + num_tokens == request.num_scheduled_tokens)
-
-    @property
-    def end(self) -> int:
-        return self.start + self.num_tokens
-
-    @property
-    def last_token_pending(self) -> bool:
-        """The chunk's last input is the token the previous step sampled, still only on the device."""
-        return self.end > self.request.num_tokens
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pocketllm.runner.attention_metadata import AttentionMetadata
+from pocketllm.step.attention_metadata import AttentionMetadata
 
 # Decode steps of up to this many sequences prepare Q/K/V inside the attention kernel (one launch instead of
 # two, and the cached context read while the QKV product finishes); larger batches keep two kernels (at batch

@@ -31,7 +31,7 @@ from torch import nn
 from pocketllm.distributed import tp_rank, tp_size
 from pocketllm.layers.gated_delta_backend import gated_delta_backend
 from pocketllm.layers.linear import ColumnParallelLinear, RowParallelLinear
-from pocketllm.runner.attention_metadata import AttentionMetadata
+from pocketllm.step.attention_metadata import AttentionMetadata
 
 
 def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:

@@ -22,7 +22,7 @@ from typing import NamedTuple
 import torch
 
 from pocketllm.kernels import available as kernels_available
-from pocketllm.runner.attention_metadata import AttentionMetadata
+from pocketllm.step.attention_metadata import AttentionMetadata
 
 
 class GatedDeltaBackend(NamedTuple):

@@ -19,7 +19,7 @@ from pocketllm.layers.linear import (
 )
 from pocketllm.layers.norm import RMSNorm
 from pocketllm.layers.rotary import RotaryEmbedding, rope_settings
-from pocketllm.runner.attention_metadata import AttentionMetadata
+from pocketllm.step.attention_metadata import AttentionMetadata
 
 
 def head_dim_of(config: Any) -> int:

@@ -29,7 +29,7 @@ from pocketllm.layers.linear import QKVParallelLinear, RowParallelLinear
 from pocketllm.layers.norm import OffsetRMSNorm
 from pocketllm.layers.rotary import RotaryEmbedding, rope_settings
 from pocketllm.models.llama import CausalLM, PreNormBlock, head_dim_of
-from pocketllm.runner.attention_metadata import AttentionMetadata
+from pocketllm.step.attention_metadata import AttentionMetadata
 
 SKIPPED_PREFIXES = ("mtp.", "model.visual.", "visual.")
 TEXT_PREFIXES = ("model.language_model.", "model.")

@@ -24,9 +24,9 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from pocketllm.runner.attention_metadata import AttentionMetadata
-from pocketllm.runner.host_batch import HostBatch
-from pocketllm.runner.sampler import SampleResult
+from pocketllm.step.attention_metadata import AttentionMetadata
+from pocketllm.step.host_batch import HostBatch
+from pocketllm.step.sampled import SampleResult
 
 logger = logging.getLogger("pocketllm.runner")
 

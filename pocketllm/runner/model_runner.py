@@ -13,15 +13,16 @@ import torch
 
 from pocketllm.distributed import tp_rank, tp_size
 from pocketllm.distributed.step_channel import StepChannel
-from pocketllm.engine.scheduler import ScheduledChunk
 from pocketllm.errors import InvalidRequestError
 from pocketllm.kernels import available as kernels_available
 from pocketllm.models.registry import model_class
 from pocketllm.models.weights import init_dummy_weights, load_weights
-from pocketllm.runner.attention_metadata import AttentionMetadata
-from pocketllm.runner.host_batch import HostBatch, gather_host_batch
-from pocketllm.runner.sampler import SampledToken, Sampler, SampleResult, SamplingRow
+from pocketllm.runner.sampler import Sampler, SamplingRow
 from pocketllm.sampling_params import SamplingParams
+from pocketllm.step.attention_metadata import AttentionMetadata
+from pocketllm.step.host_batch import HostBatch, gather_host_batch
+from pocketllm.step.sampled import SampledToken, SampleResult
+from pocketllm.step.scheduled_chunk import ScheduledChunk
 
 logger = logging.getLogger("pocketllm.runner")
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from pocketllm.runner.host_to_device import device_tensor
+from pocketllm.step.host_to_device import device_tensor
 
 
 class PendingInputs:

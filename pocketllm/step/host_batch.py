@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pocketllm.runner.pending_inputs import PendingInputs
+from pocketllm.step.pending_inputs import PendingInputs
 
 
 @dataclass

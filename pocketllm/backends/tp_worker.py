@@ -1,5 +1,5 @@
 """A worker rank (rank > 0): load this rank's shard, then run the forward pass of every step rank 0 broadcasts
-until it says stop. Started by the library (``python -m pocketllm.distributed.worker ARGS_JSON``) or, under
+until it says stop. Started by the library (``python -m pocketllm.backends.tp_worker ARGS_JSON``) or, under
 ``pocketllm serve``, by the supervisor or an external launcher."""
 
 from __future__ import annotations
@@ -59,13 +59,13 @@ def serve_steps(runner) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m pocketllm.distributed.worker ENGINE_ARGS_JSON`` (the rank comes from the environment)."""
+    """``python -m pocketllm.backends.tp_worker ENGINE_ARGS_JSON`` (the rank comes from the environment)."""
     argv = sys.argv[1:] if argv is None else argv
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         if len(argv) != 1:
-            raise InvalidRequestError("usage: python -m pocketllm.distributed.worker ENGINE_ARGS_JSON")
+            raise InvalidRequestError("usage: python -m pocketllm.backends.tp_worker ENGINE_ARGS_JSON")
         return run_worker(EngineArgs(**json.loads(argv[0])))
     except PocketLLMError as exc:
         print(f"pocketllm worker: error: {exc}", file=sys.stderr)
