@@ -49,7 +49,7 @@ for stage in $stages; do
           --output-json "$OUT/throughput-$preset.json" 2>&1 | grep -v Warning | tee -a "$OUT/bench.log"
       done ;;
     throughput)
-      # 16,384 tokens a step: vLLM's offline default on GPUs of 70 GB or more (docs/benchmarks.md, sixth session).
+      # 16,384 tokens a step: vLLM's offline default on GPUs of 70 GB or more.
       timeout ${THROUGHPUT_TIMEOUT:-160} $PY -m pocketllm bench throughput --model qwen3-0.6b --load-format dummy --max-num-seqs 256 \
         --max-num-batched-tokens 16384 ${THROUGHPUT_ARGS:-} --output-json "$OUT/throughput.json" \
         --plot "$OUT/throughput.png" 2>&1 | tee -a "$OUT/bench.log" ;;

@@ -38,7 +38,7 @@ class EngineLoop:
     OpenMP worker team, and with more OpenMP threads than cores the runtime shortens its spin-waiting, so
     every later parallel op waits for a sleeping worker to wake. Measured on the 2-core development machine:
     a 70,000-element add took 11.7 µs on a thread that alone ran parallel ops, 19-35 µs once another thread
-    had run one (docs/benchmarks.md, tenth session).
+    had run one.
     """
 
     def __init__(self, build: Callable[[], EngineCore]) -> None:

@@ -14,7 +14,7 @@ from pocketllm.step.attention_metadata import AttentionMetadata
 # 256 the packed kernel took 330 µs a layer against 217 µs for the two: it spills registers). Models with
 # per-head q/k norms keep the two kernels too (``PACKED_DECODE_WITH_QK_NORM``): measured on an H200 at batch 1,
 # Llama-3-8B went from 235.8 to 241.1 tok/s with it, while Qwen3-0.6B (q/k norms) went from 1,392.9 to 1,300.9
-# tok/s (fourth session) and from 1,334.1 to 1,294.1 tok/s with the norm weights read before the wait (fifth).
+# tok/s, and to 1,294.1 tok/s with the norm weights read before the wait.
 PACKED_DECODE_MAX_ROWS = 16
 PACKED_DECODE_WITH_QK_NORM = False
 
