@@ -88,6 +88,7 @@ class TorchBackend:
                 "device": str(self.core.device),
                 "dtype": str(self.core.dtype).removeprefix("torch."),
                 "max_model_len": self.core.max_model_len,
+                "vocab_size": self.core.vocab_size,
                 "block_size": args.block_size,
                 "num_kv_blocks": self.core.blocks.num_blocks,
                 "tensor_parallel_size": args.tensor_parallel_size,

@@ -51,6 +51,10 @@ REFUSED_AT_VALUE = "refused_at_value"
 INERT = "inert"
 
 MAX_N = 128
+MAX_STOP = 64                 # stop strings a request may send
+MAX_STOP_CHARS = 1024         # characters in one stop string
+MAX_JSON_DEPTH = 64           # nesting of a request body's values
+_ANY_VOCAB = 2**31            # token ids are below this when the engine does not declare its vocabulary
 _PATHS = {CHAT: "/v1/chat/completions", COMPLETIONS: "/v1/completions"}
 _TEMPLATE_RESERVED = ("messages", "tools", "add_generation_prompt", "special_tokens", "documents")
 _ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -321,6 +325,13 @@ def _cap(caps: Any, name: str) -> Any:
     return getattr(caps, name, _CAP_DEFAULTS[name]) if caps is not None else _CAP_DEFAULTS[name]
 
 
+def _vocab_size(caps: Any) -> int:
+    """The engine's vocabulary size (``caps.details['vocab_size']``), or a bound every token id is under."""
+    details = getattr(caps, "details", None)
+    size = details.get("vocab_size") if isinstance(details, Mapping) else None
+    return size if isinstance(size, int) and size > 0 else _ANY_VOCAB
+
+
 def _engine_sampling(caps: Any) -> dict[str, Any]:
     """The engine's effective sampling values: ``caps.details['sampling_defaults']`` over SamplingParams'."""
     details = getattr(caps, "details", None)
@@ -432,27 +443,38 @@ def _stop(value: Any) -> tuple[str, ...]:
         raise _unsupported("stop", value,
                            "a stop sequence is a string, or a list of strings, and this value is neither",
                            'Send "stop" as a string or an array of strings')
+    if len(items) > MAX_STOP or any(len(s) > MAX_STOP_CHARS for s in items):
+        raise _invalid("stop", value, f"at most {MAX_STOP} strings of at most {MAX_STOP_CHARS} characters each")
     return tuple(s for s in items if s)
 
 
-def _logit_bias(value: Any) -> dict[int, float]:
+def _canonical_id(key: Any) -> int | None:
+    """A token id written as JSON writes one: an int, or a string of ASCII digits without a leading zero."""
+    if isinstance(key, int) and not isinstance(key, bool):
+        return key if key >= 0 else None
+    if isinstance(key, str) and key.isascii() and key.isdigit() and (key == "0" or key[0] != "0"):
+        return int(key)
+    return None
+
+
+def _logit_bias(value: Any, vocab_size: int) -> dict[int, float]:
     bias = _object("logit_bias", value)
     clean: dict[int, float] = {}
     for key, weight in bias.items():
-        token: int | None = None
-        if isinstance(key, int) and not isinstance(key, bool):
-            token = key
-        elif isinstance(key, str) and key.strip().isdigit():
-            token = int(key)
-        if token is None or token < 0:
+        token = _canonical_id(key)
+        if token is None:
             raise _invalid("logit_bias", value, "an object mapping token ids (as strings) to numbers in -100..100",
-                           f"The key {_show(key)} is not a token id; send token ids (whole numbers >= 0) as keys")
+                           f"The key {_show(key)} is not a token id; send token ids (whole numbers >= 0 in ASCII "
+                           "digits) as keys")
+        if token >= vocab_size:
+            raise _invalid("logit_bias", value, f"an object whose keys are token ids below {vocab_size}",
+                           f"The key {_show(key)} is outside the model's vocabulary (0..{vocab_size - 1})")
         clean[token] = _real("logit_bias", weight, -100.0, 100.0,
                              "an object mapping token ids (as strings) to numbers in -100..100")
     return clean
 
 
-def _sampling(fields: Mapping[str, Any]) -> dict[str, Any]:
+def _sampling(fields: Mapping[str, Any], vocab_size: int) -> dict[str, Any]:
     """SamplingParams kwargs from the fields both endpoints share (logprobs is endpoint-specific)."""
     out: dict[str, Any] = {}
     if "temperature" in fields:
@@ -484,18 +506,19 @@ def _sampling(fields: Mapping[str, Any]) -> dict[str, Any]:
         out["repetition_penalty"] = _real("repetition_penalty", fields["repetition_penalty"], 0.0, None,
                                           "a number greater than 0 (1 is off)", low_open=True)
     if "logit_bias" in fields:
-        out["logit_bias"] = _logit_bias(fields["logit_bias"])
+        out["logit_bias"] = _logit_bias(fields["logit_bias"], vocab_size)
     return out
 
 
-def _common(fields: Mapping[str, Any], endpoint: str) -> tuple[dict[str, Any], int, bool, bool, str | None]:
+def _common(fields: Mapping[str, Any], endpoint: str, caps: Any
+            ) -> tuple[dict[str, Any], int, bool, bool, str | None]:
     """Sampling kwargs, n, stream, include_usage and request_id; checks the simple refused and inert rows."""
     _check_refused_rows(fields, endpoint)
     stream = _boolean("stream", fields["stream"]) if "stream" in fields else False
     include_usage = False
     if "stream_options" in fields:
         include_usage = _stream_options(fields["stream_options"], stream)
-    sampling = _sampling(fields)
+    sampling = _sampling(fields, _vocab_size(caps))
     budget = "max_completion_tokens" if "max_completion_tokens" in fields else "max_tokens"
     if budget in fields:
         sampling["max_tokens"] = _whole(budget, fields[budget], 1, None, "a whole number of tokens, at least 1")
@@ -518,9 +541,33 @@ def _common(fields: Mapping[str, Any], endpoint: str) -> tuple[dict[str, Any], i
 # ----------------------------------------------------------------------------------------------------
 
 
+def _check_values(field: str, value: Any) -> None:
+    """Nesting within ``MAX_JSON_DEPTH`` and every string (keys too) valid UTF-8 (no lone surrogates)."""
+    pending: list[tuple[Any, int]] = [(value, 1)]
+    while pending:
+        item, depth = pending.pop()
+        if depth > MAX_JSON_DEPTH:
+            raise InvalidRequestError(f'"{field}" is nested more than {MAX_JSON_DEPTH} levels deep', param=field)
+        if isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError:
+                raise InvalidRequestError(
+                    f'"{field}" holds a string that is not valid Unicode (a lone surrogate such as \\ud800); '
+                    "send well-formed UTF-16 surrogate pairs or plain characters", param=field) from None
+        elif isinstance(item, Mapping):
+            pending.extend((k, depth) for k in item)
+            pending.extend((v, depth + 1) for v in item.values())
+        elif _is_list(item):
+            pending.extend((v, depth + 1) for v in item)
+
+
 def _body(body: Any) -> Mapping[str, Any]:
     if not isinstance(body, Mapping):
         raise InvalidRequestError(f"the request body must be a JSON object, got {_show(body)}", param=None)
+    for key, value in body.items():
+        _check_values(str(key), key)
+        _check_values(str(key), value)
     return body
 
 
@@ -612,7 +659,7 @@ def parse_chat_request(body: Mapping[str, Any], caps: Any = None) -> ParsedReque
         raise InvalidRequestError('"messages" is required: send the conversation as an array of message '
                                   "objects.", param="messages")
     messages = _messages(fields["messages"])
-    sampling, n, stream, include_usage, request_id = _common(fields, CHAT)
+    sampling, n, stream, include_usage, request_id = _common(fields, CHAT, caps)
 
     want = False
     if "logprobs" in fields:
@@ -641,7 +688,7 @@ def parse_chat_request(body: Mapping[str, Any], caps: Any = None) -> ParsedReque
                          drop_thinking=drop_thinking, include_usage=include_usage)
 
 
-def _prompts(value: Any) -> list[str | list[int]]:
+def _prompts(value: Any, vocab_size: int) -> list[str | list[int]]:
     expected = "a string, an array of strings, an array of token ids, or an array of token-id arrays"
 
     def token_ids(ids: Any) -> list[int] | None:
@@ -649,6 +696,10 @@ def _prompts(value: Any) -> list[str | list[int]]:
             return None
         if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
             return None
+        outside = next((t for t in ids if t >= vocab_size), None)
+        if outside is not None:
+            raise _invalid("prompt", value, f"token ids below {vocab_size}",
+                           f"The token id {outside} is outside the model's vocabulary (0..{vocab_size - 1})")
         return list(ids)
 
     if isinstance(value, str):
@@ -675,8 +726,8 @@ def parse_completion_request(body: Mapping[str, Any], caps: Any = None) -> Parse
     if "prompt" not in fields:
         raise InvalidRequestError('"prompt" is required: send a string, an array of strings, or token ids.',
                                   param="prompt")
-    prompts = _prompts(fields["prompt"])
-    sampling, n, stream, include_usage, request_id = _common(fields, COMPLETIONS)
+    prompts = _prompts(fields["prompt"], _vocab_size(caps))
+    sampling, n, stream, include_usage, request_id = _common(fields, COMPLETIONS, caps)
 
     want = "logprobs" in fields
     if want:

@@ -156,7 +156,46 @@ def check_response_format(response_format: Mapping[str, Any] | None, *, structur
         if strict is not None and not isinstance(strict, bool):
             raise InvalidRequestError('"response_format" json_schema.strict must be true or false. Send a '
                                       "boolean or omit it.", param="response_format")
+        where = unsatisfiable_at(spec["schema"])
+        if where is not None:
+            raise InvalidRequestError(
+                f'"response_format": the JSON Schema admits no value (at {where}), so no answer could follow it. '
+                "Send a schema that some JSON value satisfies.", param="response_format")
     return kind
+
+
+def unsatisfiable_at(schema: Any, path: str = "#") -> str | None:
+    """Where ``schema`` plainly admits no value: ``false``, ``not: {}``, an empty ``anyOf``/``oneOf``/``enum``/
+    ``type`` list, or such a node under ``allOf`` or a required property (the JSON-pointer path), else None.
+    A schema that passes may still be unsatisfiable in ways only the grammar compiler finds."""
+    if schema is False:
+        return path
+    if not isinstance(schema, Mapping):
+        return None
+    negated = schema.get("not")
+    if negated is True or (isinstance(negated, Mapping) and not negated):
+        return f"{path}/not"
+    for key in ("anyOf", "oneOf", "enum", "type"):
+        value = schema.get(key)
+        if _is_list(value) and not value:
+            return f"{path}/{key}"
+    for key in ("anyOf", "oneOf"):
+        options = schema.get(key)
+        if _is_list(options) and all(unsatisfiable_at(o) is not None for o in options):
+            return f"{path}/{key}"
+    for i, part in enumerate(schema.get("allOf") or []):
+        found = unsatisfiable_at(part, f"{path}/allOf/{i}")
+        if found is not None:
+            return found
+    properties = schema.get("properties")
+    required = schema.get("required")
+    if isinstance(properties, Mapping) and _is_list(required):
+        for name in required:
+            if name in properties:
+                found = unsatisfiable_at(properties[name], f"{path}/properties/{name}")
+                if found is not None:
+                    return found
+    return None
 
 
 def _parameters(tool: Mapping[str, Any]) -> dict[str, Any]:

@@ -140,6 +140,8 @@ def build_app(config: ServerConfig) -> FastAPI:
             body = json.loads(await request.body())
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise InvalidRequestError(f"the request body is not valid JSON: {exc}") from None
+        except RecursionError:
+            raise InvalidRequestError("the request body is nested too deeply to read") from None
         if not isinstance(body, dict):
             raise InvalidRequestError("the request body must be a JSON object")
         return body
