@@ -86,3 +86,13 @@ def test_satisfiable_schema_with_an_optional_impossible_property_is_accepted() -
     schema = {"type": "object", "properties": {"a": {"not": {}}}}   # "a" may be left out
     body = {**CHAT, "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}}
     parse_chat_request(body, SimpleNamespace(structured_outputs=True, details={"vocab_size": 1000}))
+
+
+def test_harness_lines_are_always_utf8() -> None:
+    from pocketllm.harness.protocol import encode, valid_session_id
+
+    line = encode({"id": json.loads('"\\ud800"'), "error": "x", "text": "é"})
+    line.encode("utf-8")
+    assert json.loads(line)["id"] == json.loads('"\\ud800"')
+    assert encode({"id": 1, "text": "é"}) == '{"id":1,"text":"é"}'   # plain lines keep their characters
+    assert valid_session_id("abc") and not valid_session_id("abc\n") and not valid_session_id("a/b")

@@ -30,7 +30,7 @@ ID_REQUIRED = frozenset({"generate", "chat", "cancel"})
 ROLES = ("system", "user", "assistant")
 MAX_ID_CHARS = 128
 MAX_STOPS = 16
-_SESSION_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")
+_SESSION_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}")
 
 
 class ProtocolError(Exception):
@@ -55,8 +55,14 @@ class Op:
 
 
 def encode(obj: dict[str, Any]) -> str:
-    """One output line (without the newline)."""
-    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+    """One output line (without the newline), always encodable as UTF-8: a line holding a lone surrogate (a
+    request's ``"\\ud800"`` echoed back in its id, say) is written with every non-ASCII character escaped."""
+    text = json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return json.dumps(obj, ensure_ascii=True, separators=(",", ":"))
+    return text
 
 
 def error_line(message: str, request_id: Any = None) -> dict[str, Any]:
@@ -68,7 +74,7 @@ def _no_constants(name: str) -> Any:
 
 
 def valid_session_id(value: Any) -> bool:
-    return isinstance(value, str) and bool(_SESSION_ID.match(value))
+    return isinstance(value, str) and bool(_SESSION_ID.fullmatch(value))
 
 
 def _check_id(value: Any) -> Any:
