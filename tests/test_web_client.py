@@ -364,8 +364,14 @@ def test_layout_and_rendering(browser, host, size, artifacts):
             screenshot("drawer-with-conversation")
             page.locator("#conv-list li .title").click()
             sync_api.expect(sidebar).to_be_hidden()
-        page.check("#diag-toggle")
-        sync_api.expect(page.locator("#diag")).to_be_visible()
+        page.check("#diag-toggle")   # the diagnostics panel: beside the chat, or under it on the phone
+        send(page, "And now?", n=3)
+        wait_finished(page, 1)
+        sync_api.expect(page.locator("#diag-body")).to_contain_text('"route"')
+        height = SIZES[size]["height"]
+        diag, messages = box_of(page, "#diag"), box_of(page, "#messages")
+        assert diag["height"] >= 150 and diag["y"] + diag["height"] <= height + 0.5, diag
+        assert messages["height"] >= 200, messages
         assert box_of(page, "#input")["width"] >= (250 if phone else 400)
         assert page.evaluate("document.documentElement.scrollWidth") <= width
         screenshot("diagnostics")

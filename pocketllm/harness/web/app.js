@@ -296,10 +296,11 @@
     render();
   }
 
-  function metaText(m) {
-    if (m.role !== "assistant") return "";
-    if (m.streaming) return "streaming";
-    if (m.finish === "interrupted") return "interrupted (connection lost)";
+  // The parts of an answer's status line (each shown unbroken).
+  function metaParts(m) {
+    if (m.role !== "assistant") return [];
+    if (m.streaming) return ["streaming"];
+    if (m.finish === "interrupted") return ["interrupted (connection lost)"];
     const parts = [];
     if (m.finish) parts.push("finish: " + m.finish);
     const u = m.usage;
@@ -310,7 +311,7 @@
       // As `pocketllm run` counts it: the first token comes from the prefill, the rest from the decode.
       if (u.gen_tokens > 1 && u.decode_ms > 0) parts.push(rate((u.gen_tokens - 1) / (u.decode_ms / 1000)));
     }
-    return parts.join(" · ");
+    return parts;
   }
 
   function seconds(ms) {
@@ -370,7 +371,13 @@
     }
     const meta = document.createElement("div");
     meta.className = "meta";
-    meta.textContent = metaText(m);
+    metaParts(m).forEach((text, k) => {
+      const part = document.createElement("span");
+      part.className = "part";
+      part.textContent = text;
+      if (k) meta.append(" · ");
+      meta.append(part);
+    });
     if (m.usage) meta.title = usageTitle(m.usage);
     el.appendChild(meta);
   }
