@@ -235,6 +235,16 @@ def test_markdown_renderer_escapes_before_formatting(browser):
                     else:
                         assert (tag, name) in {("a", "rel"), ("a", "target")}, (source, tag, name)
         assert page.evaluate("window.__xss") is None
+        # Answers are rendered again on every chunk: a line of unmatched openers must not cost quadratic time
+        # (60 kB of them took 20 s before the renderer remembered failed searches).
+        elapsed_ms = page.evaluate("""() => {
+            const started = performance.now();
+            for (const piece of ["*a ", "_a ", "**a ", "~~a ", "`a ", "[a "]) {
+                PocketMarkdown.render(piece.repeat(20000));
+            }
+            return performance.now() - started;
+        }""")
+        assert elapsed_ms < 5000, elapsed_ms
     finally:
         page.close()
 
@@ -473,5 +483,13 @@ def test_browser_client_end_to_end(browser, host, artifacts):
         assert page.locator("#messages img, #messages script, #messages a[href^='javascript']").count() == 0
         assert page.evaluate("window.__xss") is None
         page.screenshot(path=os.path.join(artifacts, "06-markup-escaped.png"))
+
+        # --- signed out, a link with the token opened in the same tab signs in again, without a reload -------
+        page.click("#forget-token")
+        sync_api.expect(page.locator("#login")).to_be_visible()
+        page.evaluate("token => { location.hash = 'token=' + encodeURIComponent(token); }", TOKEN)
+        sync_api.expect(page.locator("#status")).to_have_attribute("data-state", "ready", timeout=WAIT_MS)
+        assert page.locator("#login").is_hidden() and page.evaluate("location.hash") == ""
+        sync_api.expect(page.locator("#conv-list li")).to_have_count(2)
     finally:
         context.close()

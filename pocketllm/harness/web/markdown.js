@@ -86,6 +86,9 @@
   // The nodes of one line (or table cell) of text.
   function inline(text) {
     const out = [];
+    // A search for a closing run that failed from some index fails from any later one too: remembered, so a
+    // line of unmatched openers costs linear time, not quadratic.
+    const noCloser = {};
     let buf = "";
     const flush = () => {
       if (buf) out.push(document.createTextNode(buf));
@@ -141,7 +144,11 @@
         const wrap = run <= 3 ? EMPHASIS[delim] : undefined;
         // An opener: '_' and a single '*' not right after a word character (snake_case, 2*3*4).
         const opens = wrap && !((strict || delim === "*") && isWord(text[i - 1]));
-        const end = opens ? closer(text, i, delim, strict) : -1;
+        let end = -1;
+        if (opens && !(i >= noCloser[delim])) {
+          end = closer(text, i, delim, strict);
+          if (end < 0) noCloser[delim] = i;
+        }
         if (end >= 0) {
           flush();
           out.push(wrap(inline(text.slice(i + delim.length, end))));
