@@ -1,6 +1,7 @@
 """The browser client in a real Chromium (Debian's, driven by Playwright) against a ``pocketllm host``.
 
-Screenshots go to ``$POCKETLLM_TEST_ARTIFACTS`` (default ``build/test-artifacts``) under ``web-client/``.
+Screenshots go to each test's ``tmp_path``, or under ``$POCKETLLM_TEST_ARTIFACTS/web-client/<test>/`` when that
+is set. The layout test runs at a desktop (1280x800) and a phone (390x844) size.
 """
 
 from __future__ import annotations
@@ -14,11 +15,49 @@ from harness_utils import HostProcess
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-                 "--disable-component-update", "--no-first-run"]
+                 "--disable-component-update", "--disable-sync", "--no-first-run"]
 TOKEN = "web-test-token"
 WEB_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "pocketllm", "harness", "web")
 WAIT_MS = 90_000
 XSS = '<img src=x onerror="window.__xss=1"><script>window.__xss=2</script> **bold** [bad](javascript:window.__xss=3)'
+SIZES = {"desktop": {"width": 1280, "height": 800}, "phone": {"width": 390, "height": 844}}
+# An answer with the markup people meet first: a table (with markup and HTML in cells), a quote, nested lists and
+# a code block.
+MARKDOWN = """Here is a summary:
+
+| Model | Size | Speed |
+|:------|-----:|:-----:|
+| **Smol** | 135M | fast |
+| `big` \\| model | 7B | slow <img src=x onerror="window.__xss=4"> |
+
+> A quote with *emphasis*
+> - and a list in it
+
+1. First step
+   - detail a
+   - detail b
+2. Second step
+
+```python
+print("<b>hi</b>")
+```
+"""
+CODE = 'print("<b>hi</b>")'
+# navigator.clipboard as the copy button sees it; the text written is kept for the test.
+CLIPBOARD_STUB = """Object.defineProperty(navigator, "clipboard", {configurable: true, value: {
+    writeText: (text) => { window.__copied = text; return Promise.resolve(); }}});"""
+# Elements and attributes the renderer may write (see markdown.js); anything else in its output is a bug.
+ALLOWED_TAGS = {"p", "br", "h1", "h2", "h3", "h4", "h5", "h6", "hr", "strong", "em", "del", "code", "pre",
+                "blockquote", "ul", "ol", "li", "a", "table", "thead", "tbody", "tr", "th", "td"}
+HOSTILE = [
+    XSS,
+    '| a | b |\n|---|---|\n| <script>window.__xss=5</script> | [x](javascript:window.__xss=6) |',
+    '> <svg onload="window.__xss=7">\n> - <iframe src="javascript:window.__xss=8">',
+    '1. [a](http://x/"onclick="window.__xss=9)\n   - <a href="javascript:window.__xss=10">b</a>',
+    '```"><img src=x onerror="window.__xss=11">\n<style>*{display:none}</style>\n```',
+    '**<b onmouseover="window.__xss=12">bold</b>** `<img src=x>` _[y](data:text/html,<script>)_',
+    '![img](http://x/a.png) <http://x/> &lt;script&gt; &amp;lt;',
+]
 
 if not os.path.exists(CHROMIUM):
     pytest.skip(f"Debian's chromium is not installed at {CHROMIUM} (apt-get install -y chromium); "
@@ -26,11 +65,12 @@ if not os.path.exists(CHROMIUM):
 sync_api = pytest.importorskip("playwright.sync_api", reason="the playwright package is not installed")
 
 
-@pytest.fixture(scope="module")
-def artifacts() -> str:
-    root = os.environ.get("POCKETLLM_TEST_ARTIFACTS") or os.path.join(
-        os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "build", "test-artifacts")
-    path = os.path.join(root, "web-client")
+@pytest.fixture
+def artifacts(request, tmp_path) -> str:
+    root = os.environ.get("POCKETLLM_TEST_ARTIFACTS")
+    if not root:
+        return str(tmp_path)
+    path = os.path.join(root, "web-client", re.sub(r"[^\w.-]+", "_", request.node.name))
     os.makedirs(path, exist_ok=True)
     return path
 
@@ -42,8 +82,36 @@ def model(tiny_checkpoint) -> str:
 
 def start_host(model: str, port: int | None = None) -> HostProcess:
     host = HostProcess("--model", model, "--ctx", "1024", token=TOKEN, port=port)
-    host.wait_ready()
+    try:
+        host.wait_ready()
+    except BaseException:
+        host.stop()
+        raise
     return host
+
+
+class SharedHost:
+    """One host for the module's tests; a test may restart it (on the same port)."""
+
+    def __init__(self, model: str) -> None:
+        self.model = model
+        self.process = start_host(model)
+
+    @property
+    def port(self) -> int:
+        return self.process.port
+
+    def restart(self) -> None:
+        self.process = start_host(self.model, port=self.process.port)
+
+
+@pytest.fixture(scope="module")
+def host(model):
+    shared = SharedHost(model)
+    try:
+        yield shared
+    finally:
+        shared.process.stop()
 
 
 @pytest.fixture(scope="module")
@@ -73,6 +141,39 @@ def send(page, text: str, n: int | None = None) -> None:
     page.press("#input", "Enter")
 
 
+def inject_into_next_answer(page) -> dict:
+    """Relay the page's WebSocket; ``inject["text"]``, once set, goes before the next chunk the host sends."""
+    inject: dict = {"text": None}
+
+    def relay(route):
+        server = route.connect_to_server()
+
+        def to_page(message):
+            if isinstance(message, str) and inject["text"] is not None:
+                data = json.loads(message)
+                if "chunk" in data:
+                    message = json.dumps({**data, "chunk": inject["text"] + "\n\n" + data["chunk"]})
+                    inject["text"] = None
+            route.send(message)
+
+        route.on_message(lambda message: server.send(message))
+        server.on_message(to_page)
+
+    page.route_web_socket(re.compile(".*"), relay)
+    return inject
+
+
+def box_of(page, selector: str) -> dict:
+    box = page.locator(selector).bounding_box()
+    assert box is not None, f"{selector} is not laid out"
+    return box
+
+
+def assert_within(page, selector: str, width: int) -> None:
+    box = box_of(page, selector)
+    assert box["x"] >= 0 and box["x"] + box["width"] <= width + 0.5, (selector, box)
+
+
 def test_markdown_renderer_escapes_before_formatting(browser):
     page = browser.new_page()
     try:
@@ -91,22 +192,216 @@ def test_markdown_renderer_escapes_before_formatting(browser):
                                                        "&lt;/script&gt;</code></pre>",
             "# Title\n- one\n- two": "<h1>Title</h1>\n<ul><li>one</li><li>two</li></ul>",
             "a __b__ c snake__case__name": "<p>a <strong>b</strong> c snake__case__name</p>",
+            "| a | b |\n|:--|--:|\n| **x** | `y|z` |\n| 1 \\| 2 | <i>3</i> |\n\nafter":
+                '<table><thead><tr><th class="align-left">a</th><th class="align-right">b</th></tr></thead>'
+                '<tbody><tr><td class="align-left"><strong>x</strong></td><td class="align-right"><code>y|z</code>'
+                '</td></tr><tr><td class="align-left">1 | 2</td><td class="align-right">&lt;i&gt;3&lt;/i&gt;</td>'
+                "</tr></tbody></table>\n<p>after</p>",
+            "a | b\nnot a table": "<p>a | b<br>not a table</p>",
+            "> quote *it*\n> > nested\n> - item\n\nout": "<blockquote><p>quote <em>it</em></p>\n<blockquote><p>nested"
+                                                       "</p></blockquote>\n<ul><li>item</li></ul></blockquote>\n<p>out</p>",
+            "1. first\n   - sub a\n   - sub b\n     1. deep\n2. second\n\n3. third":
+                "<ol><li>first\n<ul><li>sub a</li><li>sub b\n<ol><li>deep</li></ol></li></ul></li><li>second</li>"
+                "<li>third</li></ol>",
+            "3. three\n4. four": '<ol start="3"><li>three</li><li>four</li></ol>',
+            "- a\n\n  more of a\n- b": "<ul><li><p>a</p>\n<p>more of a</p></li><li>b</li></ul>",
+            "1. Run:\n   ```sh\n   ls\n   ```\n2. Done": '<ol><li>Run:\n<pre><code class="lang-sh">ls</code></pre></li>'
+                                                   "<li>Done</li></ol>",
+            "***a*** *a **b** c* 2*3*4 ~~d~~ \\*e\\*": "<p><em><strong>a</strong></em> <em>a <strong>b</strong> c</em> "
+                                                   "2*3*4 <del>d</del> *e*</p>",
         }
         for source, expected in cases.items():
             assert page.evaluate("s => PocketMarkdown.renderMarkdown(s)", source) == expected, source
+        # The renderer builds nodes; whatever the input, only its own elements and attributes come out.
+        found = page.evaluate("""sources => sources.map((source) => {
+            const fragment = PocketMarkdown.render(source);
+            const box = document.createElement("div");
+            box.append(fragment);
+            return {fragment: fragment instanceof DocumentFragment,
+                    elements: [...box.querySelectorAll("*")].map((el) => [el.localName,
+                               [...el.attributes].map((a) => [a.name, a.value])])};
+        })""", HOSTILE)
+        for source, result in zip(HOSTILE, found):
+            assert result["fragment"], source
+            for tag, attributes in result["elements"]:
+                assert tag in ALLOWED_TAGS, (source, tag)
+                for name, value in attributes:
+                    if name == "href":
+                        assert tag == "a" and re.match(r"(https?://|mailto:)\S+$", value, re.I), (source, value)
+                    elif name == "class":
+                        assert re.fullmatch(r"lang-[\w+-]+|align-(left|right|center)", value), (source, value)
+                    elif name == "start":
+                        assert tag == "ol" and value.isdigit(), (source, value)
+                    else:
+                        assert (tag, name) in {("a", "rel"), ("a", "target")}, (source, tag, name)
+        assert page.evaluate("window.__xss") is None
+        # Answers are rendered again on every chunk: a line of unmatched openers must not cost quadratic time
+        # (60 kB of them took 20 s before the renderer remembered failed searches).
+        elapsed_ms = page.evaluate("""() => {
+            const started = performance.now();
+            for (const piece of ["*a ", "_a ", "**a ", "~~a ", "`a ", "[a "]) {
+                PocketMarkdown.render(piece.repeat(20000));
+            }
+            return performance.now() - started;
+        }""")
+        assert elapsed_ms < 5000, elapsed_ms
     finally:
         page.close()
 
 
-def test_browser_client_end_to_end(browser, model, artifacts):
-    host = start_host(model)
+def test_model_text_is_never_parsed_as_html():
+    """The client's scripts put no HTML into the page (model text goes through DOM nodes only)."""
+    for name in ("app.js", "markdown.js"):
+        with open(os.path.join(WEB_DIR, name), encoding="utf-8") as handle:
+            source = handle.read()
+        assert not re.search(r"(inner|outer)HTML\s*(\+?=)(?!=)|insertAdjacentHTML|document\.write|"
+                             r"createContextualFragment|DOMParser|\beval\(|new Function", source), name
+
+
+@pytest.mark.parametrize("size", list(SIZES))
+def test_layout_and_rendering(browser, host, size, artifacts):
+    """What a first visit looks like, on a desktop and on a phone: signed in by the link's token, the model's
+    name in the header, the conversation list and the text box usable, an answer's markdown rendered (tables,
+    quotes, nested lists, code with a copy button) and its timings in seconds and tokens per second."""
+    phone = size == "phone"
+    width = SIZES[size]["width"]
+    context = browser.new_context(viewport=SIZES[size], is_mobile=phone, has_touch=phone)
+    page = context.new_page()
+    errors: list[str] = []
+    page.on("pageerror", lambda error: errors.append(str(error)))
+    page.add_init_script(CLIPBOARD_STUB)
+    inject = inject_into_next_answer(page)
+    shot = 0
+
+    def screenshot(name: str) -> None:
+        nonlocal shot
+        shot += 1
+        page.screenshot(path=os.path.join(artifacts, f"{size}-{shot:02d}-{name}.png"))
+
+    try:
+        # --- the link the host prints signs in; the token leaves the address bar ----------------------------
+        page.goto(f"http://127.0.0.1:{host.port}/#token={TOKEN}")
+        sync_api.expect(page.locator("#status")).to_have_attribute("data-state", "ready", timeout=WAIT_MS)
+        assert page.locator("#login").is_hidden()
+        assert TOKEN not in page.url and page.evaluate("location.hash") == ""
+        assert page.evaluate("localStorage.getItem('pocketllm.token')") == TOKEN   # a reload stays signed in
+
+        # --- the header names the model, not its path ------------------------------------------------------
+        model_name = page.locator("#model").inner_text()
+        assert model_name == os.path.basename(host.model.rstrip("/")) and "/" not in model_name
+        for selector in ("#sidebar-toggle", "#status", "#model", "#diag-toggle", "#forget-token"):
+            assert_within(page, selector, width)
+        page.fill("#opt-temp", "0")
+
+        # --- the conversation list: a column on the desktop, a drawer on the phone -------------------------
+        sidebar, toggle = page.locator("#sidebar"), page.locator("#sidebar-toggle")
+        if phone:
+            assert sidebar.is_hidden()
+            sync_api.expect(toggle).to_have_attribute("aria-expanded", "false")
+            screenshot("start")
+            toggle.click()
+            sync_api.expect(sidebar).to_be_visible()
+            sync_api.expect(toggle).to_have_attribute("aria-expanded", "true")
+            assert_within(page, "#sidebar", width)
+            assert box_of(page, "#sidebar")["width"] <= 0.9 * width
+            screenshot("drawer")
+            page.click("#new-conv")
+            sync_api.expect(sidebar).to_be_hidden()   # choosing closes the drawer
+        else:
+            sync_api.expect(sidebar).to_be_visible()
+            sync_api.expect(toggle).to_have_attribute("aria-expanded", "true")
+            toggle.click()
+            sync_api.expect(sidebar).to_be_hidden()
+            toggle.click()
+            sync_api.expect(sidebar).to_be_visible()
+            page.click("#new-conv")
+            sync_api.expect(sidebar).to_be_visible()   # the column stays
+
+        # --- the composer keeps a usable text box ------------------------------------------------------------
+        assert box_of(page, "#input")["width"] >= (250 if phone else 600)
+        for selector in ("#input", "#send", "#stop", "#opt-n", "#opt-temp"):
+            assert_within(page, selector, width)
+        assert page.evaluate("document.documentElement.scrollWidth") <= width
+
+        # --- an answer with markdown ---------------------------------------------------------------------------
+        inject["text"] = MARKDOWN
+        send(page, "Show me a table", n=8)
+        assert wait_finished(page, 0) == "budget"
+        assert inject["text"] is None
+        body = assistant_messages(page).nth(0).locator(".body")
+        table = body.locator("table")
+        sync_api.expect(table).to_have_count(1)
+        assert table.locator("thead th").all_inner_texts() == ["Model", "Size", "Speed"]
+        rows = [row.locator("td").all_inner_texts() for row in table.locator("tbody tr").all()]
+        assert rows == [["Smol", "135M", "fast"], ["big | model", "7B", 'slow <img src=x onerror="window.__xss=4">']]
+        assert table.locator("tbody tr").first.locator("td").first.locator("strong").inner_text() == "Smol"
+        assert table.locator("tbody tr").first.locator("td").nth(1).evaluate("e => getComputedStyle(e).textAlign") \
+            == "right"
+        quote = body.locator("blockquote")
+        assert quote.locator("em").inner_text() == "emphasis"
+        assert quote.locator("li").all_inner_texts() == ["and a list in it"]
+        steps = body.locator(":scope > ol > li")
+        sync_api.expect(steps).to_have_count(2)
+        assert steps.nth(0).locator(":scope > ul > li").all_inner_texts() == ["detail a", "detail b"]
+        assert steps.nth(1).inner_text() == "Second step"
+        assert body.locator("pre code").first.inner_text() == CODE
+        assert page.locator("#messages img, #messages script, #messages a[href^='javascript']").count() == 0
+        assert page.evaluate("window.__xss") is None
+
+        # --- the code block's copy button ----------------------------------------------------------------------
+        copy = body.locator(".codeblock button.copy")
+        sync_api.expect(copy).to_have_count(1)
+        assert_within(page, ".codeblock button.copy", width)
+        copy.click()
+        sync_api.expect(copy).to_have_text("Copied")
+        assert page.evaluate("window.__copied") == CODE
+
+        # --- timings in seconds and tokens per second ----------------------------------------------------------
+        meta = assistant_messages(page).nth(0).locator(".meta").inner_text()
+        assert re.search(r"\b\d+(\.\d+)? s\b", meta) and re.search(r"\b\d+(\.\d+)? tok/s\b", meta), meta
+        assert " ms" not in meta and not re.search(r"\d\.\d{3}", meta), meta
+
+        # --- nothing is wider than the screen --------------------------------------------------------------------
+        assert page.evaluate("document.documentElement.scrollWidth") <= width
+        assert_within(page, "#messages .message.assistant", width)
+        table_box, message_box = box_of(page, "#messages table"), box_of(page, "#messages .message.assistant")
+        assert table_box["x"] + table_box["width"] <= message_box["x"] + message_box["width"] + 0.5
+        screenshot("answer")
+        if phone:   # the drawer lists the conversation; picking it closes the drawer
+            toggle.click()
+            sync_api.expect(page.locator("#conv-list li")).to_have_count(1)
+            sync_api.expect(page.locator("#conv-list li .title")).to_have_text("Show me a table")
+            screenshot("drawer-with-conversation")
+            page.locator("#conv-list li .title").click()
+            sync_api.expect(sidebar).to_be_hidden()
+        page.check("#diag-toggle")   # the diagnostics panel: beside the chat, or under it on the phone
+        send(page, "And now?", n=3)
+        wait_finished(page, 1)
+        sync_api.expect(page.locator("#diag-body")).to_contain_text('"route"')
+        height = SIZES[size]["height"]
+        diag, messages = box_of(page, "#diag"), box_of(page, "#messages")
+        assert diag["height"] >= 150 and diag["y"] + diag["height"] <= height + 0.5, diag
+        assert messages["height"] >= 200, messages
+        assert box_of(page, "#input")["width"] >= (250 if phone else 400)
+        assert page.evaluate("document.documentElement.scrollWidth") <= width
+        screenshot("diagnostics")
+        assert errors == []
+    finally:
+        context.close()
+
+
+def test_browser_client_end_to_end(browser, host, artifacts):
     context = browser.new_context()
     page = context.new_page()
     frames: list[dict] = []
     page.on("websocket", lambda ws: ws.on("framereceived", lambda payload: frames.append(json.loads(payload))))
     try:
+        # --- a link with a wrong token shows the prompt and its error -----------------------------------------
+        page.goto(f"http://127.0.0.1:{host.port}/#token=wrong")
+        sync_api.expect(page.locator("#login-error")).to_contain_text("wrong token", timeout=WAIT_MS)
+        assert page.evaluate("location.hash") == ""
+
         # --- token prompt: a wrong token is refused, the right one opens the app ---------------------
-        page.goto(f"http://127.0.0.1:{host.port}/")
         sync_api.expect(page.locator("#login")).to_be_visible()
         page.fill("#token", "wrong")
         page.click("#login-button")
@@ -162,10 +457,9 @@ def test_browser_client_end_to_end(browser, model, artifacts):
         page.screenshot(path=os.path.join(artifacts, "04-reloaded.png"))
 
         # --- the host restarts; the client reconnects and the conversation goes on -------------------------
-        port = host.port
-        assert host.stop() == 0
+        assert host.process.stop() == 0
         sync_api.expect(page.locator("#status")).not_to_have_attribute("data-state", "ready", timeout=WAIT_MS)
-        host = start_host(model, port=port)
+        host.restart()
         sync_api.expect(page.locator("#status")).to_have_attribute("data-state", "ready", timeout=WAIT_MS)
         send(page, "Still there?", n=5)
         assert wait_finished(page, 1) == "budget"
@@ -176,34 +470,26 @@ def test_browser_client_end_to_end(browser, model, artifacts):
         page.screenshot(path=os.path.join(artifacts, "05-after-restart.png"))
 
         # --- model text with markup is shown, never run ----------------------------------------------------
-        inject = {"armed": True}
-
-        def relay(route):
-            server = route.connect_to_server()
-
-            def to_page(message):
-                if isinstance(message, str) and inject["armed"]:
-                    data = json.loads(message)
-                    if "chunk" in data:
-                        inject["armed"] = False
-                        message = json.dumps({**data, "chunk": XSS + data["chunk"]})
-                route.send(message)
-
-            route.on_message(lambda message: server.send(message))
-            server.on_message(to_page)
-
-        page.route_web_socket(re.compile(".*"), relay)
+        inject = inject_into_next_answer(page)
         page.reload()
         sync_api.expect(page.locator("#status")).to_have_attribute("data-state", "ready", timeout=WAIT_MS)
+        inject["text"] = XSS
         send(page, "Show me some markup", n=4)
         wait_finished(page, 2)
-        assert not inject["armed"]
+        assert inject["text"] is None
         body = assistant_messages(page).nth(2).locator(".body")
         assert "<img src=x" in body.inner_text() and "<script>" in body.inner_text()
         assert body.locator("strong").inner_text() == "bold"
         assert page.locator("#messages img, #messages script, #messages a[href^='javascript']").count() == 0
         assert page.evaluate("window.__xss") is None
         page.screenshot(path=os.path.join(artifacts, "06-markup-escaped.png"))
+
+        # --- signed out, a link with the token opened in the same tab signs in again, without a reload -------
+        page.click("#forget-token")
+        sync_api.expect(page.locator("#login")).to_be_visible()
+        page.evaluate("token => { location.hash = 'token=' + encodeURIComponent(token); }", TOKEN)
+        sync_api.expect(page.locator("#status")).to_have_attribute("data-state", "ready", timeout=WAIT_MS)
+        assert page.locator("#login").is_hidden() and page.evaluate("location.hash") == ""
+        sync_api.expect(page.locator("#conv-list li")).to_have_count(2)
     finally:
         context.close()
-        host.stop()

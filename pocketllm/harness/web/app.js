@@ -1,6 +1,6 @@
 // The PocketLLM web client: conversations kept in localStorage, each on its own host session, all over one
-// WebSocket. Model text reaches the page only through PocketMarkdown.renderMarkdown (which escapes it
-// first) or textContent.
+// WebSocket. Model text reaches the page only through PocketMarkdown.render (which builds DOM nodes, the
+// text always in text nodes) or textContent; nothing here assigns HTML.
 "use strict";
 
 (function () {
@@ -9,6 +9,8 @@
   const DIAG_KEY = "pocketllm.diagnostics";
   const OPTIONS_KEY = "pocketllm.options";
   const MAX_BACKOFF_MS = 4000;
+  const NARROW = window.matchMedia("(max-width: 720px)");
+  const MODEL_FILE = /\.(gguf|ggml|safetensors|bin|pt|pth|onnx)$/i;
   const $ = (id) => document.getElementById(id);
 
   const state = loadState();
@@ -166,7 +168,7 @@
     }
     if (msg.id === "health") {
       setStatus(msg.state || "offline");
-      $("model").textContent = msg.model || "";
+      showModel(msg);
       if (msg.state === "loading") setTimeout(() => send({ op: "health", id: "health" }), 1000);
       return;
     }
@@ -281,6 +283,7 @@
     $("login").hidden = false;
     $("app").hidden = true;
     $("forget-token").hidden = true;
+    $("sidebar-toggle").hidden = true;
     $("login-error").textContent = error || "";
     setStatus("offline");
   }
@@ -289,21 +292,62 @@
     $("login").hidden = true;
     $("app").hidden = false;
     $("forget-token").hidden = false;
+    $("sidebar-toggle").hidden = false;
     render();
   }
 
-  function metaText(m) {
-    if (m.role !== "assistant") return "";
-    if (m.streaming) return "streaming";
-    if (m.finish === "interrupted") return "interrupted (connection lost)";
+  // The parts of an answer's status line (each shown unbroken).
+  function metaParts(m) {
+    if (m.role !== "assistant") return [];
+    if (m.streaming) return ["streaming"];
+    if (m.finish === "interrupted") return ["interrupted (connection lost)"];
     const parts = [];
     if (m.finish) parts.push("finish: " + m.finish);
-    if (m.usage) {
-      parts.push(m.usage.gen_tokens + " tokens");
-      parts.push("prefill " + m.usage.prefill_ms + " ms");
-      parts.push("decode " + m.usage.decode_ms + " ms");
+    const u = m.usage;
+    if (u) {
+      parts.push(u.gen_tokens + (u.gen_tokens === 1 ? " token" : " tokens"));
+      if (u.prefill_ms > 0) parts.push("first token " + seconds(u.prefill_ms));
+      if (u.decode_ms > 0) parts.push("decode " + seconds(u.decode_ms));
+      // As `pocketllm run` counts it: the first token comes from the prefill, the rest from the decode.
+      if (u.gen_tokens > 1 && u.decode_ms > 0) parts.push(rate((u.gen_tokens - 1) / (u.decode_ms / 1000)));
     }
-    return parts.join(" · ");
+    return parts;
+  }
+
+  function seconds(ms) {
+    const s = ms / 1000;
+    if (s > 0 && s < 0.01) return "< 0.01 s";
+    return (s < 10 ? s.toFixed(2) : s.toFixed(1)) + " s";
+  }
+
+  function rate(perSecond) {
+    return (perSecond >= 100 ? perSecond.toFixed(0) : perSecond.toFixed(1)) + " tok/s";
+  }
+
+  function usageTitle(u) {
+    if (!u) return "";
+    return "prompt " + u.prompt_tokens + " tokens, " + u.gen_tokens + " generated; prefill (time to first token) " +
+      u.prefill_ms + " ms, decode " + u.decode_ms + " ms";
+  }
+
+  // What to call the model: the name the host gives, else the last part of its path without the file's
+  // extension (a Hugging Face cache path: the repository's name).
+  function modelName(msg) {
+    for (const key of ["name", "model_name"]) {
+      if (typeof msg[key] === "string" && msg[key].trim()) return msg[key].trim();
+    }
+    const label = typeof msg.model === "string" ? msg.model.trim() : "";
+    const parts = label.split(/[\\/]+/).filter((p) => p !== "");
+    const cached = parts.find((p) => /^models--/.test(p));
+    if (cached) return cached.split("--").pop();
+    return (parts.pop() || "").replace(MODEL_FILE, "");
+  }
+
+  function showModel(msg) {
+    const name = modelName(msg);
+    $("model").textContent = name;
+    $("model").title = name ? "model: " + name : "";
+    document.title = name ? name + " · PocketLLM" : "PocketLLM";
   }
 
   function fillMessage(el, m) {
@@ -313,7 +357,8 @@
     const body = document.createElement("div");
     body.className = "body";
     if (m.role === "assistant") {
-      body.innerHTML = window.PocketMarkdown.renderMarkdown(m.content); // escaped before any markup is added
+      body.appendChild(window.PocketMarkdown.render(m.content)); // DOM nodes; the model's text stays text
+      addCopyButtons(body);
     } else {
       body.textContent = m.content;
     }
@@ -326,8 +371,61 @@
     }
     const meta = document.createElement("div");
     meta.className = "meta";
-    meta.textContent = metaText(m);
+    metaParts(m).forEach((text, k) => {
+      const part = document.createElement("span");
+      part.className = "part";
+      part.textContent = text;
+      if (k) meta.append(" · ");
+      meta.append(part);
+    });
+    if (m.usage) meta.title = usageTitle(m.usage);
     el.appendChild(meta);
+  }
+
+  // Each code block gets a button that copies its text.
+  function addCopyButtons(body) {
+    for (const pre of body.querySelectorAll("pre")) {
+      const box = document.createElement("div");
+      box.className = "codeblock";
+      const button = document.createElement("button");
+      button.type = "button";
+      button.className = "copy";
+      button.textContent = "Copy";
+      button.title = "Copy this code";
+      button.addEventListener("click", () => {
+        const text = pre.textContent;
+        copyText(text).then((ok) => {
+          button.textContent = ok ? "Copied" : "Copy failed";
+          setTimeout(() => { button.textContent = "Copy"; }, 1500);
+        });
+      });
+      pre.replaceWith(box);
+      box.append(button, pre);
+    }
+  }
+
+  function copyText(text) {
+    if (navigator.clipboard && navigator.clipboard.writeText) {
+      return navigator.clipboard.writeText(text).then(() => true, () => legacyCopy(text));
+    }
+    return Promise.resolve(legacyCopy(text));
+  }
+
+  function legacyCopy(text) {   // where the Clipboard API is missing or refused
+    const area = document.createElement("textarea");
+    area.value = text;
+    area.setAttribute("readonly", "");
+    area.className = "offscreen";
+    document.body.appendChild(area);
+    area.select();
+    let ok = false;
+    try {
+      ok = document.execCommand("copy");
+    } catch (err) {
+      ok = false;
+    }
+    area.remove();
+    return ok;
   }
 
   function updateMessage(m) {
@@ -354,6 +452,7 @@
         state.active = conv.id;
         save();
         render();
+        closeDrawer();
       });
       const del = document.createElement("button");
       del.type = "button";
@@ -402,6 +501,60 @@
     updateControls();
   }
 
+  // --- the conversation list: a column on wide screens, a drawer on narrow ones ---------------------
+  function sidebarShown() {
+    return NARROW.matches ? $("app").classList.contains("sidebar-open")
+      : !$("app").classList.contains("sidebar-collapsed");
+  }
+
+  function setSidebar(show) {
+    const app = $("app");
+    if (NARROW.matches) {
+      app.classList.toggle("sidebar-open", show);
+    } else {
+      app.classList.toggle("sidebar-collapsed", !show);
+    }
+    syncSidebarToggle();
+  }
+
+  function syncSidebarToggle() {
+    const shown = sidebarShown();
+    const toggle = $("sidebar-toggle");
+    toggle.setAttribute("aria-expanded", shown ? "true" : "false");
+    toggle.title = shown ? "Hide the conversations" : "Show the conversations";
+  }
+
+  // After a choice in the drawer, the drawer goes (on a wide screen the column stays).
+  function closeDrawer() {
+    if (NARROW.matches) setSidebar(false);
+  }
+
+  // A link like http://127.0.0.1:8850/#token=… signs in: the token is kept like a typed one and taken out of
+  // the address bar (and so out of the history and bookmarks).
+  function takeFragmentToken() {
+    const hash = location.hash.replace(/^#/, "");
+    if (!hash) return false;
+    const rest = [];
+    let token = null;
+    for (const part of hash.split("&")) {
+      if (part.startsWith("token=")) {
+        try {
+          token = decodeURIComponent(part.slice(6));
+        } catch (err) {
+          token = part.slice(6);
+        }
+      } else if (part) {
+        rest.push(part);
+      }
+    }
+    if (token === null) return false;
+    const url = location.pathname + location.search + (rest.length ? "#" + rest.join("&") : "");
+    window.history.replaceState(window.history.state, "", url);   // (`history` here is the conversation's)
+    if (!token) return false;
+    localStorage.setItem(TOKEN_KEY, token);
+    return true;
+  }
+
   // --- wiring -----------------------------------------------------------------------------------
   function init() {
     $("login-form").addEventListener("submit", (event) => {
@@ -439,8 +592,16 @@
     $("opt-temp").addEventListener("change", saveOptions);
     $("new-conv").addEventListener("click", () => {
       newConversation();
+      closeDrawer();
       $("input").focus();
     });
+    $("sidebar-toggle").addEventListener("click", () => setSidebar(!sidebarShown()));
+    $("chat").addEventListener("click", () => closeDrawer());   // a tap beside the drawer closes it
+    document.addEventListener("keydown", (event) => {
+      if (event.key === "Escape" && NARROW.matches && sidebarShown()) setSidebar(false);
+    });
+    NARROW.addEventListener("change", syncSidebarToggle);
+    syncSidebarToggle();
     $("diag-toggle").addEventListener("change", (event) => {
       localStorage.setItem(DIAG_KEY, event.target.checked ? "1" : "0");
       renderDiagnostics();
@@ -456,6 +617,16 @@
         }
       }
     });
+    window.addEventListener("hashchange", () => {
+      if (!takeFragmentToken()) return;
+      refused = false;
+      if (socket) {
+        socket.close();   // onClosed reconnects, with the new token
+      } else {
+        connect();
+      }
+    });
+    takeFragmentToken();
     if (localStorage.getItem(TOKEN_KEY)) {
       showApp();
       connect();
