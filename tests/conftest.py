@@ -12,6 +12,7 @@ import glob
 import importlib.util
 import json
 import os
+import sys
 from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any
@@ -40,8 +41,9 @@ TINY_ARCHS = ("llama", "qwen2", "qwen3", "qwen3_moe")
 # Hybrid Gated DeltaNet models (Qwen3.5): three linear-attention layers and one full-attention layer, the
 # Qwen3.5 chat template as the tokenizer's template. Not in TINY_ARCHS (no GGUF round trip for them).
 TINY_HYBRID_ARCHS = ("qwen3_5_text", "qwen3_5_moe_text")
-QWEN3_5_TEMPLATE = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "fixtures", "chat_templates",
-                                "qwen3_5.jinja")
+FIXTURES_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures")
+QWEN3_5_TEMPLATE = os.path.join(FIXTURES_DIR, "chat_templates", "qwen3_5.jinja")
+R1_TEMPLATE = os.path.join(FIXTURES_DIR, "chat_templates", "r1_distill.jinja")
 TINY_EOS_ID = 2  # SmolLM2's <|im_end|>
 TINY_BOS_ID = 1
 
@@ -148,6 +150,18 @@ def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory, smollm2_hf_tokeniz
         return built[arch]
 
     return make
+
+
+@pytest.fixture(scope="session")
+def r1_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """The in-repo R1-Distill-style tokenizer (``fixtures/make_fixtures.py``), built once per session:
+    ``.gguf`` (tokenizer-only GGUF), ``.directory`` (the HF directory transformers makes of it), ``.tokens``."""
+    spec = importlib.util.spec_from_file_location("make_fixtures", os.path.join(FIXTURES_DIR, "make_fixtures.py"))
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # (dataclasses look their module up there)
+    spec.loader.exec_module(module)
+    return module.build(tmp_path_factory.mktemp("r1-tokenizer"))
 
 
 _HF_MODELS: dict[str, Any] = {}
