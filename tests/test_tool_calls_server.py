@@ -1,7 +1,7 @@
 """Tool calls and reasoning through the server, end to end, with the engine replaced by a scripted double.
 
 Everything above the engine is real: the FastAPI app, ``OpenAIServing``, ``AsyncLLM``, the checkpoint's
-tokenizer and chat template (the shared fixture tokenizer with the qwen3_5 or R1-distill template), the
+tokenizer and chat template (the in-repo fixture tokenizer with the qwen3_5 or R1-distill template), the
 output processor. Only the backend's engine loop is a double: it plays a scripted answer as token ids of
 the real tokenizer, one ``on_output`` per token as the engine thread does, then EOS (or the budget). The
 responses are checked through the ``openai`` and ``langchain-openai`` clients and as raw JSON.
@@ -21,10 +21,7 @@ from pocketllm.backends.base import EngineCaps
 from pocketllm.engine.request import FinishReason, Request, RequestStatus
 from pocketllm.runner.sampler import SampledToken
 
-FIXTURES = Path(__file__).resolve().parents[1] / ".." / "shared" / "fixtures"
-QWEN2_DIR = FIXTURES / "tokenizers" / "qwen2-r1-distill"
-QWEN35_TEMPLATE = FIXTURES / "chat_templates" / "qwen3_5.jinja"
-EOS_ID = 152066
+QWEN35_TEMPLATE = Path(__file__).resolve().parent / "fixtures" / "chat_templates" / "qwen3_5.jinja"
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Weather forecast for a city",
@@ -48,7 +45,8 @@ class _ScriptedLoop:
     def submit(self, request_id, prompt_token_ids, params, sink) -> Future:
         self.prompts.append(self.tokenizer.decode(prompt_token_ids, skip_special_tokens=False))
         ids = self.tokenizer.encode(self.script, add_special_tokens=False)
-        request = Request(request_id, list(prompt_token_ids), params, frozenset({EOS_ID}))
+        eos = self.tokenizer.eos_token_id
+        request = Request(request_id, list(prompt_token_ids), params, frozenset({eos}))
         for token in ids:
             request.output_token_ids.append(token)
             if len(request.output_token_ids) >= params.max_tokens:
@@ -58,10 +56,10 @@ class _ScriptedLoop:
             if request.is_finished:
                 break
         else:
-            request.output_token_ids.append(EOS_ID)
+            request.output_token_ids.append(eos)
             request.status, request.finish_reason, request.stop_reason = (RequestStatus.FINISHED,
-                                                                          FinishReason.STOP, EOS_ID)
-            sink.on_output(request, SampledToken(EOS_ID))
+                                                                          FinishReason.STOP, eos)
+            sink.on_output(request, SampledToken(eos))
         done: Future = Future()
         done.set_result(None)
         return done
@@ -93,12 +91,10 @@ class _ScriptedBackend:
         pass
 
 
-def _checkpoint(tmp_path_factory, template: str | None, name: str) -> str:
-    if not QWEN2_DIR.is_dir() or not QWEN35_TEMPLATE.is_file():
-        pytest.skip("shared fixtures not found")
+def _checkpoint(tmp_path_factory, r1_tokenizer, template: str | None, name: str) -> str:
     directory = tmp_path_factory.mktemp(name)
     for file in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        shutil.copy(QWEN2_DIR / file, directory / file)
+        shutil.copy(r1_tokenizer.directory / file, directory / file)
     if template is not None:
         (directory / "chat_template.jinja").write_text(template, encoding="utf-8")
     return str(directory)
@@ -126,16 +122,16 @@ def _serve(model_dir: str, architecture: str):
 
 
 @pytest.fixture(scope="module")
-def qwen(tmp_path_factory):
-    client, backend = _serve(_checkpoint(tmp_path_factory, QWEN35_TEMPLATE.read_text(encoding="utf-8"), "q35"),
-                             "Qwen3ForCausalLM")
+def qwen(tmp_path_factory, r1_tokenizer):
+    template = QWEN35_TEMPLATE.read_text(encoding="utf-8")
+    client, backend = _serve(_checkpoint(tmp_path_factory, r1_tokenizer, template, "q35"), "Qwen3ForCausalLM")
     yield client, backend
     client.__exit__(None, None, None)
 
 
 @pytest.fixture(scope="module")
-def r1(tmp_path_factory):
-    client, backend = _serve(_checkpoint(tmp_path_factory, None, "r1"), "Qwen2ForCausalLM")
+def r1(tmp_path_factory, r1_tokenizer):
+    client, backend = _serve(_checkpoint(tmp_path_factory, r1_tokenizer, None, "r1"), "Qwen2ForCausalLM")
     yield client, backend
     client.__exit__(None, None, None)
 
