@@ -8,7 +8,13 @@ PROMPT ?= What is the capital of France?
 PYTEST_ARGS ?=
 SERVE_ARGS ?=
 
-.PHONY: install serve run chat test lint clean
+# llama.cpp's Python binding, the benchmark peer its tests drive: built once (a marker file) for AVX-512 without
+# -march=native, since a CPU may list AMX without the kernel enabling it (a native build then crashes).
+LLAMA_CPP ?= llama-cpp-python>=0.3
+LLAMA_CPP_CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON \
+	-DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF
+
+.PHONY: install serve run chat test lint clean chromium
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -29,7 +35,21 @@ run: install
 chat: install
 	$(BIN)/pocketllm chat
 
-test: install
+$(VENV)/.llama-cpp: $(VENV)/.installed
+	CMAKE_ARGS="$(LLAMA_CPP_CMAKE_ARGS)" $(BIN)/pip install "$(LLAMA_CPP)"
+	touch $@
+
+# The browser test drives Debian's chromium (never a downloaded browser): installed with apt when missing.
+# Where it cannot be, the run stops, unless POCKETLLM_SKIP_BROWSER=<why> says to test without the browser.
+chromium:
+	@if [ ! -x /usr/bin/chromium ] && [ -z "$$POCKETLLM_SKIP_BROWSER" ]; then \
+		SUDO=""; if [ "$$(id -u)" != 0 ]; then SUDO="sudo -n"; fi; \
+		{ $$SUDO apt-get update && $$SUDO apt-get install -y chromium; } || { \
+			echo "chromium could not be installed: install it, or set POCKETLLM_SKIP_BROWSER=<why>" >&2; exit 1; }; \
+	fi
+
+# Skips are listed (-rs) and limited to tests/allowed_skips.txt: any other skip fails the run.
+test: install $(VENV)/.llama-cpp chromium
 	$(BIN)/ruff check pocketllm tests
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 

@@ -14,12 +14,16 @@ for stage in $stages; do
   start=$(date +%s)
   case $stage in
     tests)
+      # Every test file with a gpu-marked test, found by the marker (pytest's collection), not listed by hand.
       # One shard per GPU (POCKETLLM_TEST_SHARD, tests/conftest.py): compiling every kernel variant on one GPU
       # took longer than a call's time limit.
+      files=$($PY -m pytest -m gpu --collect-only -q -p no:cacheprovider tests 2>/dev/null | grep '::' | cut -d: -f1 | sort -u)
+      if [ -z "$files" ]; then echo "no gpu-marked tests were collected" | tee -a "$OUT/bench.log"; exit 1; fi
+      echo "gpu test files: $(echo $files)" | tee -a "$OUT/bench.log"
       gpus=$(nvidia-smi -L | wc -l)
       for ((i = 0; i < gpus; i++)); do
         CUDA_VISIBLE_DEVICES=$i POCKETLLM_TEST_SHARD=$i/$gpus timeout ${TESTS_TIMEOUT:-260} $PY -m pytest -m gpu \
-          tests/test_kernels_gpu.py tests/test_gated_delta_gpu.py -q -rf -p no:cacheprovider > "$OUT/tests-$i.log" 2>&1 &
+          $files -q -rfs -p no:cacheprovider > "$OUT/tests-$i.log" 2>&1 &
       done
       wait
       for ((i = 0; i < gpus; i++)); do

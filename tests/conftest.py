@@ -12,12 +12,88 @@ import glob
 import importlib.util
 import json
 import os
+import sys
 from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
+
+ALLOWED_SKIPS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "allowed_skips.txt")
+# Skip reasons of the browser test (tests/test_web_client.py) that POCKETLLM_SKIP_BROWSER=<why> allows.
+BROWSER_SKIPS = ("Debian's chromium is not installed", "the playwright package is not installed")
+_SKIPS: list[tuple[str, str]] = []  # (test id, reason) of every skip of this session
+_SKIP_ERRORS: list[str] = []
+
+
+def read_allowed_skips(path: str = ALLOWED_SKIPS) -> dict[str, int]:
+    """``allowed_skips.txt``: lines ``COUNT | REASON PREFIX`` (``#`` comments) -> {reason prefix: count}."""
+    allowed: dict[str, int] = {}
+    with open(path, encoding="utf-8") as handle:
+        for number, line in enumerate(handle, 1):
+            line = line.split("#", 1)[0].strip()
+            if not line:
+                continue
+            count, sep, reason = (part.strip() for part in line.partition("|"))
+            if not sep or not count.isdigit() or not reason:
+                raise pytest.UsageError(f"{path}:{number}: expected 'COUNT | REASON PREFIX', got {line!r}")
+            allowed[reason] = int(count)
+    return allowed
+
+
+def _skip_reason(report: pytest.CollectReport | pytest.TestReport) -> str:
+    longrepr = report.longrepr
+    reason = longrepr[2] if isinstance(longrepr, tuple) else str(longrepr)
+    return reason.removeprefix("Skipped: ")
+
+
+def _record_skip(report: pytest.CollectReport | pytest.TestReport) -> None:
+    if report.skipped and not hasattr(report, "wasxfail"):
+        _SKIPS.append((report.nodeid, _skip_reason(report)))
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    _record_skip(report)
+
+
+def pytest_collectreport(report: pytest.CollectReport) -> None:
+    _record_skip(report)
+
+
+def skip_guard_errors(skips: list[tuple[str, str]], allowed: dict[str, int], browser_opt_out: str) -> list[str]:
+    """Why these skips are not allowed: a reason not in the list, or more of one than its count."""
+    errors: list[str] = []
+    counts = dict.fromkeys(allowed, 0)
+    for nodeid, reason in skips:
+        if browser_opt_out and reason.startswith(BROWSER_SKIPS):
+            continue
+        prefix = next((known for known in allowed if reason.startswith(known)), None)
+        if prefix is None:
+            errors.append(f"{nodeid}: skipped for a reason that is not allowed: {reason}")
+        else:
+            counts[prefix] += 1
+    errors += [f"{count} tests skipped for {reason!r}, more than the {allowed[reason]} allowed"
+               for reason, count in counts.items() if count > allowed[reason]]
+    return errors
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Fail the session when a test skipped for a reason tests/allowed_skips.txt does not list (a missing
+    dependency or fixture is a failure, not a skip), or more often than the count listed for it."""
+    _SKIP_ERRORS[:] = skip_guard_errors(_SKIPS, read_allowed_skips(), os.environ.get("POCKETLLM_SKIP_BROWSER", ""))
+    if _SKIP_ERRORS and session.exitstatus in (pytest.ExitCode.OK, pytest.ExitCode.NO_TESTS_COLLECTED):
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    if _SKIP_ERRORS:
+        terminalreporter.section("skip guard (tests/allowed_skips.txt)", red=True)
+        for line in _SKIP_ERRORS:
+            terminalreporter.line(line, red=True)
+    browser = os.environ.get("POCKETLLM_SKIP_BROWSER")
+    if browser and any(reason.startswith(BROWSER_SKIPS) for _, reason in _SKIPS):
+        terminalreporter.line(f"browser test skipped by POCKETLLM_SKIP_BROWSER: {browser}", yellow=True)
 
 
 def pytest_collection_modifyitems(config, items) -> None:
@@ -40,8 +116,9 @@ TINY_ARCHS = ("llama", "qwen2", "qwen3", "qwen3_moe")
 # Hybrid Gated DeltaNet models (Qwen3.5): three linear-attention layers and one full-attention layer, the
 # Qwen3.5 chat template as the tokenizer's template. Not in TINY_ARCHS (no GGUF round trip for them).
 TINY_HYBRID_ARCHS = ("qwen3_5_text", "qwen3_5_moe_text")
-QWEN3_5_TEMPLATE = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "fixtures", "chat_templates",
-                                "qwen3_5.jinja")
+FIXTURES_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures")
+QWEN3_5_TEMPLATE = os.path.join(FIXTURES_DIR, "chat_templates", "qwen3_5.jinja")
+R1_TEMPLATE = os.path.join(FIXTURES_DIR, "chat_templates", "r1_distill.jinja")
 TINY_EOS_ID = 2  # SmolLM2's <|im_end|>
 TINY_BOS_ID = 1
 
@@ -148,6 +225,18 @@ def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory, smollm2_hf_tokeniz
         return built[arch]
 
     return make
+
+
+@pytest.fixture(scope="session")
+def r1_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """The in-repo R1-Distill-style tokenizer (``fixtures/make_fixtures.py``), built once per session:
+    ``.gguf`` (tokenizer-only GGUF), ``.directory`` (the HF directory transformers makes of it), ``.tokens``."""
+    spec = importlib.util.spec_from_file_location("make_fixtures", os.path.join(FIXTURES_DIR, "make_fixtures.py"))
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # (dataclasses look their module up there)
+    spec.loader.exec_module(module)
+    return module.build(tmp_path_factory.mktemp("r1-tokenizer"))
 
 
 _HF_MODELS: dict[str, Any] = {}

@@ -17,9 +17,7 @@ from pocketllm.protocol import normalize_messages, render_chat_template, templat
 from pocketllm.protocol.chat_template import _compile
 
 ROOT = Path(__file__).resolve().parents[1]
-FIXTURES = ROOT / ".." / "shared" / "fixtures"
-QWEN2_DIR = FIXTURES / "tokenizers" / "qwen2-r1-distill"
-QWEN35_TEMPLATE = FIXTURES / "chat_templates" / "qwen3_5.jinja"
+QWEN35_TEMPLATE = ROOT / "tests" / "fixtures" / "chat_templates" / "qwen3_5.jinja"
 
 WEATHER_TOOL = {
     "type": "function",
@@ -94,24 +92,18 @@ def _for_transformers(messages: list[dict]) -> list[dict]:
     return converted
 
 
-def _require(path: Path) -> Path:
-    """Skip when a shared fixture is absent."""
-    if not path.exists():
-        pytest.skip(f"shared fixture not found: {path}")
-    return path
-
-
 @pytest.fixture(scope="module")
-def qwen2_tokenizer():
-    """The Qwen2 tokenizer with the DeepSeek-R1-Distill chat template."""
-    transformers = pytest.importorskip("transformers")
-    return transformers.AutoTokenizer.from_pretrained(str(_require(QWEN2_DIR)))
+def qwen2_tokenizer(r1_tokenizer):
+    """The in-repo Qwen2-style tokenizer with the DeepSeek-R1-Distill chat template."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(r1_tokenizer.directory))
 
 
 @pytest.fixture(scope="module")
 def qwen35_template() -> str:
-    """The Qwen3.5 chat template."""
-    return _require(QWEN35_TEMPLATE).read_text(encoding="utf-8")
+    """The Qwen3.5 chat template (the in-repo fixture)."""
+    return QWEN35_TEMPLATE.read_text(encoding="utf-8")
 
 
 @pytest.fixture(scope="module")

@@ -11,10 +11,6 @@ import pytest
 
 from pocketllm.protocol.detokenizer import IncrementalDetokenizer
 
-ROOT = Path(__file__).resolve().parents[1]
-FIXTURES = ROOT / ".." / "shared" / "fixtures"
-QWEN2_DIR = FIXTURES / "tokenizers" / "qwen2-r1-distill"
-
 TEXT = (
     "Héllo naïve café Zürich — 😀🦜🪿🫠 👩‍👩‍👧 🇫🇷 世界你好 龘𠜎 ऋषि ✓\n"
     "  indented  spaces\tand ﬁ ligature; ÆØÅ æøå ĳ Ω≈ç√∫ 𝔘𝔫𝔦𝔠𝔬𝔡𝔢 end."
@@ -34,18 +30,14 @@ def _load_smollm2():
     return transformers.AutoTokenizer.from_pretrained(str(folder), gguf_file=files[0].name)
 
 
-def _load_qwen2():
-    """The Qwen2 tokenizer from the shared fixtures."""
-    transformers = pytest.importorskip("transformers")
-    if not QWEN2_DIR.exists():
-        pytest.skip(f"shared fixture not found: {QWEN2_DIR}")
-    return transformers.AutoTokenizer.from_pretrained(str(QWEN2_DIR))
-
-
 @pytest.fixture(scope="module", params=["smollm2", "qwen2"])
 def tokenizer(request):
-    """Each real byte-level BPE tokenizer in turn."""
-    return {"smollm2": _load_smollm2, "qwen2": _load_qwen2}[request.param]()
+    """Each real byte-level BPE tokenizer in turn: SmolLM2's, and the in-repo Qwen2-style fixture."""
+    if request.param == "smollm2":
+        return _load_smollm2()
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(request.getfixturevalue("r1_tokenizer").directory))
 
 
 def _decoder(tokenizer) -> Callable[[Sequence[int]], str]:

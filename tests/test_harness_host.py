@@ -255,9 +255,15 @@ def test_kv_store_resumes_warm_after_a_restart(restarted):
         diag = done["diag"]
         assert diag["kv_store"]["restored_tokens"] >= 400
         assert diag["prefill"]["mode"] == "prefix-cached" and diag["prefill"]["cached_tokens"] >= 400
-        cold = restarted["cold"]["usage"]
-        assert done["usage"]["prompt_tokens"] > cold["prompt_tokens"]
-        assert done["usage"]["prefill_ms"] < cold["prefill_ms"], (done["usage"], cold)
+        cold = restarted["cold"]
+        assert cold["diag"]["prefill"]["cached_tokens"] == 0
+        assert cold["diag"]["prefill"]["computed_tokens"] == cold["usage"]["prompt_tokens"]
+        # A longer prompt than the cold turn's, yet fewer tokens computed: the restored prefix is not recomputed.
+        assert done["usage"]["prompt_tokens"] > cold["usage"]["prompt_tokens"]
+        prefill = diag["prefill"]
+        assert prefill["prompt_tokens"] == done["usage"]["prompt_tokens"]
+        assert prefill["computed_tokens"] == prefill["prompt_tokens"] - prefill["cached_tokens"]
+        assert prefill["computed_tokens"] < cold["usage"]["prompt_tokens"], (prefill, cold["usage"])
     finally:
         conn.close()
 

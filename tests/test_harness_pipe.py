@@ -191,7 +191,8 @@ def test_duplicate_running_id_is_refused(pipe):
     assert errors and "still running" in errors[0]["error"]
     pipe.send({"op": "cancel", "id": "dup"})
     _, done = pipe.router.collect("dup")
-    assert done["finish"] in ("cancel", "budget", "eos")
+    # Cancelled while running (a chunk of it came before the refusal was read): neither its budget nor EOS.
+    assert done["finish"] == "cancel" and done["usage"]["gen_tokens"] < 200, done
 
 
 def test_fuzz_5000_lines_then_health(pipe):
@@ -212,14 +213,20 @@ def test_fuzz_5000_lines_then_health(pipe):
     assert text == "The capital of France is Paris."
 
 
-def test_eof_drains_and_exits_zero(pipe):
-    """Runs last: closing stdin lets running requests finish, then the process exits 0."""
-    pipe.send({"op": "generate", "id": "last", "prompt": "Once upon a time", "n": 12, "temp": 0})
-    pipe.proc.stdin.close()
-    assert pipe.proc.wait(60) == 0, pipe.error_output()
-    pipe.reader.join(10)
-    _, done = pipe.router.collect("last", timeout=1)
-    assert done["finish"] == "budget" and done["usage"]["gen_tokens"] == 12
+def test_eof_drains_and_exits_zero():
+    """Closing stdin lets running requests finish, then the process exits 0 (its own process)."""
+    proc = PipeProcess("--ctx", "256")
+    try:
+        proc.wait_ready()
+        proc.send({"op": "generate", "id": "last", "prompt": "Once upon a time", "n": 12, "temp": 0})
+        proc.proc.stdin.close()
+        assert proc.proc.wait(60) == 0, proc.error_output()
+        proc.reader.join(10)
+        _, done = proc.router.collect("last", timeout=1)
+        assert done["finish"] == "budget" and done["usage"]["gen_tokens"] == 12
+        assert not proc.impure
+    finally:
+        proc.stop()
 
 
 def test_chat_refused_without_template_and_shutdown_drains(tmp_path, tiny_checkpoint):

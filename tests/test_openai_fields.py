@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 from types import SimpleNamespace
@@ -94,20 +95,35 @@ def test_classes_match_the_policy():
             assert FIELD_POLICY[endpoint][name].kind == IMPLEMENTED
 
 
+def behaviour(request: ParsedRequest) -> tuple:
+    """What the engine and the response shaping receive from a parsed request (the sampling as the engine's
+    SamplingParams, so a field spelled with its default value compares equal to the field left out)."""
+    sampling = dict(request.sampling)
+    max_tokens = sampling.pop("max_tokens", None)
+    return (request.endpoint, request.messages, request.prompts, SamplingParams(**sampling, max_tokens=16),
+            max_tokens, request.n, request.stream, request.want_logprobs, request.chat_options,
+            request.request_id, request.drop_thinking, request.include_usage)
+
+
 @pytest.mark.parametrize("endpoint,name", [(e, n) for e, t in FIELD_POLICY.items() for n in t])
 def test_null_is_absent_for_every_optional_field(endpoint, name):
     if name in BASE[endpoint]:
         refused(endpoint, name, **{name: None})  # the required field cannot be null
     else:
-        parse(endpoint, **{name: None})
+        assert behaviour(parse(endpoint, **{name: None})) == behaviour(parse(endpoint))
 
 
 @pytest.mark.parametrize("endpoint,name,value", [
     (e, n, v) for e, t in FIELD_POLICY.items() for n, r in t.items() if r.kind == REFUSED_AT_VALUE
     for v in r.neutral])
 def test_neutral_value_of_every_refused_field_is_accepted(endpoint, name, value):
-    parse(endpoint, **{name: value})
-    parse(endpoint, stream=True, **{name: value})
+    assert behaviour(parse(endpoint, **{name: value})) == behaviour(parse(endpoint))
+    streamed = parse(endpoint, stream=True, **{name: value})
+    bare = parse(endpoint, stream=True)
+    if name == "stream_options":  # the one neutral value that asks for something: the usage chunk of a stream
+        assert streamed.include_usage is (isinstance(value, dict) and value.get("include_usage") is True)
+        bare = dataclasses.replace(bare, include_usage=streamed.include_usage)
+    assert behaviour(streamed) == behaviour(bare)
 
 
 INERT_VALUES = {"model": "gpt-4o", "user": "alice", "store": True, "metadata": {"k": "v"}, "service_tier": "auto",
@@ -230,7 +246,11 @@ COMPLETION_DEFAULTS = {
 @pytest.mark.parametrize("endpoint,name,value", [(CHAT, k, v) for k, v in CHAT_DEFAULTS.items()]
                          + [(COMPLETIONS, k, v) for k, v in COMPLETION_DEFAULTS.items()])
 def test_each_documented_default_accepted(endpoint, name, value):
-    parse(endpoint, **{name: value})
+    spelled, bare = parse(endpoint, **{name: value}), parse(endpoint)
+    if name in ("tool_choice", "response_format"):  # passed on as chat options; their defaults are checked there
+        assert spelled.chat_options == {name: value} and bare.chat_options == {}
+        bare = dataclasses.replace(bare, chat_options=spelled.chat_options)
+    assert behaviour(spelled) == behaviour(bare)
 
 
 @pytest.mark.parametrize("endpoint,defaults", [(CHAT, CHAT_DEFAULTS), (COMPLETIONS, COMPLETION_DEFAULTS)])

@@ -30,31 +30,25 @@ from pocketllm.protocol.reasoning import (
 from pocketllm.sampling_params import SamplingParams
 from pocketllm.step.sampled import SampledToken
 
-FIXTURES = Path(__file__).resolve().parents[1] / ".." / "shared" / "fixtures"
-QWEN2_DIR = FIXTURES / "tokenizers" / "qwen2-r1-distill"
-QWEN35_TEMPLATE = FIXTURES / "chat_templates" / "qwen3_5.jinja"
-THINK_END_ID = 151649
-EOS_ID = 152066  # <｜end▁of▁sentence｜> in the fixture tokenizer
-
-
-def _read(path: Path) -> str:
-    if not path.is_file():
-        pytest.skip(f"shared fixture not found: {path}")
-    return path.read_text(encoding="utf-8")
+QWEN35_TEMPLATE = Path(__file__).resolve().parent / "fixtures" / "chat_templates" / "qwen3_5.jinja"
 
 
 @pytest.fixture(scope="module")
-def fixture_tokenizer():
+def fixture_tokenizer(r1_tokenizer):
     from pocketllm.tokenizer.tokenizer import Tokenizer
 
-    if not QWEN2_DIR.is_dir():
-        pytest.skip("shared fixture tokenizer not found")
-    return Tokenizer.from_checkpoint_dir(str(QWEN2_DIR))
+    return Tokenizer.from_checkpoint_dir(str(r1_tokenizer.directory))
+
+
+@pytest.fixture(scope="module")
+def think_end_id(fixture_tokenizer) -> int:
+    (token,) = fixture_tokenizer.encode("</think>", add_special_tokens=False)
+    return token
 
 
 @pytest.fixture(scope="module")
 def qwen35_template() -> str:
-    return _read(QWEN35_TEMPLATE)
+    return QWEN35_TEMPLATE.read_text(encoding="utf-8")
 
 
 def _split_all(text: str, state: str, pieces: list[str] | None = None) -> tuple[str, str]:
@@ -233,7 +227,8 @@ def _drive(tokenizer, text: str, spec, stop=(), finish=FinishReason.STOP, stream
     """Feed the tokens of ``text`` through a RequestStream as the engine would, then EOS or the budget."""
     ids = tokenizer.encode(text, add_special_tokens=False) + (extra_ids or [])
     params = SamplingParams(max_tokens=len(ids) + 1, stop=tuple(stop))
-    request = Request("r", [1, 2, 3], params, frozenset({EOS_ID}))
+    eos = tokenizer.eos_token_id
+    request = Request("r", [1, 2, 3], params, frozenset({eos}))
     got: list[object] = []
     sink = RequestStream("r", [1, 2, 3], params.stop, lambda t: tokenizer.decode(t, skip_special_tokens=True),
                          tokenizer.token_text, got.append, stream, chat=spec)
@@ -246,9 +241,9 @@ def _drive(tokenizer, text: str, spec, stop=(), finish=FinishReason.STOP, stream
             request.status, request.finish_reason = RequestStatus.FINISHED, FinishReason.STOP
             break
     if not request.is_finished:
-        request.output_token_ids.append(EOS_ID)
-        request.status, request.finish_reason, request.stop_reason = RequestStatus.FINISHED, finish, EOS_ID
-        sink.on_output(request, SampledToken(EOS_ID))
+        request.output_token_ids.append(eos)
+        request.status, request.finish_reason, request.stop_reason = RequestStatus.FINISHED, finish, eos
+        sink.on_output(request, SampledToken(eos))
     events = [e for e in got if isinstance(e, TokenEvent)]
     final = next(e for e in got if isinstance(e, RequestOutput))
     return events, final, ids
@@ -334,25 +329,24 @@ def test_tool_calls_after_reasoning(fixture_tokenizer, qwen35_template):
 
 
 @pytest.fixture(scope="module")
-def think_model(tmp_path_factory, qwen35_template):
+def think_model(tmp_path_factory, qwen35_template, r1_tokenizer, fixture_tokenizer):
     """A tiny random Qwen2 checkpoint with the fixture tokenizer and the qwen3_5 chat template."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    if not QWEN2_DIR.is_dir():
-        pytest.skip("shared fixture tokenizer not found")
     directory = str(tmp_path_factory.mktemp("tiny-think"))
+    eos = fixture_tokenizer.eos_token_id
     config = AutoConfig.for_model(
-        "qwen2", vocab_size=152068, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+        "qwen2", vocab_size=len(fixture_tokenizer.hf), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=1024, tie_word_embeddings=True,
-        bos_token_id=152065, eos_token_id=EOS_ID)
+        bos_token_id=fixture_tokenizer.bos_token_id, eos_token_id=eos)
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(directory)
     for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(QWEN2_DIR / name, os.path.join(directory, name))
+        shutil.copy(r1_tokenizer.directory / name, os.path.join(directory, name))
     Path(directory, "chat_template.jinja").write_text(qwen35_template, encoding="utf-8")
     with open(os.path.join(directory, "generation_config.json"), "w", encoding="utf-8") as handle:
-        json.dump({"eos_token_id": EOS_ID}, handle)
+        json.dump({"eos_token_id": eos}, handle)
     return directory
 
 
@@ -364,28 +358,28 @@ def think_llm(think_model):
         yield llm
 
 
-def test_library_chat_splits_reasoning(think_llm, fixture_tokenizer):
+def test_library_chat_splits_reasoning(think_llm, fixture_tokenizer, think_end_id):
     greedy = dict(max_tokens=12, temperature=0.0, ignore_eos=True)
     # Thinking on and </think> forbidden: the whole output is reasoning.
-    out = think_llm.chat(USER, SamplingParams(**greedy, logit_bias={THINK_END_ID: -100.0}), thinking_mode=True)[0]
+    out = think_llm.chat(USER, SamplingParams(**greedy, logit_bias={think_end_id: -100.0}), thinking_mode=True)[0]
     raw = fixture_tokenizer.decode(out.token_ids)
     assert out.reasoning_content == raw.strip() and out.text == "" and out.finish_reason == "length"
     # A stop string taken from inside that reasoning does not cut it.
     needle = next((w for w in raw.split() if len(w) >= 2), None)
     if needle is not None:
-        again = think_llm.chat(USER, SamplingParams(**greedy, logit_bias={THINK_END_ID: -100.0}, stop=[needle]),
+        again = think_llm.chat(USER, SamplingParams(**greedy, logit_bias={think_end_id: -100.0}, stop=[needle]),
                                thinking_mode=True)[0]
         assert again.reasoning_content == out.reasoning_content and again.finish_reason == "length"
     # </think> forced first: no reasoning, and what follows is the answer.
-    forced = think_llm.chat(USER, SamplingParams(**greedy, logit_bias={THINK_END_ID: 100.0}), thinking_mode=True)[0]
+    forced = think_llm.chat(USER, SamplingParams(**greedy, logit_bias={think_end_id: 100.0}), thinking_mode=True)[0]
     assert forced.reasoning_content == "" and forced.text == "</think>" * 11
     # Thinking off: the template closed the block, so everything is the answer.
     plain = think_llm.chat(USER, SamplingParams(**greedy), thinking_mode=False)[0]
     assert plain.reasoning_content is None and plain.text == fixture_tokenizer.decode(plain.token_ids)
 
 
-def test_library_chat_stream_splits_reasoning(think_llm):
-    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logit_bias={THINK_END_ID: -100.0})
+def test_library_chat_stream_splits_reasoning(think_llm, think_end_id):
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logit_bias={think_end_id: -100.0})
     events = list(think_llm.chat_stream(USER, params, thinking_mode=True))
     whole = think_llm.chat(USER, params, thinking_mode=True)[0]
     assert "".join(e.reasoning_content for e in events) == whole.reasoning_content

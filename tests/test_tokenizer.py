@@ -12,21 +12,11 @@ import pytest
 from pocketllm.errors import InvalidRequestError
 from pocketllm.tokenizer import Tokenizer, resolve_eos
 
-FIXTURES = Path(__file__).resolve().parents[1] / ".." / "shared" / "fixtures"
-R1_GGUF = FIXTURES / "gguf" / "qwen2-r1-distill-tokenizer-only.gguf"
-R1_DIR = FIXTURES / "tokenizers" / "qwen2-r1-distill"
-
 TEXTS = [
     "Hello, world!", "", " leading and trailing spaces ", "tabs\tand\nnew\n\nlines\r\n", "naïve café — “quotes”",
     "日本語のテキストと中文", "emoji 😀🎉👩‍👩‍👧 and flags 🇫🇷", "<|im_start|>user\nHi<|im_end|>\n",
     "numbers 1234567890 3.14159 -42", "code: def f(x):\n    return x**2  # comment", "   ", "a" * 300,
 ]
-
-
-def needs(path: Path) -> None:
-    """Skip when a shared fixture is absent (it is present in CI)."""
-    if not path.exists():
-        pytest.skip(f"shared fixture {path.name} is absent")
 
 
 @pytest.fixture(scope="module")
@@ -166,15 +156,16 @@ def test_chat_template_sources(tiny_checkpoint, tmp_path: Path) -> None:
     assert Tokenizer.from_checkpoint_dir(str(none)).chat_template is None
 
 
-def test_qwen2_fixture_dir_adds_bos_despite_config_flag() -> None:
+def test_qwen2_fixture_dir_adds_bos_despite_config_flag(r1_tokenizer) -> None:
     from transformers import AutoTokenizer
 
-    needs(R1_DIR)
-    tok = Tokenizer.from_checkpoint_dir(str(R1_DIR))
-    reference = AutoTokenizer.from_pretrained(str(R1_DIR), local_files_only=True)
+    r1_dir = r1_tokenizer.directory
+    assert "add_bos_token" not in json.loads((r1_dir / "tokenizer_config.json").read_text())
+    tok = Tokenizer.from_checkpoint_dir(str(r1_dir))
+    reference = AutoTokenizer.from_pretrained(str(r1_dir), local_files_only=True)
     assert tok.add_bos_token is True  # the post-processor adds BOS although add_bos_token is not set
     assert tok.encode("hi")[0] == tok.bos_token_id
-    assert tok.chat_template == (R1_DIR / "chat_template.jinja").read_text()
+    assert tok.chat_template == (r1_dir / "chat_template.jinja").read_text()
     for text in TEXTS + ["<think>\nreasoning\n</think>\n\nanswer <tool_call>{}</tool_call>"]:
         assert tok.encode(text) == reference(text)["input_ids"], text
         assert b"".join(tok.token_bytes(i) for i in tok.encode(text, False)) == text.encode(), text
@@ -183,27 +174,30 @@ def test_qwen2_fixture_dir_adds_bos_despite_config_flag() -> None:
 # ---------------------------------------------------------------- GGUF special-token repair
 
 
-def test_gguf_non_ascii_special_tokens_keep_their_ids() -> None:
+def test_gguf_non_ascii_special_tokens_keep_their_ids(r1_tokenizer) -> None:
     """transformers maps DeepSeek's <｜begin▁of▁sentence｜> past the vocabulary; we keep the GGUF ids."""
+    from transformers import AutoTokenizer
     from transformers.integrations.gguf import read_gguf_metadata
 
-    needs(R1_GGUF)
-    tok = Tokenizer.from_gguf(str(R1_GGUF))
-    fields, _ = read_gguf_metadata(str(R1_GGUF))
-    assert tok.vocab_size == fields["tokenizer.ggml.tokens"] == 152064  # (the reader gives the count)
-    assert tok.bos_token_id == fields["tokenizer.ggml.bos_token_id"] == 151646
-    assert tok.eos_token_id == fields["tokenizer.ggml.eos_token_id"] == 151643
+    gguf_path, tokens = str(r1_tokenizer.gguf), r1_tokenizer.tokens
+    bos, eos = tokens.index("<｜begin▁of▁sentence｜>"), tokens.index("<｜end▁of▁sentence｜>")
+    user, assistant, think = tokens.index("<｜User｜>"), tokens.index("<｜Assistant｜>"), tokens.index("<think>")
+    plain = AutoTokenizer.from_pretrained(str(r1_tokenizer.directory), local_files_only=True)  # same merges
+    assert plain.bos_token_id >= len(tokens)  # the transformers conversion this repairs
+    tok = Tokenizer.from_gguf(gguf_path)
+    fields, _ = read_gguf_metadata(gguf_path)
+    assert tok.vocab_size == fields["tokenizer.ggml.tokens"] == len(tokens)  # (the reader gives the count)
+    assert tok.bos_token_id == fields["tokenizer.ggml.bos_token_id"] == bos
+    assert tok.eos_token_id == fields["tokenizer.ggml.eos_token_id"] == eos
     assert tok.add_bos_token is True
-    assert tok.encode("<｜User｜>hi<｜Assistant｜>") == [151646, 151644, 6023, 151645]
-    assert tok.decode([151646, 151644, 6023], skip_special_tokens=False) == "<｜begin▁of▁sentence｜><｜User｜>hi"
-    assert tok.token_bytes(151644) == "<｜User｜>".encode()
-    assert {151643, 151644, 151645, 151646} <= tok.special_token_ids
-    assert tok.encode("<think>x</think>", add_special_tokens=False)[0] == 151648
+    hi = plain("hi", add_special_tokens=False)["input_ids"]
+    assert "".join(tokens[i] for i in hi) == "hi"
+    assert tok.encode("<｜User｜>hi<｜Assistant｜>") == [bos, user, *hi, assistant]
+    assert tok.decode([bos, user, *hi], skip_special_tokens=False) == "<｜begin▁of▁sentence｜><｜User｜>hi"
+    assert tok.token_bytes(user) == "<｜User｜>".encode()
+    assert {bos, eos, user, assistant} <= tok.special_token_ids
+    assert tok.encode("<think>x</think>", add_special_tokens=False)[0] == think
     assert tok.chat_template == fields["tokenizer.chat_template"]
-    needs(R1_DIR)
-    from transformers import AutoTokenizer
-
-    plain = AutoTokenizer.from_pretrained(str(R1_DIR), local_files_only=True)  # same vocabulary and merges
     for text in TEXTS:
         assert tok.encode(text, add_special_tokens=False) == plain(text, add_special_tokens=False)["input_ids"]
 

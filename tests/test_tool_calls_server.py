@@ -1,30 +1,23 @@
-"""Tool calls and reasoning through the server, end to end, with the engine replaced by a scripted double.
+"""Tool calls and reasoning through the server, end to end, on the real engine with a scripted forward pass.
 
-Everything above the engine is real: the FastAPI app, ``OpenAIServing``, ``AsyncLLM``, the checkpoint's
-tokenizer and chat template (the shared fixture tokenizer with the qwen3_5 or R1-distill template), the
-output processor. Only the backend's engine loop is a double: it plays a scripted answer as token ids of
-the real tokenizer, one ``on_output`` per token as the engine thread does, then EOS (or the budget). The
-responses are checked through the ``openai`` and ``langchain-openai`` clients and as raw JSON.
+Everything is real: the FastAPI app, ``OpenAIServing``, ``AsyncLLM``, the engine (scheduler, sampler, stop,
+EOS and budget handling, cancellation) on a tiny random checkpoint with the in-repo fixture tokenizer and the
+qwen3_5 or R1-distill template, the output processor. Only the model's logits are replaced: the logits of
+each sampling row put all the mass on the next token of a scripted answer (then EOS), so the engine writes
+that answer. The responses are checked through the ``openai`` and ``langchain-openai`` clients and as raw JSON.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import time
-from concurrent.futures import Future
 from pathlib import Path
 
 import pytest
 
-from pocketllm.backends.base import EngineCaps
-from pocketllm.engine.request import FinishReason, Request, RequestStatus
-from pocketllm.step.sampled import SampledToken
-
-FIXTURES = Path(__file__).resolve().parents[1] / ".." / "shared" / "fixtures"
-QWEN2_DIR = FIXTURES / "tokenizers" / "qwen2-r1-distill"
-QWEN35_TEMPLATE = FIXTURES / "chat_templates" / "qwen3_5.jinja"
-EOS_ID = 152066
+QWEN35_TEMPLATE = Path(__file__).resolve().parent / "fixtures" / "chat_templates" / "qwen3_5.jinja"
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Weather forecast for a city",
@@ -36,107 +29,106 @@ CALL = ("<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</paramet
 THOUGHT_AND_CALL = "The user wants weather.\n</think>\n\n" + CALL
 
 
-class _ScriptedLoop:
-    """The engine loop's double: plays ``script`` (the answer text) for every request it is given."""
+class Script:
+    """The answer the engine will write (``script``), and the prompts it was given, decoded (``prompts``)."""
 
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
         self.script = ""
         self.prompts: list[str] = []
-        self.active: set[str] = set()
+        self._seen: set[str] = set()
 
-    def submit(self, request_id, prompt_token_ids, params, sink) -> Future:
-        self.prompts.append(self.tokenizer.decode(prompt_token_ids, skip_special_tokens=False))
-        ids = self.tokenizer.encode(self.script, add_special_tokens=False)
-        request = Request(request_id, list(prompt_token_ids), params, frozenset({EOS_ID}))
-        for token in ids:
-            request.output_token_ids.append(token)
-            if len(request.output_token_ids) >= params.max_tokens:
-                request.status, request.finish_reason = RequestStatus.FINISHED, FinishReason.LENGTH
-            if sink.on_output(request, SampledToken(token)) and not request.is_finished:
-                request.status, request.finish_reason = RequestStatus.FINISHED, FinishReason.STOP
-            if request.is_finished:
-                break
-        else:
-            request.output_token_ids.append(EOS_ID)
-            request.status, request.finish_reason, request.stop_reason = (RequestStatus.FINISHED,
-                                                                          FinishReason.STOP, EOS_ID)
-            sink.on_output(request, SampledToken(EOS_ID))
-        done: Future = Future()
-        done.set_result(None)
-        return done
+    def force(self, chunks, logits):
+        """Logits that make every sampling row's next token the script's next one (EOS after the script)."""
+        import torch
 
-    def abort(self, request_id) -> bool:
-        return False
+        ids = self.tokenizer.encode(self.script, add_special_tokens=False) + [self.tokenizer.eos_token_id]
+        rows = [chunk for chunk in chunks if chunk.samples]
+        forced = torch.full_like(logits, -1e4)
+        for row, chunk in enumerate(rows):
+            request = chunk.request
+            if request.request_id not in self._seen:
+                self._seen.add(request.request_id)
+                self.prompts.append(self.tokenizer.decode(request.prompt_token_ids, skip_special_tokens=False))
+            produced = chunk.end - len(request.prompt_token_ids)  # output tokens before this one
+            forced[row, ids[min(produced, len(ids) - 1)]] = 1e4
+        return forced
 
 
-class _Core:
-    max_model_len = 4096
+def _checkpoint(tmp_path_factory, r1_tokenizer, arch: str, template: str | None, name: str) -> str:
+    """A tiny random checkpoint of ``arch`` with the fixture tokenizer (and ``template`` if given)."""
+    import torch
+    from conftest import tiny_config
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    def stats(self) -> dict:
-        return {}
-
-
-class _ScriptedBackend:
-    """A backend whose engine is the scripted loop; tokenizer and template are the checkpoint's own."""
-
-    def __init__(self, model_dir: str, architecture: str) -> None:
-        from pocketllm.tokenizer.tokenizer import Tokenizer
-
-        self.model_path = model_dir
-        self.tokenizer = Tokenizer.from_checkpoint_dir(model_dir)
-        self.caps = EngineCaps(max_slots=8, details={"architecture": architecture})
-        self.loop = _ScriptedLoop(self.tokenizer)
-        self.core = _Core()
-
-    def shutdown(self) -> None:
-        pass
-
-
-def _checkpoint(tmp_path_factory, template: str | None, name: str) -> str:
-    if not QWEN2_DIR.is_dir() or not QWEN35_TEMPLATE.is_file():
-        pytest.skip("shared fixtures not found")
     directory = tmp_path_factory.mktemp(name)
     for file in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        shutil.copy(QWEN2_DIR / file, directory / file)
+        shutil.copy(r1_tokenizer.directory / file, directory / file)
     if template is not None:
         (directory / "chat_template.jinja").write_text(template, encoding="utf-8")
+    tokenizer = AutoTokenizer.from_pretrained(str(directory))
+    config = tiny_config(arch)
+    config.vocab_size = len(tokenizer)
+    config.bos_token_id, config.eos_token_id, config.pad_token_id = (tokenizer.bos_token_id, tokenizer.eos_token_id,
+                                                                     tokenizer.eos_token_id)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(str(directory))
+    with open(os.path.join(directory, "generation_config.json"), "w", encoding="utf-8") as handle:
+        json.dump({"eos_token_id": tokenizer.eos_token_id}, handle)
     return str(directory)
 
 
-def _serve(model_dir: str, architecture: str):
-    """A running app over the scripted backend: (TestClient, backend)."""
-    from fastapi.testclient import TestClient
+@pytest.fixture(scope="module")
+def scripts():
+    """The model runner's forward pass with its logits scripted; {model_type: Script} says whose script."""
+    from pocketllm.runner.model_runner import ModelRunner
 
-    import pocketllm.api
+    by_model: dict[str, Script] = {}
+    launch = ModelRunner.launch
+
+    def scripted_launch(runner, chunks, previous_tokens=None):
+        logits = launch(runner, chunks, previous_tokens)
+        return None if logits is None else by_model[runner.hf_config.model_type].force(chunks, logits)
+
+    patch = pytest.MonkeyPatch()
+    patch.setattr(ModelRunner, "launch", scripted_launch)
+    yield by_model
+    patch.undo()
+
+
+def _serve(model_dir: str, scripts: dict):
+    """A running app over the real engine, its logits scripted: (TestClient, Script)."""
+    from fastapi.testclient import TestClient
+    from transformers import AutoConfig
+
     from pocketllm.config import EngineArgs
     from pocketllm.server.app import ServerConfig, build_app
+    from pocketllm.tokenizer.tokenizer import Tokenizer
 
-    backend = _ScriptedBackend(model_dir, architecture)
-    patch = pytest.MonkeyPatch()
-    patch.setattr(pocketllm.api, "create_backend", lambda args: backend)
-    client = TestClient(build_app(ServerConfig(EngineArgs(model=model_dir), served_model_name="tiny")))
+    script = Script(Tokenizer.from_checkpoint_dir(model_dir))
+    scripts[AutoConfig.from_pretrained(model_dir).model_type] = script
+    args = EngineArgs(model=model_dir, max_model_len=1024, cpu_kv_cache_gb=0.05)
+    client = TestClient(build_app(ServerConfig(args, served_model_name="tiny")))
     client.__enter__()
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + 120
     while client.get("/ready").status_code != 200:
         assert time.monotonic() < deadline, "the app did not become ready"
         time.sleep(0.02)
-    patch.undo()
-    return client, backend
+    return client, script
 
 
 @pytest.fixture(scope="module")
-def qwen(tmp_path_factory):
-    client, backend = _serve(_checkpoint(tmp_path_factory, QWEN35_TEMPLATE.read_text(encoding="utf-8"), "q35"),
-                             "Qwen3ForCausalLM")
-    yield client, backend
+def qwen(tmp_path_factory, r1_tokenizer, scripts):
+    template = QWEN35_TEMPLATE.read_text(encoding="utf-8")
+    client, script = _serve(_checkpoint(tmp_path_factory, r1_tokenizer, "qwen3", template, "q35"), scripts)
+    yield client, script
     client.__exit__(None, None, None)
 
 
 @pytest.fixture(scope="module")
-def r1(tmp_path_factory):
-    client, backend = _serve(_checkpoint(tmp_path_factory, None, "r1"), "Qwen2ForCausalLM")
-    yield client, backend
+def r1(tmp_path_factory, r1_tokenizer, scripts):
+    client, script = _serve(_checkpoint(tmp_path_factory, r1_tokenizer, "qwen2", None, "r1"), scripts)
+    yield client, script
     client.__exit__(None, None, None)
 
 
@@ -161,7 +153,7 @@ def test_tool_call_response_shape(qwen):
     from openai.types.chat import ChatCompletion
 
     client, backend = qwen
-    backend.loop.script = THOUGHT_AND_CALL
+    backend.script = THOUGHT_AND_CALL
     body = _post(client, messages=ASK, tools=[WEATHER], thinking_mode=True)
     choice = body["choices"][0]
     assert choice["finish_reason"] == "tool_calls"
@@ -174,13 +166,13 @@ def test_tool_call_response_shape(qwen):
     parsed = ChatCompletion.model_validate(body)
     assert parsed.choices[0].message.tool_calls[0].function.name == "get_weather"
     # The prompt was rendered by the checkpoint's template: tools listed, thinking opened.
-    assert '"name": "get_weather"' in backend.loop.prompts[-1]
-    assert backend.loop.prompts[-1].endswith("<|im_start|>assistant\n<think>\n")
+    assert '"name": "get_weather"' in backend.prompts[-1]
+    assert backend.prompts[-1].endswith("<|im_start|>assistant\n<think>\n")
 
 
 def test_prose_before_the_call_stays_content(qwen):
     client, backend = qwen
-    backend.loop.script = "I'll check the forecast.\n\n" + CALL
+    backend.script = "I'll check the forecast.\n\n" + CALL
     message = _post(client, messages=ASK, tools=[WEATHER])["choices"][0]["message"]
     assert message["content"] == "I'll check the forecast." and len(message["tool_calls"]) == 1
     assert "reasoning_content" not in message  # thinking off: the template closed the block
@@ -193,7 +185,7 @@ def test_prose_before_the_call_stays_content(qwen):
 ])
 def test_unparseable_calls_stay_in_content(qwen, script):
     client, backend = qwen
-    backend.loop.script = script
+    backend.script = script
     choice = _post(client, messages=ASK, tools=[WEATHER])["choices"][0]
     assert choice["finish_reason"] == "stop" and choice["message"]["content"] == script
     assert "tool_calls" not in choice["message"]
@@ -201,7 +193,7 @@ def test_unparseable_calls_stay_in_content(qwen, script):
 
 def test_call_cut_by_the_budget_stays_in_content(qwen):
     client, backend = qwen
-    backend.loop.script = CALL
+    backend.script = CALL
     budget = len(backend.tokenizer.encode(CALL, add_special_tokens=False)) - 2
     choice = _post(client, messages=ASK, tools=[WEATHER], max_tokens=budget)["choices"][0]
     assert choice["finish_reason"] == "length" and "tool_calls" not in choice["message"]
@@ -210,7 +202,7 @@ def test_call_cut_by_the_budget_stays_in_content(qwen):
 
 def test_every_choice_gets_its_calls(qwen):
     client, backend = qwen
-    backend.loop.script = CALL + "\n" + CALL.replace("Paris", "Rome").replace("\n3\n", "\n1\n")
+    backend.script = CALL + "\n" + CALL.replace("Paris", "Rome").replace("\n3\n", "\n1\n")
     body = _post(client, messages=ASK, tools=[WEATHER], n=2)
     for choice in body["choices"]:
         calls = choice["message"]["tool_calls"]
@@ -221,7 +213,7 @@ def test_every_choice_gets_its_calls(qwen):
 
 def test_stop_applies_to_the_answer_not_the_reasoning(qwen):
     client, backend = qwen
-    backend.loop.script = "Paris in spring; STOP thinking.\n</think>\n\nMild, about 18 C. STOP here."
+    backend.script = "Paris in spring; STOP thinking.\n</think>\n\nMild, about 18 C. STOP here."
     choice = _post(client, messages=ASK, thinking_mode=True, stop=["STOP"])["choices"][0]
     assert choice["message"]["reasoning_content"] == "Paris in spring; STOP thinking."
     assert choice["message"]["content"] == "Mild, about 18 C. " and choice["finish_reason"] == "stop"
@@ -235,14 +227,14 @@ def test_stop_applies_to_the_answer_not_the_reasoning(qwen):
 def test_round_trip_with_openai(qwen):
     client, backend = qwen
     api = _openai(client)
-    backend.loop.script = CALL
+    backend.script = CALL
     first = api.chat.completions.create(model="tiny", messages=ASK, tools=[WEATHER])
     assert first.choices[0].finish_reason == "tool_calls"
     assistant = first.choices[0].message
     call = assistant.tool_calls[0]
     assert json.loads(call.function.arguments) == {"city": "Paris", "days": 3}
 
-    backend.loop.script = "It will be sunny in Paris for the next 3 days."
+    backend.script = "It will be sunny in Paris for the next 3 days."
     replay = [*ASK, assistant.model_dump(exclude_none=True),
               {"role": "tool", "tool_call_id": call.id, "content": "Sunny, 21 C"}]
     second = api.chat.completions.create(model="tiny", messages=replay, tools=[WEATHER])
@@ -250,7 +242,7 @@ def test_round_trip_with_openai(qwen):
     assert second.choices[0].message.content == "It will be sunny in Paris for the next 3 days."
     assert not second.choices[0].message.tool_calls
     # The template rendered the replayed call in its own syntax and the tool's result after it.
-    prompt = backend.loop.prompts[-1]
+    prompt = backend.prompts[-1]
     assert ("<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
             "<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>") in prompt
     assert "<tool_response>\nSunny, 21 C\n</tool_response>" in prompt
@@ -258,16 +250,16 @@ def test_round_trip_with_openai(qwen):
 
 def test_round_trip_raw_json_replayed_verbatim(qwen):
     client, backend = qwen
-    backend.loop.script = THOUGHT_AND_CALL
+    backend.script = THOUGHT_AND_CALL
     first = _post(client, messages=ASK, tools=[WEATHER], thinking_mode=True)
     assistant = first["choices"][0]["message"]
-    backend.loop.script = "Sunny.\n</think>\n\nSunny all week."
+    backend.script = "Sunny.\n</think>\n\nSunny all week."
     replay = [*ASK, assistant, {"role": "tool", "tool_call_id": assistant["tool_calls"][0]["id"],
                                 "content": "sunny"}]
     second = _post(client, messages=replay, tools=[WEATHER], thinking_mode=True)
     assert second["choices"][0]["message"]["content"] == "Sunny all week."
     assert second["choices"][0]["finish_reason"] == "stop"
-    assert "<think>\nThe user wants weather.\n</think>" in backend.loop.prompts[-1]
+    assert "<think>\nThe user wants weather.\n</think>" in backend.prompts[-1]
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -277,7 +269,7 @@ def test_round_trip_raw_json_replayed_verbatim(qwen):
 
 def test_streamed_reasoning_and_tool_call_deltas(qwen):
     client, backend = qwen
-    backend.loop.script = THOUGHT_AND_CALL
+    backend.script = THOUGHT_AND_CALL
     stream = _openai(client).chat.completions.create(model="tiny", messages=ASK, tools=[WEATHER], stream=True,
                                                      extra_body={"thinking_mode": True})
     reasoning, content, calls, reasons = [], [], [], []
@@ -299,11 +291,11 @@ def test_streamed_reasoning_and_tool_call_deltas(qwen):
 
 def test_stream_equals_non_stream_when_the_call_does_not_parse(qwen):
     client, backend = qwen
-    backend.loop.script = "Looking.\n\n" + CALL + "\nextra words"
+    backend.script = "Looking.\n\n" + CALL + "\nextra words"
     whole = _post(client, messages=ASK, tools=[WEATHER])["choices"][0]
     stream = _openai(client).chat.completions.create(model="tiny", messages=ASK, tools=[WEATHER], stream=True)
     text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
-    assert text == whole["message"]["content"] == backend.loop.script
+    assert text == whole["message"]["content"] == backend.script
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -318,17 +310,17 @@ def test_langchain_tool_call_round_trip(qwen):
     client, backend = qwen
     chat = ChatOpenAI(model="tiny", base_url="http://testserver/v1", api_key="unused", http_client=client,
                       max_retries=0)
-    backend.loop.script = CALL
+    backend.script = CALL
     question = HumanMessage(ASK[0]["content"])
     reply = chat.bind_tools([WEATHER]).invoke([question])
     assert reply.tool_calls == [{"name": "get_weather", "args": {"city": "Paris", "days": 3},
                                  "id": reply.tool_calls[0]["id"], "type": "tool_call"}]
     assert reply.response_metadata["finish_reason"] == "tool_calls"
-    backend.loop.script = "Sunny."
+    backend.script = "Sunny."
     answer = chat.bind_tools([WEATHER]).invoke(
         [question, reply, ToolMessage("Sunny, 21 C", tool_call_id=reply.tool_calls[0]["id"])])
     assert answer.content == "Sunny." and answer.response_metadata["finish_reason"] == "stop"
-    assert "<tool_response>\nSunny, 21 C\n</tool_response>" in backend.loop.prompts[-1]
+    assert "<tool_response>\nSunny, 21 C\n</tool_response>" in backend.prompts[-1]
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -338,7 +330,7 @@ def test_langchain_tool_call_round_trip(qwen):
 
 def test_r1_reasoning_split(r1):
     client, backend = r1
-    backend.loop.script = "<think>\nTwo and two.\n</think>\n\nFour."
+    backend.script = "<think>\nTwo and two.\n</think>\n\nFour."
     message = _post(client, messages=[{"role": "user", "content": "2+2?"}])["choices"][0]["message"]
     assert message == {"role": "assistant", "content": "Four.", "reasoning_content": "Two and two."}
 
@@ -353,6 +345,6 @@ def test_r1_template_has_no_tool_support(r1):
 
 def test_r1_call_syntax_is_not_parsed(r1):
     client, backend = r1
-    backend.loop.script = CALL  # a syntax this checkpoint's template does not write: left in content
+    backend.script = CALL  # a syntax this checkpoint's template does not write: left in content
     choice = _post(client, messages=ASK)["choices"][0]
     assert choice["message"]["content"] == CALL and choice["finish_reason"] == "stop"

@@ -21,9 +21,9 @@ from pocketllm.protocol.tool_parsers import (
 )
 from pocketllm.protocol.tool_parsers.dsml import render_dsml_calls
 
-FIXTURES = Path(__file__).resolve().parents[1] / ".." / "shared" / "fixtures"
-QWEN35_TEMPLATE = FIXTURES / "chat_templates" / "qwen3_5.jinja"
-R1_TEMPLATE = FIXTURES / "tokenizers" / "qwen2-r1-distill" / "chat_template.jinja"
+TEMPLATES = Path(__file__).resolve().parent / "fixtures" / "chat_templates"
+QWEN35_TEMPLATE = TEMPLATES / "qwen3_5.jinja"
+R1_TEMPLATE = TEMPLATES / "r1_distill.jinja"
 
 SCHEMA_TOOL = {"type": "function", "function": {"name": "book", "parameters": {"type": "object", "properties": {
     "city": {"type": "string"},
@@ -42,8 +42,6 @@ WEATHER_TOOL = {"type": "function", "function": {"name": "get_weather", "paramet
 
 
 def _read(path: Path) -> str:
-    if not path.is_file():
-        pytest.skip(f"shared fixture not found: {path}")
     return path.read_text(encoding="utf-8")
 
 
