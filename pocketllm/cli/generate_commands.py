@@ -9,7 +9,7 @@ from collections.abc import Iterable
 
 from pocketllm.api import LLM
 from pocketllm.cli.engine_flags import add_engine_flags, add_sampling_flags, engine_args_from, sampling_params_from
-from pocketllm.cli.line_input import read_line
+from pocketllm.harness.line_input import read_line
 from pocketllm.outputs import TokenEvent, Usage
 from pocketllm.sampling_params import SamplingParams
 
