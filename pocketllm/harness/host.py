@@ -20,14 +20,13 @@ from importlib import resources
 from typing import Any
 
 from pocketllm.config import EngineArgs
-from pocketllm.harness.lifecycle import StopSignals, display_name, run_until_done, say
+from pocketllm.harness.lifecycle import LOOPBACK, StopSignals, display_name, run_until_done, say
 from pocketllm.harness.protocol import ProtocolError, encode, error_line, parse_line
 from pocketllm.harness.service import Channel, Harness
 from pocketllm.harness.sessions import SessionStore
 
 logger = logging.getLogger("pocketllm.harness")
 
-LOOPBACK = "127.0.0.1"
 AUTH_TIMEOUT_S = 30.0
 DRAIN_TIMEOUT_S = 30.0
 MAX_MESSAGE_BYTES = 8 << 20

