@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 from pocketllm.cli.engine_flags import add_engine_flags, add_sampling_flags, engine_args_from, sampling_params_from
 from pocketllm.cli.exits import usage_error
+from pocketllm.harness.lifecycle import display_name, say
 from pocketllm.harness.line_input import read_line
 from pocketllm.sampling_params import SamplingParams
 
@@ -107,7 +108,9 @@ def run_command(args: argparse.Namespace) -> int:
 
     prompt = _prompt(args)
     params = sampling_params_from(args)
-    with LLM(engine_args_from(args)) as llm:
+    engine_args = engine_args_from(args)
+    say(f"loading {display_name(engine_args.model)}")
+    with LLM(engine_args) as llm:
         if args.raw:
             events = llm.generate_stream(prompt, params)
         else:
@@ -127,7 +130,9 @@ def chat_command(args: argparse.Namespace) -> int:
     from pocketllm.api import LLM
 
     params = sampling_params_from(args)
-    with LLM(engine_args_from(args)) as llm:
+    engine_args = engine_args_from(args)
+    say(f"loading {display_name(engine_args.model)}")
+    with LLM(engine_args) as llm:
         llm.render_chat(_messages(args.system, [{"role": "user", "content": "hi"}]))  # fail early without template
         turns: list[dict[str, str]] = []
         print("Type a message; /exit to leave, Ctrl-C stops an answer.", file=sys.stderr)
