@@ -33,10 +33,21 @@ class CliParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
 
 
+class UsageError(SystemExit):
+    """A usage error found after parsing: status 2; its message (already printed) is its text."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(2)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
+
+
 def usage_error(command: str, message: str) -> NoReturn:
-    """A usage error found after parsing: one line, status 2."""
+    """One line on stderr, then status 2."""
     print(f"pocketllm {command}: error: {message}", file=sys.stderr)
-    raise SystemExit(2)
+    raise UsageError(message)
 
 
 def engine_threads(ignore: Collection[int] = ()) -> list[threading.Thread]:

@@ -60,6 +60,8 @@ def _run(argv: list[str]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The command on ``argv`` (default: this process's arguments, and then the process is the command's own:
+    after Ctrl-C, or with an engine thread still running, it leaves through ``exits.leave``)."""
     before = {t.ident for t in engine_threads()}
     try:
         status = _run(list(sys.argv[1:] if argv is None else argv))
@@ -68,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:   # the reader of stdout went away (``pocketllm run … | head -1``)
         status = 1
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())   # what is still buffered goes nowhere
-    return finish(status, before)
+    return finish(status, before) if argv is None else status
 
 
 if __name__ == "__main__":
