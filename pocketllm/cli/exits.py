@@ -2,9 +2,10 @@
 
 An interrupted command may leave the engine thread running (a model still loading, a step in native code);
 letting the interpreter tear down around it can abort the process from that thread ("terminate called without
-an active exception"). So the engine threads this command started are asked to stop (KeyboardInterrupt raised
-in them, so their ``finally`` blocks run: a kernel build's lock file is released), waited for a few seconds,
-and the process then leaves with ``os._exit`` after flushing its output.
+an active exception"). So the process's children get the SIGINT too (a kernel build's ninja: a terminal sends
+it them anyway), the engine threads this command started are asked to stop (KeyboardInterrupt raised in them,
+so their ``finally`` blocks run: the kernel build's lock file is released), waited for a few seconds, and the
+process then leaves with ``os._exit`` after flushing its output.
 """
 
 from __future__ import annotations
@@ -50,6 +51,19 @@ def usage_error(command: str, message: str) -> NoReturn:
     raise UsageError(message)
 
 
+def raise_on_ctrl_c() -> None:
+    """Ctrl-C raises KeyboardInterrupt where the main thread is, as Python's own handler does, but through a
+    handler of ours: ``asyncio.run`` (3.11+) then keeps it instead of putting in its own, which only cancels
+    the main task when the loop next runs (not while a model loads on the loop's thread: minutes, maybe)."""
+    def interrupt(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    try:
+        signal.signal(signal.SIGINT, interrupt)
+    except ValueError:   # not the main thread
+        pass
+
+
 def engine_threads(ignore: Collection[int] = ()) -> list[threading.Thread]:
     return [t for t in threading.enumerate() if t.name == ENGINE_THREAD and t.is_alive() and t.ident not in ignore]
 
@@ -62,12 +76,34 @@ def finish(status: int, before: Collection[int]) -> int:
     return status
 
 
+def _interrupt_children() -> None:
+    """SIGINT to this process's children (a kernel build's ninja), as a terminal's Ctrl-C does to its whole
+    foreground group: the engine thread waiting on one can then unwind (and release the build's lock) before
+    the process leaves. Linux's /proc lists them; elsewhere nothing is sent."""
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return
+    for task in tasks:
+        try:
+            with open(f"/proc/self/task/{task}/children", encoding="ascii") as handle:
+                children = [int(pid) for pid in handle.read().split()]
+        except OSError:
+            continue
+        for pid in children:
+            try:
+                os.kill(pid, signal.SIGINT)
+            except OSError:
+                pass
+
+
 def leave(status: int, before: Collection[int]) -> NoReturn:
     try:   # a second Ctrl-C while engine threads stop leaves at once
         signal.signal(signal.SIGINT, lambda *_: os._exit(status))
     except ValueError:   # not the main thread
         pass
     logging.disable(logging.CRITICAL)   # a thread unwinding has nothing more to say
+    _interrupt_children()
     threads = engine_threads(before)
     for thread in threads:
         ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread.ident), ctypes.py_object(KeyboardInterrupt))

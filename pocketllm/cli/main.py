@@ -12,7 +12,7 @@ import os
 import sys
 
 from pocketllm.cli.bench_command import add_bench_parser
-from pocketllm.cli.exits import CliParser, engine_threads, finish
+from pocketllm.cli.exits import CliParser, engine_threads, finish, raise_on_ctrl_c
 from pocketllm.cli.generate_commands import add_chat_parser, add_run_parser
 from pocketllm.cli.harness_commands import add_harness_parsers
 from pocketllm.cli.serve_command import add_serve_parser
@@ -63,6 +63,8 @@ def main(argv: list[str] | None = None) -> int:
     """The command on ``argv`` (default: this process's arguments, and then the process is the command's own:
     after Ctrl-C, or with an engine thread still running, it leaves through ``exits.leave``)."""
     before = {t.ident for t in engine_threads()}
+    if argv is None:
+        raise_on_ctrl_c()
     try:
         status = _run(list(sys.argv[1:] if argv is None else argv))
     except KeyboardInterrupt:
