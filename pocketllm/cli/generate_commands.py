@@ -104,12 +104,12 @@ def _prompt(args: argparse.Namespace) -> str:
 
 
 def run_command(args: argparse.Namespace) -> int:
-    from pocketllm.api import LLM
-
     prompt = _prompt(args)
     params = sampling_params_from(args)
     engine_args = engine_args_from(args)
     say(f"loading {display_name(engine_args.model)}")
+    from pocketllm.api import LLM
+
     with LLM(engine_args) as llm:
         if args.raw:
             events = llm.generate_stream(prompt, params)
@@ -127,11 +127,11 @@ def _chat_turn(llm: LLM, messages: list[dict[str, str]], params: SamplingParams)
 
 
 def chat_command(args: argparse.Namespace) -> int:
-    from pocketllm.api import LLM
-
     params = sampling_params_from(args)
     engine_args = engine_args_from(args)
     say(f"loading {display_name(engine_args.model)}")
+    from pocketllm.api import LLM
+
     with LLM(engine_args) as llm:
         llm.render_chat(_messages(args.system, [{"role": "user", "content": "hi"}]))  # fail early without template
         turns: list[dict[str, str]] = []

@@ -186,10 +186,9 @@ class Host:
 
         signals = StopSignals(self.harness.begin_shutdown)
         signals.install(asyncio.get_running_loop())
-        where = {"sock": self.config.sock} if self.config.sock is not None else {
-            "host": LOOPBACK, "port": self.config.port}
-        server = await serve(self._handler, process_request=self._http, max_size=MAX_MESSAGE_BYTES,
-                             compression=None, **where)
+        sock = self.config.sock   # bound already (the CLI's), else bound here
+        server = await serve(self._handler, None if sock else LOOPBACK, None if sock else self.config.port, sock=sock,
+                             process_request=self._http, max_size=MAX_MESSAGE_BYTES, compression=None)
         loader = asyncio.create_task(self._load())
         loader.add_done_callback(lambda task: task.cancelled() or task.exception() is None or self.stop.set())
         await self.stop.wait()
