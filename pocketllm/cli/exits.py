@@ -65,6 +65,7 @@ def raise_on_ctrl_c() -> None:
 
 
 def engine_threads(ignore: Collection[int] = ()) -> list[threading.Thread]:
+    """The engine threads running now (``pocketllm.engine.loop``), but those whose ids are in ``ignore``."""
     return [t for t in threading.enumerate() if t.name == ENGINE_THREAD and t.is_alive() and t.ident not in ignore]
 
 
@@ -98,6 +99,7 @@ def _interrupt_children() -> None:
 
 
 def leave(status: int, before: Collection[int]) -> NoReturn:
+    """Stop what this command started (see the module's docstring), say "interrupted" after Ctrl-C, and exit."""
     try:   # a second Ctrl-C while engine threads stop leaves at once
         signal.signal(signal.SIGINT, lambda *_: os._exit(status))
     except ValueError:   # not the main thread
