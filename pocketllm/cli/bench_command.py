@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 
 from pocketllm.cli.engine_flags import add_engine_flags, engine_args_from
@@ -19,15 +20,22 @@ def _common(parser: argparse.ArgumentParser, peer: bool) -> None:
                                  "on the same workload and print the ratio.")
 
 
-def add_bench_parser(subparsers) -> None:
-    from pocketllm.bench import latency, serve, throughput
+BENCHMARKS = (
+    ("throughput", "Offline throughput of a batch of random requests (nano-vllm shape).", True),
+    ("latency", "Batch-1 time to first token, decode tok/s and memory bandwidth.", True),
+    ("serve", "HTTP load against a running 'pocketllm serve'.", False),
+)
 
+
+def add_bench_parser(subparsers, full: bool = True) -> None:
+    """``full``: with every benchmark's options, which imports the benchmark modules (and torch); without,
+    the command is only listed (for the parser of another command)."""
     parser = subparsers.add_parser("bench", help="Benchmarks: throughput, latency, serve.")
-    commands = parser.add_subparsers(dest="bench_command", required=True)
-    for name, module, help_text, engine in (
-            ("throughput", throughput, "Offline throughput of a batch of random requests (nano-vllm shape).", True),
-            ("latency", latency, "Batch-1 time to first token, decode tok/s and memory bandwidth.", True),
-            ("serve", serve, "HTTP load against a running 'pocketllm serve'.", False)):
+    if not full:
+        return
+    commands = parser.add_subparsers(dest="bench_command", required=True, metavar="BENCHMARK")
+    for name, help_text, engine in BENCHMARKS:
+        module = importlib.import_module(f"pocketllm.bench.{name}")
         sub = commands.add_parser(name, help=help_text)
         module.add_arguments(sub)
         _common(sub, peer=engine)

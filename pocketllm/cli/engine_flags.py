@@ -31,11 +31,12 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     for f in dataclasses.fields(EngineArgs):
         kind = field_kind(f.name)
         help_text = f.metadata.get("help", "")
+        flags = ("-m", _flag(f.name)) if f.name == "model" else (_flag(f.name),)
         if kind is bool:
-            group.add_argument(_flag(f.name), dest=f.name, action=argparse.BooleanOptionalAction, default=None,
+            group.add_argument(*flags, dest=f.name, action=argparse.BooleanOptionalAction, default=None,
                                help=help_text)
         else:
-            group.add_argument(_flag(f.name), dest=f.name, default=None, metavar=kind.__name__.upper(),
+            group.add_argument(*flags, dest=f.name, default=None, metavar=kind.__name__.upper(),
                                type=lambda raw, name=f.name: parse_field(name, raw), help=help_text)
 
 

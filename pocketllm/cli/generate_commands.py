@@ -6,19 +6,29 @@ import argparse
 import json
 import sys
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
-from pocketllm.api import LLM
 from pocketllm.cli.engine_flags import add_engine_flags, add_sampling_flags, engine_args_from, sampling_params_from
-from pocketllm.cli.line_input import read_line
-from pocketllm.outputs import TokenEvent, Usage
+from pocketllm.cli.exits import usage_error
+from pocketllm.harness.lifecycle import display_name, say
+from pocketllm.harness.line_input import read_line
 from pocketllm.sampling_params import SamplingParams
+
+if TYPE_CHECKING:   # (imported when a command runs: they import torch)
+    from pocketllm.api import LLM
+    from pocketllm.outputs import TokenEvent, Usage
 
 CLI_SAMPLING_DEFAULTS = {"max_tokens": 512, "temperature": 0.7}
 
 
 def add_run_parser(subparsers) -> None:
-    parser = subparsers.add_parser("run", help="Generate an answer to one prompt, streamed to stdout.")
-    parser.add_argument("--prompt", required=True, help="The user message (or the raw prompt with --raw).")
+    parser = subparsers.add_parser("run", usage="%(prog)s [options] [PROMPT]",
+                                   help="Generate an answer to one prompt, streamed to stdout.")
+    parser.add_argument("prompt", nargs="?", default=None, metavar="PROMPT",
+                        help="The user message (or the raw prompt with --raw); read from stdin when not given "
+                             "and stdin is not a terminal.")
+    parser.add_argument("--prompt", dest="prompt_option", default=None, metavar="PROMPT",
+                        help="The same as PROMPT.")
     parser.add_argument("--system", default=None, help="A system message to put first.")
     parser.add_argument("--raw", action="store_true", help="Send the prompt as is, without the chat template.")
     parser.add_argument("--verbose", action="store_true", help="Log scheduling decisions at DEBUG.")
@@ -28,7 +38,8 @@ def add_run_parser(subparsers) -> None:
 
 
 def add_chat_parser(subparsers) -> None:
-    parser = subparsers.add_parser("chat", help="Hold a conversation in the terminal (/exit to leave).")
+    parser = subparsers.add_parser("chat", usage="%(prog)s [options]",
+                                   help="Hold a conversation in the terminal (/exit to leave).")
     parser.add_argument("--system", default=None, help="A system message to put first.")
     parser.add_argument("--verbose", action="store_true", help="Log scheduling decisions at DEBUG.")
     add_sampling_flags(parser, CLI_SAMPLING_DEFAULTS)
@@ -78,13 +89,32 @@ def _messages(system: str | None, turns: list[dict[str, str]]) -> list[dict[str,
     return ([{"role": "system", "content": system}] if system else []) + turns
 
 
+def _prompt(args: argparse.Namespace) -> str:
+    """PROMPT, --prompt, or else stdin when it is not a terminal (its final newline dropped)."""
+    if args.prompt is not None and args.prompt_option is not None:
+        usage_error("run", "give the prompt once: as PROMPT or as --prompt")
+    prompt = args.prompt if args.prompt is not None else args.prompt_option
+    if prompt is None:
+        if sys.stdin is None or sys.stdin.isatty():
+            usage_error("run", 'no prompt: pocketllm run "PROMPT" (or pipe it on stdin)')
+        prompt = sys.stdin.read().removesuffix("\n")
+    if not prompt.strip():
+        usage_error("run", "the prompt is empty")
+    return prompt
+
+
 def run_command(args: argparse.Namespace) -> int:
+    prompt = _prompt(args)
     params = sampling_params_from(args)
-    with LLM(engine_args_from(args)) as llm:
+    engine_args = engine_args_from(args)
+    say(f"loading {display_name(engine_args.model)}")
+    from pocketllm.api import LLM
+
+    with LLM(engine_args) as llm:
         if args.raw:
-            events = llm.generate_stream(args.prompt, params)
+            events = llm.generate_stream(prompt, params)
         else:
-            events = llm.chat_stream(_messages(args.system, [{"role": "user", "content": args.prompt}]), params)
+            events = llm.chat_stream(_messages(args.system, [{"role": "user", "content": prompt}]), params)
         _, usage, reason = _stream_to_stdout(events)
         _report(usage, reason)
     return 0
@@ -98,10 +128,14 @@ def _chat_turn(llm: LLM, messages: list[dict[str, str]], params: SamplingParams)
 
 def chat_command(args: argparse.Namespace) -> int:
     params = sampling_params_from(args)
-    with LLM(engine_args_from(args)) as llm:
+    engine_args = engine_args_from(args)
+    say(f"loading {display_name(engine_args.model)}")
+    from pocketllm.api import LLM
+
+    with LLM(engine_args) as llm:
         llm.render_chat(_messages(args.system, [{"role": "user", "content": "hi"}]))  # fail early without template
         turns: list[dict[str, str]] = []
-        print("Type a message; /exit to leave.", file=sys.stderr)
+        print("Type a message; /exit to leave, Ctrl-C stops an answer.", file=sys.stderr)
         while True:
             line = read_line()
             if line is None:

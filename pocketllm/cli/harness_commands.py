@@ -7,13 +7,16 @@ import os
 import secrets
 import sys
 
+from pocketllm.cli.exits import usage_error
+from pocketllm.cli.listen import http_url, listen_socket
 from pocketllm.config import EngineArgs, parse_field
+from pocketllm.harness.lifecycle import LOOPBACK, display_name, say
 
 TOKEN_ENV = "POCKETLLM_TOKEN"
 
 
 def _engine_flags(parser: argparse.ArgumentParser, max_seqs: int) -> None:
-    parser.add_argument("--model", default=None,
+    parser.add_argument("-m", "--model", default=None,
                         help="A .gguf file or an HF safetensors directory (default: the packaged SmolLM2-135M).")
     parser.add_argument("--ctx", type=int, default=None,
                         help="Context length in tokens, prompt plus answer (default: the checkpoint's context, "
@@ -66,47 +69,53 @@ def add_harness_parsers(subparsers) -> None:
     connect.set_defaults(handler=connect_command)
 
 
-def _positive(name: str, value: int | None) -> None:
+def _positive(command: str, name: str, value: int | None) -> None:
     if value is not None and value < 1:
-        raise SystemExit(f"pocketllm: error: {name} must be positive, got {value}")
+        usage_error(command, f"{name} must be positive, got {value}")
 
 
 def pipe_command(args: argparse.Namespace) -> int:
+    _positive("pipe", "--ctx", args.ctx)
+    _positive("pipe", "--max-seqs", args.max_seqs)
     from pocketllm.harness.pipe import run_pipe
 
-    _positive("--ctx", args.ctx)
-    _positive("--max-seqs", args.max_seqs)
     return run_pipe(_engine_args(args))
 
 
 def host_command(args: argparse.Namespace) -> int:
+    for name in ("ctx", "max_seqs", "max_conns"):
+        _positive("host", "--" + name.replace("_", "-"), getattr(args, name))
+    if not 0 <= args.port < 65536:
+        usage_error("host", f"--port {args.port} is out of range")
+    if args.idle_expiry < 0:
+        usage_error("host", "--idle-expiry must be >= 0")
+    if args.web is not None and not os.path.isfile(os.path.join(args.web, "index.html")):
+        usage_error("host", f"--web {args.web} has no index.html")
+    engine_args = _engine_args(args)
+    token = args.token or os.environ.get(TOKEN_ENV)
+    generated = not token
+    if generated:
+        token = secrets.token_urlsafe(18)
+    sock = listen_socket(LOOPBACK, args.port)   # before anything slow: a busy port is one line, at once
+    say(f"listening on {http_url(sock, LOOPBACK)}/#token={token}")
+    if generated:
+        say(f"(a new token each start; choose one with --token or ${TOKEN_ENV})")
+    say(f"loading {display_name(engine_args.model)}")
     from pocketllm.harness.host import HostConfig, run_host
 
-    for name in ("ctx", "max_seqs", "max_conns"):
-        _positive("--" + name.replace("_", "-"), getattr(args, name))
-    if not 0 <= args.port < 65536:
-        raise SystemExit(f"pocketllm: error: --port {args.port} is out of range")
-    if args.idle_expiry < 0:
-        raise SystemExit("pocketllm: error: --idle-expiry must be >= 0")
-    if args.web is not None and not os.path.isfile(os.path.join(args.web, "index.html")):
-        raise SystemExit(f"pocketllm: error: --web {args.web} has no index.html")
-    token = args.token or os.environ.get(TOKEN_ENV)
-    if not token:
-        token = secrets.token_urlsafe(18)
-        print(f"pocketllm host: token {token} (set --token or ${TOKEN_ENV} to choose one)", file=sys.stderr)
-    config = HostConfig(engine_args=_engine_args(args), port=args.port, token=token, max_conns=args.max_conns,
-                        idle_expiry_ms=args.idle_expiry, kv_store=args.kv_store, web_dir=args.web)
+    config = HostConfig(engine_args=engine_args, port=sock.getsockname()[1], token=token, max_conns=args.max_conns,
+                        idle_expiry_ms=args.idle_expiry, kv_store=args.kv_store, web_dir=args.web, sock=sock)
     return run_host(config)
 
 
 def connect_command(args: argparse.Namespace) -> int:
+    token = args.token or os.environ.get(TOKEN_ENV)
+    if not token:
+        usage_error("connect", f"pass --token or set ${TOKEN_ENV}")
     from websockets.exceptions import WebSocketException
 
     from pocketllm.harness.client import run_connect
 
-    token = args.token or os.environ.get(TOKEN_ENV)
-    if not token:
-        raise SystemExit(f"pocketllm: error: pass --token or set ${TOKEN_ENV}")
     try:
         return run_connect(args.address, token, args.session)
     except (OSError, WebSocketException) as exc:

@@ -1,4 +1,8 @@
-"""``pocketllm serve``: the OpenAI-compatible server, with a graceful drain on SIGTERM/SIGINT."""
+"""``pocketllm serve``: the OpenAI-compatible server, with a graceful drain on SIGTERM/SIGINT.
+
+The port is bound first (a busy one is one line and an exit at once), ``listening on …`` is printed, then the
+model loads behind the open listener (``/ready`` answers 503 until ``ready: …`` is printed).
+"""
 
 from __future__ import annotations
 
@@ -6,16 +10,23 @@ import argparse
 import asyncio
 import logging
 import os
+import signal
 import sys
 import threading
 
 from pocketllm.cli.engine_flags import add_engine_flags, engine_args_from
+from pocketllm.cli.exits import usage_error
+from pocketllm.cli.listen import http_url, listen_socket
+from pocketllm.harness.lifecycle import INTERRUPTED, display_name, say
 
 logger = logging.getLogger("pocketllm.server")
 
 
 def add_serve_parser(subparsers) -> None:
-    parser = subparsers.add_parser("serve", help="Serve the model over an OpenAI-compatible HTTP API.")
+    parser = subparsers.add_parser("serve", usage="%(prog)s [options] [MODEL]",
+                                   help="Serve the model over an OpenAI-compatible HTTP API.")
+    parser.add_argument("model_positional", nargs="?", default=None, metavar="MODEL",
+                        help="A .gguf file or an HF safetensors directory (the same as --model).")
     parser.add_argument("--host", default="127.0.0.1", help="Address to bind (default: 127.0.0.1).")
     parser.add_argument("--port", type=int, default=8000, help="Port to bind (default: 8000).")
     parser.add_argument("--api-key", default=None, help="Require 'Authorization: Bearer KEY' on /v1/*.")
@@ -24,6 +35,7 @@ def add_serve_parser(subparsers) -> None:
                         help="Seconds a request may take before its unfinished choices are cancelled.")
     parser.add_argument("--shutdown-timeout", type=float, default=30.0,
                         help="On SIGTERM/SIGINT, seconds in-flight requests may finish before being cancelled.")
+    parser.add_argument("--access-log", action="store_true", help="Log one line per request on stderr.")
     parser.add_argument("--verbose", action="store_true", help="Log scheduling decisions at DEBUG.")
     add_engine_flags(parser)
     parser.set_defaults(handler=serve_command)
@@ -37,6 +49,7 @@ def _tensor_parallel_role(args: argparse.Namespace, engine_args) -> int | None:
     if engine_args.tensor_parallel_supervisor:
         from pocketllm.distributed.supervisor import supervise
 
+        listen_socket(args.host, args.port).close()   # a busy port fails here, before any rank starts
         rerun = getattr(args, "argv", sys.argv[1:])
         argv = [sys.executable, "-m", "pocketllm", *rerun, "--no-tensor-parallel-supervisor"]
         return supervise(argv, engine_args)
@@ -49,17 +62,50 @@ def _tensor_parallel_role(args: argparse.Namespace, engine_args) -> int | None:
     return run_worker(engine_args)
 
 
+def _access_log() -> None:
+    """The "pocketllm.access" logger's lines on stderr: a time and the request."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", datefmt="%Y-%m-%d %H:%M:%S"))
+    access = logging.getLogger("pocketllm.access")
+    access.addHandler(handler)
+    access.setLevel(logging.INFO)
+    access.propagate = False
+
+
 def serve_command(args: argparse.Namespace) -> int:
+    if args.model_positional is not None:
+        if args.model is not None and args.model != args.model_positional:
+            usage_error("serve", "give the model once: as MODEL or as --model")
+        args.model = args.model_positional
     engine_args = engine_args_from(args)
     status = _tensor_parallel_role(args, engine_args)
     if status is not None:
         return status
+    sock = listen_socket(args.host, args.port)
+    say(f"listening on {http_url(sock, args.host)}")
+    name = args.served_model_name or display_name(engine_args.model)
+    say(f"loading {name}")
+    if args.access_log:
+        _access_log()
     import uvicorn
 
-    from pocketllm.server.app import ServerConfig, build_app
+    from pocketllm.server.app import ServerConfig, ServerState, build_app
+
+    failed = threading.Event()
+
+    def on_loaded(state: ServerState) -> None:
+        if state.draining:
+            return
+        if state.load_error is None:
+            say(f"ready: {name} (load {state.load_seconds:.1f} s)")
+        else:   # a server without its model is of no use: stop it
+            say(f"pocketllm: error: the model failed to load: {state.load_error}")
+            failed.set()
+            server.should_exit = True
 
     config = ServerConfig(engine_args=engine_args, served_model_name=args.served_model_name,
-                          api_key=args.api_key, request_timeout=args.request_timeout)
+                          api_key=args.api_key, request_timeout=args.request_timeout,
+                          access_log=args.access_log, on_loaded=on_loaded)
     app = build_app(config)
     state = app.state.pocketllm
     shutdown_timeout = args.shutdown_timeout
@@ -67,20 +113,25 @@ def serve_command(args: argparse.Namespace) -> int:
     class DrainingServer(uvicorn.Server):
         """Stops accepting at the first signal; cancels what is still running after the shutdown timeout."""
 
+        interrupted = False
+
         def handle_exit(self, sig, frame) -> None:
             if not state.draining:
                 state.draining = True
-                logger.warning("shutting down: draining in-flight requests for up to %.0f s", shutdown_timeout)
+                self.interrupted = sig == signal.SIGINT
+                if state.serving is not None and not failed.is_set():
+                    say(f"shutting down: draining in-flight requests for up to {shutdown_timeout:.0f} s")
                 timer = threading.Timer(shutdown_timeout, lambda: state.serving and state.serving.cancel_all())
                 timer.daemon = True
                 timer.start()
             super().handle_exit(sig, frame)
-            # uvicorn re-raises captured signals after shutdown; a drained server exits 0 instead.
+            # uvicorn re-raises captured signals after shutdown; the exit status says what happened instead.
             self._captured_signals.clear()
 
-    server = DrainingServer(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
-                                           timeout_graceful_shutdown=shutdown_timeout + 10))
-    server.run()
+    server = DrainingServer(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=shutdown_timeout + 10))
+    server.run(sockets=[sock])
     if state.llm is not None:
         asyncio.run(state.llm.shutdown())
-    return 0
+    if server.interrupted:
+        return INTERRUPTED
+    return 1 if failed.is_set() else 0

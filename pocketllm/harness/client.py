@@ -7,8 +7,8 @@ import json
 import sys
 from typing import Any
 
-from pocketllm.cli.line_input import read_line
 from pocketllm.errors import InvalidRequestError
+from pocketllm.harness.line_input import read_line
 
 
 def parse_address(address: str) -> tuple[str, int]:
@@ -82,10 +82,11 @@ def _turn(client: HostClient, request_id: int, session: str, text: str) -> None:
     while True:
         try:
             reply = client.recv()
-        except KeyboardInterrupt:
-            if not cancelled:
-                client.send({"op": "cancel", "id": request_id})
-                cancelled = True
+        except KeyboardInterrupt:   # the first Ctrl-C stops the answer, a second one leaves
+            if cancelled:
+                raise
+            client.send({"op": "cancel", "id": request_id})
+            cancelled = True
             continue
         if reply.get("id") != request_id:
             client.notices.append(reply)

@@ -13,20 +13,20 @@ import itertools
 import logging
 import mimetypes
 import os
-import signal
-import sys
+import socket
+import time
 from dataclasses import dataclass
 from importlib import resources
 from typing import Any
 
 from pocketllm.config import EngineArgs
+from pocketllm.harness.lifecycle import LOOPBACK, StopSignals, display_name, run_until_done, say
 from pocketllm.harness.protocol import ProtocolError, encode, error_line, parse_line
 from pocketllm.harness.service import Channel, Harness
 from pocketllm.harness.sessions import SessionStore
 
 logger = logging.getLogger("pocketllm.harness")
 
-LOOPBACK = "127.0.0.1"
 AUTH_TIMEOUT_S = 30.0
 DRAIN_TIMEOUT_S = 30.0
 MAX_MESSAGE_BYTES = 8 << 20
@@ -47,6 +47,7 @@ class HostConfig:
     idle_expiry_ms: int = 600_000
     kv_store: str | None = None
     web_dir: str | None = None
+    sock: socket.socket | None = None   # a listening socket already bound (by the CLI, before loading anything)
 
 
 def builtin_web_dir() -> str:
@@ -175,18 +176,20 @@ class Host:
         await send({"id": request_id, "auth": "ok"})
         return True
 
+    async def _load(self) -> None:
+        started = time.monotonic()
+        await self.harness.load()
+        say(f"ready: {display_name(self.config.engine_args.model)} (load {time.monotonic() - started:.1f} s)")
+
     async def run(self) -> int:
         from websockets.asyncio.server import serve
 
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, self.harness.begin_shutdown)
-        server = await serve(self._handler, LOOPBACK, self.config.port, process_request=self._http,
-                             max_size=MAX_MESSAGE_BYTES, compression=None)
-        port = server.sockets[0].getsockname()[1]
-        print(f"pocketllm host: ws://{LOOPBACK}:{port}/ (web client: http://{LOOPBACK}:{port}/)",
-              file=sys.stderr, flush=True)
-        loader = asyncio.create_task(self.harness.load())
+        signals = StopSignals(self.harness.begin_shutdown)
+        signals.install(asyncio.get_running_loop())
+        sock = self.config.sock   # bound already (the CLI's), else bound here
+        server = await serve(self._handler, None if sock else LOOPBACK, None if sock else self.config.port, sock=sock,
+                             process_request=self._http, max_size=MAX_MESSAGE_BYTES, compression=None)
+        loader = asyncio.create_task(self._load())
         loader.add_done_callback(lambda task: task.cancelled() or task.exception() is None or self.stop.set())
         await self.stop.wait()
         server.close(close_connections=False)   # no new connections; open ones see their requests finish
@@ -197,13 +200,14 @@ class Host:
         await asyncio.wait_for(server.wait_closed(), 10)
         status = 0
         if loader.done() and not loader.cancelled() and loader.exception() is not None:
-            logger.error("the model failed to load: %s", loader.exception())
+            say(f"pocketllm: error: the model failed to load: {loader.exception()}")
             status = 1
         elif not loader.done():
-            loader.cancel()
+            loader.cancel()   # its thread is left to the process's exit (pocketllm.cli.exits)
         await self.harness.close()
-        return status
+        return signals.exit_status(status)
 
 
 def run_host(config: HostConfig) -> int:
-    return asyncio.run(Host(config).run())
+    """Serve until the ``shutdown`` operation, SIGTERM (status 0) or SIGINT (130); 1 if the model failed to load."""
+    return run_until_done(Host(config).run())

@@ -14,6 +14,7 @@ import threading
 from typing import Any
 
 from pocketllm.config import EngineArgs
+from pocketllm.harness.lifecycle import StopSignals, run_until_done, say
 from pocketllm.harness.protocol import encode, error_line
 from pocketllm.harness.service import Channel, Harness
 
@@ -75,6 +76,8 @@ async def serve_pipe(engine_args: EngineArgs, out) -> int:
     loop = asyncio.get_running_loop()
     stop_reading = asyncio.Event()
     harness = Harness(engine_args, on_shutdown=stop_reading.set)
+    signals = StopSignals(harness.begin_shutdown)
+    signals.install(loop)
 
     async def send(obj: dict[str, Any]) -> None:
         out.write(encode(obj) + "\n")
@@ -106,16 +109,17 @@ async def serve_pipe(engine_args: EngineArgs, out) -> int:
     if not loader.done():
         loader.cancel()
     elif loader.exception() is not None:
-        logger.error("the model failed to load: %s", loader.exception())
+        say(f"pocketllm: error: the model failed to load: {loader.exception()}")
         await channel.send(error_line(f"the model failed to load: {loader.exception()}"))
         status = 1
     await harness.close()
-    return status
+    return signals.exit_status(status)
 
 
 def run_pipe(engine_args: EngineArgs) -> int:
+    """Serve until end of input, the ``shutdown`` operation, SIGTERM (status 0) or SIGINT (130)."""
     out = _protocol_stdout()
     try:
-        return asyncio.run(serve_pipe(engine_args, out))
+        return run_until_done(serve_pipe(engine_args, out))
     finally:
         out.flush()

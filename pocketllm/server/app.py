@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-import asyncio
 import hmac
 import json
 import logging
+import threading
 import time
+from collections.abc import Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
@@ -23,6 +24,7 @@ from pocketllm.server.metrics import ServerMetrics
 from pocketllm.server.serving import OpenAIServing, RequestFailed
 
 logger = logging.getLogger("pocketllm.server")
+access_logger = logging.getLogger("pocketllm.access")
 
 
 @dataclass(frozen=True)
@@ -31,6 +33,9 @@ class ServerConfig:
     served_model_name: str | None = None
     api_key: str | None = None
     request_timeout: float | None = None
+    access_log: bool = False   # one line a request on the "pocketllm.access" logger
+    # Called on the loading thread once the model has loaded or failed to (``load_error``).
+    on_loaded: Callable[[ServerState], None] | None = field(default=None, compare=False)
 
 
 @dataclass
@@ -43,6 +48,7 @@ class ServerState:
     load_error: BaseException | None = None
     draining: bool = False
     started: float = field(default_factory=time.time)
+    load_seconds: float | None = None
     metrics: ServerMetrics | None = None
 
     @property
@@ -67,14 +73,47 @@ class ApiKeyMiddleware:
         await self.app(scope, receive, send)
 
 
+class AccessLogMiddleware:
+    """One line a request: client, method, path, status and the time until the response (a stream: its end)."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = time.monotonic()
+        status = 0   # no response started (the client went away first)
+
+        async def send_logged(message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_logged)
+        finally:
+            client = scope.get("client")
+            access_logger.info('%s "%s %s" %d %.1f ms', f"{client[0]}:{client[1]}" if client else "-",
+                               scope["method"], scope["path"], status, (time.monotonic() - started) * 1000)
+
+
 def _load(state: ServerState) -> None:
+    started = time.monotonic()
     try:
         state.llm = AsyncLLM(state.config.engine_args)
         state.serving = OpenAIServing(state.llm, state.model_name, state.metrics, state.config.request_timeout)
+        state.load_seconds = time.monotonic() - started
         logger.info("model loaded; ready")
     except BaseException as exc:  # reported by /ready and every /v1 call
-        logger.exception("model load failed")
+        logger.debug("model load failed", exc_info=True)
+        if state.config.on_loaded is None:
+            logger.error("the model failed to load: %s", exc)
         state.load_error = exc
+    if state.config.on_loaded is not None:
+        state.config.on_loaded(state)
 
 
 def build_app(config: ServerConfig) -> FastAPI:
@@ -83,8 +122,10 @@ def build_app(config: ServerConfig) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        # The model loads in a worker thread so the listener answers /alive and /ready at once.
-        app.state.load_task = asyncio.get_running_loop().run_in_executor(None, _load, state)
+        # The model loads in a thread so the listener answers /alive and /ready at once; a daemon thread, so
+        # that a server stopped while it loads does not wait for it.
+        app.state.load_thread = threading.Thread(target=_load, args=(state,), name="pocketllm-load", daemon=True)
+        app.state.load_thread.start()
         yield
 
     app = FastAPI(title="PocketLLM", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
@@ -100,6 +141,8 @@ def build_app(config: ServerConfig) -> FastAPI:
 
     if config.api_key:
         app.add_middleware(ApiKeyMiddleware, key=config.api_key)
+    if config.access_log:   # added last, so outermost: refused requests are logged too
+        app.add_middleware(AccessLogMiddleware)
 
     def _unavailable() -> JSONResponse | None:
         if state.load_error is not None:

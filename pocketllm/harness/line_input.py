@@ -8,10 +8,12 @@ EXIT_COMMANDS = ("/exit", "/quit")
 
 
 def read_line(prompt: str = "> ") -> str | None:
-    """One line typed at ``prompt``; None when the user leaves (end of input, Ctrl-C, /exit or /quit)."""
+    """One line typed at ``prompt``; None when the user leaves (end of input, /exit or /quit).
+
+    Ctrl-C is not swallowed here: it leaves the command, with the exit status of an interrupt."""
     try:
         line = input(prompt)
-    except (EOFError, KeyboardInterrupt):
-        print(file=sys.stderr)
+    except EOFError:
+        print(file=sys.stderr)   # end the prompt's line
         return None
     return None if line.strip() in EXIT_COMMANDS else line

@@ -1,0 +1,35 @@
+"""The listening socket of ``serve`` and ``host``, bound before anything slow runs: a busy port is one line
+and an exit at once, not a traceback after the model has loaded."""
+
+from __future__ import annotations
+
+import errno
+import socket
+
+BACKLOG = 2048
+
+
+def listen_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket listening on ``host:port`` (``port`` 0: one the system picks); the server is handed it."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                             flags=socket.AI_PASSIVE)[0]
+    except socket.gaierror as exc:
+        raise SystemExit(f"pocketllm: error: cannot listen on {host}: {exc.strerror}") from None
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)   # as uvicorn and asyncio do
+        sock.bind(address)
+        sock.listen(BACKLOG)
+    except OSError as exc:
+        sock.close()
+        if exc.errno == errno.EADDRINUSE:
+            raise SystemExit(f"pocketllm: error: port {port} on {host} is in use") from None
+        raise SystemExit(f"pocketllm: error: cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    return sock
+
+
+def http_url(sock: socket.socket, host: str) -> str:
+    """``http://HOST:PORT`` of a listening socket (the port it got, when 0 was asked)."""
+    port = sock.getsockname()[1]
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"

@@ -1,0 +1,187 @@
+"""How the ``pocketllm`` command ends: Ctrl-C is status 130 without a traceback (while the model loads, while it
+generates, while a server serves), a busy port is one line before anything loads, usage errors are one line,
+and ``run`` takes its prompt positionally or on stdin.
+
+The tests wait for lines of the command's own output (never for a length of time); the timeouts are only a
+safety net against a hung command.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+from collections.abc import Callable, Iterator
+
+import pytest
+
+TIMEOUT = 300.0          # a safety net: how long a line may take to appear on a slow, busy machine
+INTERRUPTED = 130
+LOADING_WEIGHTS = "Loading weights"   # the loader's progress bar: the weights are being read
+
+
+def _env() -> dict[str, str]:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env.pop("TQDM_DISABLE", None)   # the progress bar is what the load-time tests wait for
+    return env
+
+
+class Command:
+    """``pocketllm ARGS`` in a subprocess; its stdout and stderr are collected as they arrive."""
+
+    def __init__(self, *args: str, stdin: int | None = subprocess.PIPE) -> None:
+        self.proc = subprocess.Popen([sys.executable, "-m", "pocketllm", *args], stdin=stdin,
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=_env())
+        self.cond = threading.Condition()
+        self.text = {"stdout": "", "stderr": ""}
+        self.readers = [threading.Thread(target=self._read, args=(name,), daemon=True)
+                        for name in ("stdout", "stderr")]
+        for reader in self.readers:
+            reader.start()
+
+    def _read(self, name: str) -> None:
+        stream = getattr(self.proc, name)
+        while chunk := os.read(stream.fileno(), 4096):
+            with self.cond:
+                self.text[name] += chunk.decode("utf-8", "replace")
+                self.cond.notify_all()
+
+    def wait_for(self, name: str, needle: str) -> None:
+        """Until ``needle`` appears in the stream ``name`` (fails if the command exits first)."""
+        with self.cond:
+            found = self.cond.wait_for(lambda: needle in self.text[name] or self.proc.poll() is not None,
+                                       TIMEOUT)
+            assert found and needle in self.text[name], (
+                f"{needle!r} never came on {name}; exit {self.proc.poll()}, stderr:\n{self.text['stderr'][-3000:]}")
+
+    def interrupt(self) -> None:
+        self.proc.send_signal(signal.SIGINT)
+
+    def finish(self) -> tuple[int, str, str]:
+        """(exit status, stdout, stderr) once the command has exited."""
+        status = self.proc.wait(TIMEOUT)
+        for reader in self.readers:
+            reader.join(TIMEOUT)
+        return status, self.text["stdout"], self.text["stderr"]
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+@pytest.fixture
+def command() -> Iterator[Callable[..., Command]]:
+    started: list[Command] = []
+
+    def start(*args: str, **kwargs: int | None) -> Command:
+        cmd = Command(*args, **kwargs)
+        started.append(cmd)
+        return cmd
+
+    yield start
+    for cmd in started:
+        cmd.kill()
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _assert_interrupted(status: int, stderr: str) -> None:
+    assert status == INTERRUPTED, stderr[-3000:]
+    assert "Traceback" not in stderr, stderr
+    assert "terminate called" not in stderr and "Aborted" not in stderr, stderr
+    assert stderr.rstrip().endswith("pocketllm: interrupted"), stderr[-3000:]
+
+
+# --- Ctrl-C ------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("args", [("run", "Hello"), ("chat",), ("serve",), ("host",), ("pipe",)],
+                         ids=lambda args: args[0])
+def test_ctrl_c_while_the_model_loads(command, smollm2_gguf, args):
+    port = ("--port", str(_free_port())) if args[0] in ("serve", "host") else ()
+    cmd = command(*args, *port, "-m", smollm2_gguf)
+    cmd.wait_for("stderr", LOADING_WEIGHTS)
+    cmd.interrupt()
+    status, _, stderr = cmd.finish()
+    _assert_interrupted(status, stderr)
+
+
+def test_ctrl_c_while_run_generates(command, smollm2_gguf):
+    cmd = command("run", "Tell me a long story about a dragon.", "-m", smollm2_gguf, "--max-tokens", "1000",
+                  "--ignore-eos", "--temperature", "0", stdin=subprocess.DEVNULL)
+    cmd.wait_for("stdout", " ")    # the answer has begun
+    cmd.interrupt()
+    status, stdout, stderr = cmd.finish()
+    _assert_interrupted(status, stderr)
+    assert stdout.strip()
+    assert "tokens, finish" not in stderr    # it did not run to its end
+
+
+@pytest.mark.parametrize("name", ["serve", "host"])
+def test_ctrl_c_stops_a_ready_server(command, tiny_checkpoint, name):
+    cmd = command(name, "--port", str(_free_port()), "-m", tiny_checkpoint("llama"), stdin=subprocess.DEVNULL)
+    cmd.wait_for("stderr", "ready: ")
+    cmd.interrupt()
+    status, _, stderr = cmd.finish()
+    _assert_interrupted(status, stderr)
+    lines = stderr.splitlines()
+    assert lines[0].startswith("listening on http://127.0.0.1:"), stderr
+    if name == "host":
+        assert "/#token=" in lines[0]
+
+
+# --- a busy port -------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", ["serve", "host"])
+def test_a_busy_port_is_one_line_before_loading(command, name):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        status, stdout, stderr = command(name, "--port", str(port), stdin=subprocess.DEVNULL).finish()
+    assert status != 0
+    assert stderr.splitlines() == [f"pocketllm: error: port {port} on 127.0.0.1 is in use"], stderr
+    assert "loading" not in stderr.lower() and stdout == ""
+
+
+# --- usage -------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("args", [("run", "--no-such-flag"), ("serve", "--port", "x"), ("no-such-command",), ()],
+                         ids=["flag", "value", "command", "none"])
+def test_usage_errors_are_one_line(command, args):
+    status, stdout, stderr = command(*args, stdin=subprocess.DEVNULL).finish()
+    assert status == 2
+    assert len(stderr.splitlines()) == 1 and "error:" in stderr, stderr
+    assert stdout == ""
+
+
+def test_run_without_a_prompt_says_so(command):
+    status, _, stderr = command("run", stdin=subprocess.DEVNULL).finish()   # stdin: empty, not a terminal
+    assert status == 2 and stderr.splitlines() == ["pocketllm run: error: the prompt is empty"], stderr
+
+
+def _prompt_tokens(stderr: str) -> str:
+    report = [line for line in stderr.splitlines() if "tokens, finish" in line]
+    assert len(report) == 1, stderr
+    return report[0].split("prompt ", 1)[1].split(" tokens", 1)[0]
+
+
+def test_run_takes_the_prompt_positionally_or_on_stdin(command, tiny_checkpoint):
+    flags = ("-m", tiny_checkpoint("llama"), "--max-tokens", "4", "--temperature", "0", "--ignore-eos")
+    prompt = "What is the capital of France?"
+    positional = command("run", prompt, *flags, stdin=subprocess.DEVNULL).finish()
+    piped = command("run", *flags)
+    piped.proc.stdin.write(f"{prompt}\n".encode())
+    piped.proc.stdin.close()
+    piped = piped.finish()
+    for status, _, stderr in (positional, piped):
+        assert status == 0, stderr
+        assert "[4 tokens, finish length" in stderr and "Traceback" not in stderr
+    assert _prompt_tokens(positional[2]) == _prompt_tokens(piped[2])   # the same prompt either way
