@@ -10,7 +10,7 @@ SERVE_ARGS ?=
 
 # llama.cpp's Python binding, the benchmark peer its tests drive: built once (a marker file) for AVX-512 without
 # -march=native, since a CPU may list AMX without the kernel enabling it (a native build then crashes).
-LLAMA_CPP ?= llama-cpp-python>=0.3
+LLAMA_CPP ?= llama-cpp-python==0.3.36
 LLAMA_CPP_CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON \
 	-DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF
 
@@ -36,7 +36,7 @@ chat: install
 	$(BIN)/pocketllm chat
 
 $(VENV)/.llama-cpp: $(VENV)/.installed
-	CMAKE_ARGS="$(LLAMA_CPP_CMAKE_ARGS)" $(BIN)/pip install "$(LLAMA_CPP)"
+	CMAKE_ARGS="$(LLAMA_CPP_CMAKE_ARGS)" CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) $(BIN)/pip install "$(LLAMA_CPP)"
 	touch $@
 
 # The browser test drives Debian's chromium (never a downloaded browser): installed with apt when missing.
