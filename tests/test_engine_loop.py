@@ -6,6 +6,7 @@ import threading
 
 import pytest
 
+from pocketllm.engine.commands import SetPrefillBudget
 from pocketllm.engine.loop import EngineLoop
 from pocketllm.errors import EngineDeadError
 
@@ -32,10 +33,10 @@ def test_commands_queued_during_a_crashing_step_fail_instead_of_hanging() -> Non
     core = _CrashingCore()
     loop = EngineLoop(lambda: core)
     assert core.entered.wait(10)
-    queued = loop.call(lambda: 42)          # queued while the step runs; the step then raises
+    queued = loop.send(SetPrefillBudget(0))          # queued while the step runs; the step then raises
     core.release.set()
     with pytest.raises(EngineDeadError, match="step failed"):
         queued.result(timeout=10)
     loop.thread.join(10)
     with pytest.raises(EngineDeadError):    # and later calls are refused at once
-        loop.call(lambda: 42)
+        loop.send(SetPrefillBudget(0))

@@ -3,7 +3,8 @@
 A snapshot is the KV of whole blocks only (a prefix of ``block_size`` multiples), taken from blocks the
 prefix cache knows. Importing writes the tensors into free blocks and registers them under the same chain
 keys the block manager uses, as freed-but-findable blocks: the next request sharing the prefix takes them
-like any other prefix-cache hit. Both functions run on the engine thread (the loop's ``ExportPrefix`` and ``ImportPrefix`` commands).
+like any other prefix-cache hit. Both functions run on the engine thread (the loop's ``ExportPrefix`` and
+``ImportPrefix`` commands).
 
 A snapshot may also hold only the blocks from ``first_token`` on (an increment: the KV store appends one per
 conversation turn instead of rewriting the whole prefix); increments are joined from token 0 before import.
