@@ -3,28 +3,29 @@
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import itertools
 import queue
 import uuid
-from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
+from concurrent.futures import Future
 from functools import cached_property
 from typing import Any
 
 from pocketllm.backends import create_backend
 from pocketllm.backends.base import EngineCaps
 from pocketllm.config import EngineArgs
-from pocketllm.engine import kv_snapshot
+from pocketllm.engine.commands import ExportPrefix, ImportPrefix, SetPrefillBudget
 from pocketllm.engine.kv_snapshot import KVSnapshot
+from pocketllm.engine.model_info import ModelInfo, describe_model
 from pocketllm.engine.output_processor import RequestStream
 from pocketllm.errors import InvalidRequestError
 from pocketllm.outputs import RequestOutput, TokenEvent
-from pocketllm.protocol.chat_output import ChatOutputSpec, ChatSyntax, chat_output_spec, detect_chat_syntax
-from pocketllm.protocol.chat_request import build_chat_prompt
-from pocketllm.protocol.structured_output import after_reasoning, structured_output_for
+from pocketllm.protocol.chat_output import ChatOutputSpec
+from pocketllm.request_builder import EngineRequest, Prompt, RequestBuilder
 from pocketllm.sampling_params import SamplingParams
 
-Prompt = str | Sequence[int]
+__all__ = ["LLM", "AsyncLLM", "EngineClient", "EngineRequest", "KVSnapshot", "ModelInfo", "Prompt",
+           "RequestBuilder"]
 
 
 def _is_token_list(value: Any) -> bool:
@@ -46,8 +47,9 @@ def _prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
                               param="prompt")
 
 
-class _EngineClient:
-    """What LLM and AsyncLLM share: the backend, tokenisation, request ids and submission."""
+class EngineClient:
+    """The facade's handle on the engine thread (``LLM.engine_client``): submission with an output callback,
+    cancellation, the engine's commands, metadata and the request builder. Safe to use from any thread."""
 
     def __init__(self, args: EngineArgs | None, overrides: dict[str, Any]) -> None:
         if args is None:
@@ -57,6 +59,9 @@ class _EngineClient:
         self.args = args
         self.backend = create_backend(args)
         self.tokenizer = self.backend.tokenizer
+        caps = self.backend.caps
+        self.builder = RequestBuilder(self.tokenizer, self.backend.core.max_model_len, caps.structured_outputs,
+                                      caps.details.get("architecture"))
         self._counter = itertools.count()
         self._prefix = uuid.uuid4().hex[:8]
 
@@ -73,61 +78,12 @@ class _EngineClient:
         return [request_id] if count == 1 else [f"{request_id}-{i}" for i in range(count)]
 
     def encode_prompt(self, prompt: Prompt) -> list[int]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise InvalidRequestError("this checkpoint has no tokenizer; send token ids", param="prompt")
-            return self.tokenizer.encode(prompt, add_special_tokens=True)
-        return list(prompt)
-
-    def render_chat(self, messages: Sequence[Mapping[str, Any]], **options: Any) -> str:
-        """The prompt text the checkpoint's own template makes of ``messages`` (options as ``chat``)."""
-        tok = self.tokenizer
-        if tok is None:
-            raise InvalidRequestError("this checkpoint has no tokenizer or chat template", param="messages")
-        special = {"bos_token": tok.bos_token, "eos_token": tok.eos_token}
-        return build_chat_prompt(tok.chat_template, messages, special_tokens=special,
-                                 structured_outputs=self.backend.caps.structured_outputs,
-                                 architecture=self.architecture, **options)
-
-    def encode_chat(self, messages: Sequence[Mapping[str, Any]], **options: Any) -> list[int]:
-        return self.tokenizer.encode(self.render_chat(messages, **options), add_special_tokens=False)
+        return self.builder.encode_prompt(prompt)
 
     @property
     def architecture(self) -> str | None:
         """The checkpoint's architecture name (``Qwen3ForCausalLM``), when known."""
-        return self.backend.caps.details.get("architecture")
-
-    @cached_property
-    def chat_syntax(self) -> ChatSyntax:
-        """Whether the checkpoint writes reasoning blocks and which call syntax it uses (read once)."""
-        tok = self.tokenizer
-        vocab = tok.hf.get_vocab() if tok is not None else {}
-        return detect_chat_syntax(tok.chat_template if tok is not None else None, self.architecture,
-                                  vocab.__contains__)
-
-    def prepare_chat(self, messages: Sequence[Mapping[str, Any]],
-                     **options: Any) -> tuple[list[int], ChatOutputSpec | None]:
-        """A conversation's prompt ids and how its answer is read back (reasoning split, tool calls)."""
-        text = self.render_chat(messages, **options)
-        syntax = self.chat_syntax
-        if options.get("tool_choice") == "none":
-            syntax = dataclasses.replace(syntax, tool_parser=None)
-        spec = chat_output_spec(syntax, text, options.get("tools"))
-        return self.tokenizer.encode(text, add_special_tokens=False), spec
-
-    @staticmethod
-    def chat_params(params: SamplingParams | None, options: Mapping[str, Any],
-                    spec: ChatOutputSpec | None = None) -> SamplingParams:
-        """``params`` with the structured output the chat options ask for (response_format, forced tool_choice),
-        starting after the reasoning block on a thinking model (``spec``)."""
-        params = params or SamplingParams()
-        structured = after_reasoning(structured_output_for(options), spec)
-        if structured is None:
-            return params
-        if params.structured_output is not None and params.structured_output != structured:
-            raise InvalidRequestError("the sampling parameters carry a structured output and the chat options ask "
-                                      "for another; send one of them", param="response_format")
-        return dataclasses.replace(params, structured_output=structured)
+        return self.builder.architecture
 
     def _kept_special_ids(self, chat: ChatOutputSpec | None) -> frozenset[int]:
         """Special tokens that spell a reasoning or call marker: decoding must keep them to split the text."""
@@ -139,10 +95,12 @@ class _EngineClient:
                 kept.add(ids[0])
         return frozenset(kept)
 
-    def submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str, emit, stream: bool,
-               chat: ChatOutputSpec | None = None):
-        """Queue a request on the engine thread; returns the future of its acceptance. ``chat``: how a chat
-        answer is split into reasoning, content and tool calls."""
+    def submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str,
+               emit: Callable[[object], None], stream: bool, chat: ChatOutputSpec | None = None) -> Future:
+        """Queue a request on the engine thread; returns the future of its acceptance.
+
+        ``emit`` gets, on the engine thread, ``TokenEvent``s (when ``stream``), then the final ``RequestOutput``,
+        or an exception. ``chat``: how a chat answer is split into reasoning, content and tool calls."""
         tok = self.tokenizer
         decode = None
         token_text = None
@@ -171,11 +129,13 @@ class _EngineClient:
 
     @property
     def max_model_len(self) -> int:
-        return self.backend.core.max_model_len
+        return self.builder.max_model_len
 
-    def set_prefill_token_budget(self, tokens: int) -> None:
-        core = self.backend.core
-        self.backend.loop.call(lambda: core.scheduler.set_prefill_chunk(tokens)).result()
+    def set_prefill_token_budget(self, tokens: int) -> Future:
+        """Future of setting the most prompt tokens one request prefills per step (0: whole prompts)."""
+        if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
+            raise InvalidRequestError("the prefill token budget must be an integer >= 0", param="tokens")
+        return self.backend.loop.send(SetPrefillBudget(tokens))
 
     @property
     def model_path(self) -> str:
@@ -185,18 +145,21 @@ class _EngineClient:
     def generation_config(self) -> dict[str, Any]:
         return dict(self.backend.checkpoint.generation_config or {})
 
-    def export_prefix(self, token_ids: Sequence[int], first_token: int = 0):
+    @cached_property
+    def model_info(self) -> ModelInfo:
+        """Sizes, dtype and device of the model the engine runs (read once)."""
+        return describe_model(self.backend.core)
+
+    def export_prefix(self, token_ids: Sequence[int], first_token: int = 0) -> Future:
         """Future of the ``KVSnapshot`` of the longest cached whole-block prefix of ``token_ids`` (from
         ``first_token`` on)."""
-        core, ids, path = self.backend.core, [int(t) for t in token_ids], self.model_path
-        return self.backend.loop.call(lambda: kv_snapshot.export_prefix(core, ids, path, first_token))
+        return self.backend.loop.send(ExportPrefix([int(t) for t in token_ids], self.model_path, first_token))
 
-    def import_prefix(self, snapshot: KVSnapshot):
+    def import_prefix(self, snapshot: KVSnapshot) -> Future:
         """Future of the number of leading tokens of ``snapshot`` the prefix cache now serves."""
         if not isinstance(snapshot, KVSnapshot):
             raise InvalidRequestError("import_prefix takes a KVSnapshot (see export_prefix)", param="snapshot")
-        core, path = self.backend.core, self.model_path
-        return self.backend.loop.call(lambda: kv_snapshot.import_prefix(core, snapshot, path))
+        return self.backend.loop.send(ImportPrefix(snapshot, self.model_path))
 
     def shutdown(self) -> None:
         self.backend.shutdown()
@@ -209,16 +172,21 @@ def _stream_event(item: object) -> TokenEvent | None:
     return item if isinstance(item, TokenEvent) else None
 
 
-def _chat_options(options: dict[str, Any]) -> tuple[str | None, dict[str, Any]]:
-    request_id = options.pop("request_id", None)
-    return request_id, options
-
-
 class _Facade:
     """What LLM and AsyncLLM expose alike without waiting on the engine: metadata, templates, cancellation."""
 
     def __init__(self, args: EngineArgs | None = None, **overrides: Any) -> None:
-        self._client = _EngineClient(args, overrides)
+        self._client = EngineClient(args, overrides)
+
+    @property
+    def engine_client(self) -> EngineClient:
+        """The engine handle beneath this facade, for lower-level front ends (``scheduler_api``)."""
+        return self._client
+
+    @property
+    def request_builder(self) -> RequestBuilder:
+        """What turns prompts and conversations into engine requests for this model."""
+        return self._client.builder
 
     @property
     def tokenizer(self):
@@ -243,14 +211,18 @@ class _Facade:
     def engine_caps(self) -> EngineCaps:
         return self._client.engine_caps()
 
+    def model_info(self) -> ModelInfo:
+        """Sizes, dtype and device of the model the engine runs."""
+        return self._client.model_info
+
     def render_chat(self, messages: Sequence[Mapping[str, Any]], **options: Any) -> str:
         """The prompt text the checkpoint's own template makes of ``messages`` (options as ``chat``)."""
-        return self._client.render_chat(messages, **options)
+        return self._client.builder.render_chat(messages, **options)
 
     def prepare_chat(self, messages: Sequence[Mapping[str, Any]],
                      **options: Any) -> tuple[list[int], ChatOutputSpec | None]:
         """Prompt ids and the answer's read-back spec (pass it to ``generate(..., chat_output=...)``)."""
-        return self._client.prepare_chat(messages, **options)
+        return self._client.builder.prepare_chat(messages, **options)
 
     def cancel(self, request_id: str) -> bool:
         """Cancel an active request at the next step boundary; False if it is unknown or finished."""
@@ -264,14 +236,24 @@ class _Facade:
         """Engine load and cache counters (for metrics)."""
         return self._client.stats()
 
+    def _build(self, prompts: Prompt | Sequence[Prompt], params: SamplingParams | None) -> list[EngineRequest]:
+        builder = self._client.builder
+        return [builder.build(params, prompt=p) for p in _prompt_list(prompts)]
+
+    def _build_chat(self, messages: Sequence[Mapping[str, Any]], params: SamplingParams | None,
+                    options: dict[str, Any]) -> tuple[str | None, EngineRequest]:
+        """The caller's request id (an option) and the conversation's engine request."""
+        request_id = options.pop("request_id", None)
+        return request_id, self._client.builder.build(params, messages=messages, chat_options=options)
+
 
 class LLM(_Facade):
     """Offline, blocking use of one model. Requests from many threads are batched together by the engine."""
 
-    def _run(self, prompt_ids: list[int], params: SamplingParams, request_id: str,
-             stream: bool, chat: ChatOutputSpec | None = None) -> queue.SimpleQueue:
+    def _run(self, request: EngineRequest, request_id: str, stream: bool,
+             chat: ChatOutputSpec | None = None) -> queue.SimpleQueue:
         results: queue.SimpleQueue = queue.SimpleQueue()
-        self._client.submit(prompt_ids, params, request_id, results.put, stream, chat).result()
+        self._client.submit(request.prompt_ids, request.params, request_id, results.put, stream, chat).result()
         return results
 
     @staticmethod
@@ -288,31 +270,30 @@ class LLM(_Facade):
         """Generate for one prompt or a batch (all submitted at once); outputs in prompt order.
 
         ``chat_output`` (from ``prepare_chat``): split each answer into reasoning, content and tool calls."""
-        params = params or SamplingParams()
-        batch = _prompt_list(prompts)
-        ids = [self._client.encode_prompt(p) for p in batch]
-        names = self._client.request_ids(request_id, len(ids))
+        return self._generate(self._build(prompts, params), request_id, chat_output)
+
+    def _generate(self, requests: list[EngineRequest], request_id: str | None,
+                  chat_output: ChatOutputSpec | None) -> list[RequestOutput]:
+        names = self._client.request_ids(request_id, len(requests))
         pending = []
         try:
-            for prompt_ids, name in zip(ids, names):
-                pending.append((name, self._run(prompt_ids, params, name, stream=False, chat=chat_output)))
+            for request, name in zip(requests, names):
+                pending.append((name, self._run(request, name, stream=False, chat=chat_output)))
             return [self._final(results) for _, results in pending]
         except BaseException:
             for name, _ in pending:
                 self._client.cancel(name)
             raise
 
-
     def generate_stream(self, prompt: Prompt, params: SamplingParams | None = None, *,
                         request_id: str | None = None) -> Iterator[TokenEvent]:
         """Token events for one prompt; leaving the loop early cancels the request."""
-        params = params or SamplingParams()
-        return self._stream(self._client.encode_prompt(_prompt_list(prompt)[0]), params, request_id)
+        return self._stream(self._build(_prompt_list(prompt)[0], params)[0], request_id)
 
-    def _stream(self, prompt_ids: list[int], params: SamplingParams,
-                request_id: str | None, chat: ChatOutputSpec | None = None) -> Iterator[TokenEvent]:
+    def _stream(self, request: EngineRequest, request_id: str | None,
+                chat: ChatOutputSpec | None = None) -> Iterator[TokenEvent]:
         name = request_id or self._client.new_request_id()
-        results = self._run(prompt_ids, params, name, stream=True, chat=chat)
+        results = self._run(request, name, stream=True, chat=chat)
         finished = False
         try:
             while not finished:
@@ -327,16 +308,17 @@ class LLM(_Facade):
     def chat(self, messages: Sequence[Mapping[str, Any]], params: SamplingParams | None = None,
              **options: Any) -> list[RequestOutput]:
         """One conversation rendered by the checkpoint's own chat template; a one-element list."""
-        request_id, options = _chat_options(options)
-        prompt_ids, spec = self._client.prepare_chat(messages, **options)
-        return self.generate([prompt_ids], self._client.chat_params(params, options, spec), request_id=request_id,
-                             chat_output=spec)
+        request_id, request = self._build_chat(messages, params, options)
+        return self._generate([request], request_id, request.chat_output)
 
     def chat_stream(self, messages: Sequence[Mapping[str, Any]], params: SamplingParams | None = None,
                     **options: Any) -> Iterator[TokenEvent]:
-        request_id, options = _chat_options(options)
-        prompt_ids, spec = self._client.prepare_chat(messages, **options)
-        return self._stream(prompt_ids, self._client.chat_params(params, options, spec), request_id, spec)
+        request_id, request = self._build_chat(messages, params, options)
+        return self._stream(request, request_id, request.chat_output)
+
+    def set_prefill_token_budget(self, tokens: int) -> None:
+        """Most prompt tokens one request prefills per step; 0 runs each prompt whole in one step."""
+        self._client.set_prefill_token_budget(tokens).result()
 
     def export_prefix(self, token_ids: Sequence[int], first_token: int = 0) -> KVSnapshot:
         """The KV of the longest prefix of ``token_ids`` held in whole cached blocks (``snapshot.save(path)``
@@ -363,20 +345,21 @@ class LLM(_Facade):
 class AsyncLLM(_Facade):
     """The same entry points as ``LLM`` as coroutines and async iterators, for asyncio applications."""
 
-    async def _run(self, prompt_ids: list[int], params: SamplingParams, request_id: str,
-                   stream: bool, chat: ChatOutputSpec | None = None) -> asyncio.Queue:
+    async def _run(self, request: EngineRequest, request_id: str, stream: bool,
+                   chat: ChatOutputSpec | None = None) -> asyncio.Queue:
         loop = asyncio.get_running_loop()
         results: asyncio.Queue = asyncio.Queue()
 
         def emit(item: object) -> None:
             loop.call_soon_threadsafe(results.put_nowait, item)
 
-        await asyncio.wrap_future(self._client.submit(prompt_ids, params, request_id, emit, stream, chat))
+        await asyncio.wrap_future(self._client.submit(request.prompt_ids, request.params, request_id, emit, stream,
+                                                      chat))
         return results
 
-    async def _final(self, prompt_ids: list[int], params: SamplingParams, request_id: str,
+    async def _final(self, request: EngineRequest, request_id: str,
                      chat: ChatOutputSpec | None = None) -> RequestOutput:
-        results = await self._run(prompt_ids, params, request_id, stream=False, chat=chat)
+        results = await self._run(request, request_id, stream=False, chat=chat)
         try:
             item = await results.get()
         except asyncio.CancelledError:
@@ -389,22 +372,24 @@ class AsyncLLM(_Facade):
     async def generate(self, prompts: Prompt | Sequence[Prompt], params: SamplingParams | None = None, *,
                        request_id: str | None = None,
                        chat_output: ChatOutputSpec | None = None) -> list[RequestOutput]:
-        params = params or SamplingParams()
-        batch = [self._client.encode_prompt(p) for p in _prompt_list(prompts)]
-        names = self._client.request_ids(request_id, len(batch))
-        return list(await asyncio.gather(*(self._final(p, params, n, chat_output) for p, n in zip(batch, names))))
+        return await self._generate(self._build(prompts, params), request_id, chat_output)
+
+    async def _generate(self, requests: list[EngineRequest], request_id: str | None,
+                        chat_output: ChatOutputSpec | None) -> list[RequestOutput]:
+        names = self._client.request_ids(request_id, len(requests))
+        return list(await asyncio.gather(*(self._final(r, n, chat_output) for r, n in zip(requests, names))))
 
     async def generate_stream(self, prompt: Prompt, params: SamplingParams | None = None, *,
                               request_id: str | None = None,
                               chat_output: ChatOutputSpec | None = None) -> AsyncIterator[TokenEvent]:
-        prompt_ids = self._client.encode_prompt(_prompt_list(prompt)[0])
-        async for event in self._stream(prompt_ids, params or SamplingParams(), request_id, chat_output):
+        request = self._build(_prompt_list(prompt)[0], params)[0]
+        async for event in self._stream(request, request_id, chat_output):
             yield event
 
-    async def _stream(self, prompt_ids: list[int], params: SamplingParams,
-                      request_id: str | None, chat: ChatOutputSpec | None = None) -> AsyncIterator[TokenEvent]:
+    async def _stream(self, request: EngineRequest, request_id: str | None,
+                      chat: ChatOutputSpec | None = None) -> AsyncIterator[TokenEvent]:
         name = request_id or self._client.new_request_id()
-        results = await self._run(prompt_ids, params, name, stream=True, chat=chat)
+        results = await self._run(request, name, stream=True, chat=chat)
         finished = False
         try:
             while not finished:
@@ -418,17 +403,18 @@ class AsyncLLM(_Facade):
 
     async def chat(self, messages: Sequence[Mapping[str, Any]], params: SamplingParams | None = None,
                    **options: Any) -> list[RequestOutput]:
-        request_id, options = _chat_options(options)
-        prompt_ids, spec = self._client.prepare_chat(messages, **options)
-        return await self.generate([prompt_ids], self._client.chat_params(params, options, spec), request_id=request_id,
-                                   chat_output=spec)
+        request_id, request = self._build_chat(messages, params, options)
+        return await self._generate([request], request_id, request.chat_output)
 
     async def chat_stream(self, messages: Sequence[Mapping[str, Any]], params: SamplingParams | None = None,
                           **options: Any) -> AsyncIterator[TokenEvent]:
-        request_id, options = _chat_options(options)
-        prompt_ids, spec = self._client.prepare_chat(messages, **options)
-        async for event in self._stream(prompt_ids, self._client.chat_params(params, options, spec), request_id, spec):
+        request_id, request = self._build_chat(messages, params, options)
+        async for event in self._stream(request, request_id, request.chat_output):
             yield event
+
+    async def set_prefill_token_budget(self, tokens: int) -> None:
+        """As ``LLM.set_prefill_token_budget``."""
+        await asyncio.wrap_future(self._client.set_prefill_token_budget(tokens))
 
     async def export_prefix(self, token_ids: Sequence[int], first_token: int = 0) -> KVSnapshot:
         """As ``LLM.export_prefix``."""

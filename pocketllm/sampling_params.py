@@ -132,6 +132,7 @@ class StructuredOutput:
 class SamplingParams:
     """How one request is sampled and when it ends.
 
+    ``max_tokens`` None (the default) lets a request generate up to the end of the context.
     ``temperature == 0`` is greedy. ``top_k`` of 0 or -1 disables top-k. ``logprobs`` is ``None`` for
     none, otherwise the number of alternatives (0..20) ranked from raw logits beside the sampled token.
     ``stop`` strings are matched on the decoded text by the front end; ``stop_token_ids`` end the
@@ -140,7 +141,7 @@ class SamplingParams:
     grammar is complete.
     """
 
-    max_tokens: int = 256
+    max_tokens: int | None = None
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
@@ -158,7 +159,8 @@ class SamplingParams:
     structured_output: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
-        _integer("max_tokens", self.max_tokens, low=1)
+        if self.max_tokens is not None:
+            _integer("max_tokens", self.max_tokens, low=1)
         _number("temperature", self.temperature, low=0.0)
         _number("top_p", self.top_p, low=0.0, high=1.0, low_open=True)
         top_k = _integer("top_k", self.top_k, low=-1)

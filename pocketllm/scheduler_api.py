@@ -46,8 +46,8 @@ class BatchScheduler:
         if isinstance(max_batch_size, bool) or not isinstance(max_batch_size, int) or max_batch_size < 1:
             raise InvalidRequestError("max_batch_size must be a positive integer", param="max_batch_size")
         self._llm = llm
-        self._client = llm._client
-        self._batch = min(max_batch_size, self._client.engine_caps().max_slots)
+        self._client = llm.engine_client
+        self._batch = min(max_batch_size, llm.engine_caps().max_slots)
         self._lock = threading.Lock()
         self._queued: deque[_Pending] = deque()
         self._running: set[str] = set()
@@ -55,16 +55,14 @@ class BatchScheduler:
         self._stopped = False
 
     def engine_caps(self) -> EngineCaps:
-        return self._client.engine_caps()
+        return self._llm.engine_caps()
 
     def max_batch_size(self) -> int:
         return self._batch
 
     def set_prefill_token_budget(self, tokens: int) -> None:
         """Most prompt tokens one request prefills per step; 0 runs each prompt whole in one step."""
-        if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
-            raise InvalidRequestError("the prefill token budget must be an integer >= 0", param="tokens")
-        self._client.set_prefill_token_budget(tokens)
+        self._llm.set_prefill_token_budget(tokens)
 
     def submit_request(self, prompt_tokens: Sequence[int], sampling: SamplingParams | None = None, *,
                        callback: CompleteCallback | None = None, on_token: TokenCallback | None = None,
@@ -112,7 +110,7 @@ class BatchScheduler:
         if pending is not None:
             self._complete(pending, None)
             return True
-        return self._client.cancel(request_id)
+        return self._llm.cancel(request_id)
 
     def stop(self) -> None:
         """Cancel everything queued or running and refuse new requests (the engine itself keeps running)."""
@@ -123,7 +121,7 @@ class BatchScheduler:
         for pending in queued:
             self._complete(pending, None)
         for request_id in running:
-            self._client.cancel(request_id)
+            self._llm.cancel(request_id)
         for request_id in running:
             pending = self._requests.get(request_id)
             if pending is not None:

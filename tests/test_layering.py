@@ -18,6 +18,7 @@ ORDER = [
     "protocol",
     "outputs",
     "tokenizer",
+    "request_builder",
     "step",
     "kernels",
     "distributed",

@@ -1,5 +1,5 @@
 """What the bench commands share: the random workload, the hardware description, memory-bandwidth
-measurement, weight bytes, JSON and plot output, and the HF transformers peer model."""
+measurement, JSON and plot output, and the HF transformers peer model."""
 
 from __future__ import annotations
 
@@ -119,36 +119,9 @@ def measure_bandwidth(device: torch.device, repeats: int = 10) -> float:
     return 2 * src.numel() * 4 / times[len(times) // 2]
 
 
-def weight_bytes(model: torch.nn.Module) -> int:
-    """Bytes a batch-1 decode step reads from the weights: every parameter once, except an untied embedding
-    table (one row per token is read from it) and routed experts (``top_k`` of ``num_experts`` per layer), plus
-    the layers held in a CPU weight format (bfloat16, int4), whose own LM head then replaces the tied table."""
-    from pocketllm.layers.embedding import ParallelLMHead
-    from pocketllm.layers.quantized_linear import CpuLinear, RescoredLMHead
-
-    total = sum(m.weight_bytes() for m in model.modules() if isinstance(m, (CpuLinear, RescoredLMHead)))
-    own_head = hasattr(model, "lm_head") and not isinstance(model.lm_head, ParallelLMHead)
-    seen = set()
-    tied = bool(getattr(model, "tie_word_embeddings", False)) and not own_head
-    experts = {id(p): m.top_k / m.num_experts for m in model.modules() if type(m).__name__ == "FusedMoE"
-               for p in m.parameters()}
-    for name, param in model.named_parameters():
-        if id(param) in seen:
-            continue
-        seen.add(id(param))
-        if "embed_tokens" in name and not tied:
-            continue
-        total += int(param.numel() * param.element_size() * experts.get(id(param), 1.0))
-    return total
-
-
-def engine_model(llm) -> torch.nn.Module:
-    """The torch module the engine runs (the bench reads its sizes; nothing else reaches this deep)."""
-    return llm._client.backend.core.runner.model
-
-
 def engine_vocab_size(llm) -> int:
-    return int(llm._client.backend.core.vocab_size)
+    """The vocabulary size of the model an ``LLM`` or ``AsyncLLM`` runs."""
+    return llm.model_info().vocab_size
 
 
 def write_json(path: str | None, result: dict[str, Any]) -> None:

@@ -109,7 +109,7 @@ def run(args: argparse.Namespace, engine_args) -> dict[str, Any]:
             vocab = common.engine_vocab_size(llm)
             lengths = (args.input_len, args.input_len)
             prompt = common.random_workload(1, lengths, (1, 1), vocab, args.workload_seed).prompts[0]
-            wbytes = common.weight_bytes(common.engine_model(llm))
+            wbytes = llm.model_info().weight_bytes
             for _ in range(args.warmup_iters):
                 _one_run(llm, prompt, args.output_len)
             runs = [_one_run(llm, prompt, args.output_len) for _ in range(args.num_iters)]

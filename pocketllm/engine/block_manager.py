@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from pocketllm.engine.request import Request
@@ -49,25 +50,31 @@ class BlockManager:
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def _keys(self, token_ids: list[int], num_blocks: int, start: int = 0, parent: int = 0):
-        """(key, hash) of blocks ``start..num_blocks-1``, chained from ``parent``."""
+    def chain_keys(self, token_ids: list[int], num_blocks: int, start: int = 0,
+                   parent: int = 0) -> Iterator[tuple[BlockKey, int]]:
+        """(key, hash) of blocks ``start..num_blocks-1`` of ``token_ids``, chained from ``parent``."""
         for i in range(start, num_blocks):
             tokens = tuple(token_ids[i * self.block_size:(i + 1) * self.block_size])
             key = (parent, tokens)
             parent = hash(key)
             yield key, parent
 
+    def cached_blocks(self, token_ids: list[int], num_blocks: int) -> list[int]:
+        """Blocks the cache holds for the longest prefix of ``token_ids``' first ``num_blocks`` blocks."""
+        found: list[int] = []
+        for key, _ in self.chain_keys(token_ids, num_blocks):
+            block_id = self.cached.get(key)
+            if block_id is None:
+                break
+            found.append(block_id)
+        return found
+
     def find_cached_prefix(self, request: Request) -> list[int]:
         """Blocks holding the longest cached prefix of the request (always leaving one token to compute)."""
         if not self.enable_prefix_caching:
             return []
         tokens = request.all_token_ids
-        found: list[int] = []
-        for key, _ in self._keys(tokens, (len(tokens) - 1) // self.block_size):
-            block_id = self.cached.get(key)
-            if block_id is None:
-                break
-            found.append(block_id)
+        found = self.cached_blocks(tokens, (len(tokens) - 1) // self.block_size)
         self.prefix_queries += len(tokens)
         self.prefix_hits += len(found) * self.block_size
         return found
@@ -108,7 +115,7 @@ class BlockManager:
             return
         tokens = request.all_token_ids
         start, parent = request.num_hashed_blocks, request.last_block_hash
-        for i, (key, digest) in enumerate(self._keys(tokens, full, start, parent), start):
+        for i, (key, digest) in enumerate(self.chain_keys(tokens, full, start, parent), start):
             block = self.blocks[request.block_table[i]]
             if block.key is None:
                 block.key, block.hash = key, digest

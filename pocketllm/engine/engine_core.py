@@ -225,7 +225,7 @@ class EngineCore:
         if token in params.stop_token_ids or (not params.ignore_eos and token in request.eos_token_ids):
             request.stop_reason = token
             return FinishReason.STOP
-        if len(request.output_token_ids) >= params.max_tokens or request.num_tokens >= self.max_model_len:
+        if request.reaches_length_limit(self.max_model_len):
             return FinishReason.LENGTH
         return None
 

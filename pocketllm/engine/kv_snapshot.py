@@ -3,7 +3,8 @@
 A snapshot is the KV of whole blocks only (a prefix of ``block_size`` multiples), taken from blocks the
 prefix cache knows. Importing writes the tensors into free blocks and registers them under the same chain
 keys the block manager uses, as freed-but-findable blocks: the next request sharing the prefix takes them
-like any other prefix-cache hit. Both functions run on the engine thread (``EngineLoop.call``).
+like any other prefix-cache hit. Both functions run on the engine thread (the loop's ``ExportPrefix`` and
+``ImportPrefix`` commands).
 
 A snapshot may also hold only the blocks from ``first_token`` on (an increment: the KV store appends one per
 conversation turn instead of rewriting the whole prefix); increments are joined from token 0 before import.
@@ -142,12 +143,7 @@ def export_prefix(core, token_ids: list[int], model_path: str, first_token: int 
         raise InvalidRequestError(f"first_token must be a multiple of the block size {blocks.block_size}",
                                   param="first_token")
     skip = first_token // blocks.block_size
-    found: list[int] = []
-    for key, _ in blocks._keys(list(token_ids), len(token_ids) // blocks.block_size):
-        block_id = blocks.cached.get(key)
-        if block_id is None:
-            break
-        found.append(block_id)
+    found = blocks.cached_blocks(list(token_ids), len(token_ids) // blocks.block_size)
     identity = model_identity(core, model_path)
     layers = _layers(core)
     if len(found) <= skip:
@@ -189,7 +185,7 @@ def import_prefix(core, snapshot: KVSnapshot, model_path: str) -> int:
     check_compatible(snapshot, model_identity(core, model_path))
     blocks = core.blocks
     layers = _layers(core)
-    chain = list(blocks._keys(list(snapshot.token_ids), len(snapshot.token_ids) // blocks.block_size))
+    chain = list(blocks.chain_keys(list(snapshot.token_ids), len(snapshot.token_ids) // blocks.block_size))
     present = [blocks.cached.get(key) for key, _ in chain]
     for block_id in present:   # keep the cached part of the chain from being chosen for reuse below
         if block_id is not None and block_id in blocks.free:

@@ -7,32 +7,42 @@ import queue
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Any, Protocol
+from dataclasses import dataclass
 
+from pocketllm.engine import kv_snapshot
+from pocketllm.engine.commands import (
+    Abort,
+    AddRequest,
+    Command,
+    ExportPrefix,
+    ImportPrefix,
+    OutputSink,
+    SetPrefillBudget,
+    Shutdown,
+)
 from pocketllm.engine.engine_core import EngineCore, StepOutput
 from pocketllm.engine.request import FinishReason, Request
 from pocketllm.errors import EngineDeadError, InvalidRequestError
+from pocketllm.sampling_params import SamplingParams
 from pocketllm.step.sampled import SampledToken
+
+__all__ = ["EngineLoop", "OutputSink"]
 
 logger = logging.getLogger("pocketllm.engine")
 
 
-class OutputSink(Protocol):
-    """Receives a request's outputs on the engine thread; must not block."""
+@dataclass(frozen=True)
+class _Queued:
+    """A command on the queue with the future its result goes to (None: nobody waits for it)."""
 
-    def on_output(self, request: Request, token: SampledToken | None) -> bool:
-        """Handle one step's result (``token`` None: ended without a new token, e.g. cancelled).
-
-        Return True to end the request now (the front end found a stop string).
-        """
-        ...
-
-    def on_error(self, error: BaseException) -> None: ...
+    command: Command
+    future: Future | None
 
 
 class EngineLoop:
     """Runs ``EngineCore.step`` on a daemon thread. All engine state is touched only on that thread.
 
+    Other threads talk to it through commands (``pocketllm.engine.commands``) that it runs between steps.
     The core is built on that thread too (``build``), so that loading, compiling and every step run their torch
     work on one thread. On CPU this matters for speed: each thread that runs a parallel torch op gets its own
     OpenMP worker team, and with more OpenMP threads than cores the runtime shortens its spin-waiting, so
@@ -44,7 +54,7 @@ class EngineLoop:
     def __init__(self, build: Callable[[], EngineCore]) -> None:
         """Start the engine thread and wait until it has built the core (an error building it is raised
         here, and the thread has ended)."""
-        self.commands: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self.commands: queue.SimpleQueue[_Queued] = queue.SimpleQueue()
         self.sinks: dict[str, OutputSink] = {}
         self.active: set[str] = set()
         self.error: BaseException | None = None
@@ -59,49 +69,39 @@ class EngineLoop:
         self.core: EngineCore = built.result()
 
     # --- called from any thread -------------------------------------------------------------------
-    def submit(self, request_id: str, prompt_token_ids: list[int], params, sink: OutputSink) -> Future:
+    def send(self, command: Command) -> Future:
+        """Queue ``command`` for the engine thread; its result (or error) comes back through the future."""
+        future: Future = Future()
+        with self._queue_lock:
+            self._check_alive()
+            self.commands.put(_Queued(command, future))
+        return future
+
+    def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+               sink: OutputSink) -> Future:
         """Queue a request; the future resolves once the engine accepted it (or raises its error)."""
         self._check_alive()
         if request_id in self.active:
             raise InvalidRequestError(f"request id {request_id!r} is already active", param="request_id")
         self.active.add(request_id)
-        return self.call(lambda: self._add(request_id, prompt_token_ids, params, sink),
-                         on_error=lambda: self.active.discard(request_id))
+        try:
+            return self.send(AddRequest(request_id, prompt_token_ids, params, sink))
+        except BaseException:
+            self.active.discard(request_id)
+            raise
 
     def abort(self, request_id: str) -> bool:
         """Ask for a cancel at the next step boundary; True if the request is active now."""
         if request_id not in self.active or self.error is not None:
             return False
-        self.commands.put(lambda: self._abort(request_id))
+        self.commands.put(_Queued(Abort(request_id), None))
         return True
-
-    def call(self, fn: Callable[[], Any], on_error: Callable[[], None] | None = None) -> Future:
-        """Run ``fn`` on the engine thread between steps; its result comes back through the future."""
-        future: Future = Future()
-
-        def fail(exc: BaseException) -> None:
-            if on_error is not None:
-                on_error()
-            future.set_exception(exc)
-
-        def command() -> None:
-            try:
-                future.set_result(fn())
-            except BaseException as exc:  # handed to the caller through the future
-                fail(exc)
-
-        command.fail = fail  # what a crash of the engine thread does with this command if it never runs
-        with self._queue_lock:
-            self._check_alive()
-            self.commands.put(command)
-        return future
 
     def shutdown(self, timeout: float = 30.0) -> None:
         """Cancel what is still running and stop the thread."""
         if not self.thread.is_alive():
             return
-        self.commands.put(self._cancel_all)
-        self.commands.put(None)
+        self.commands.put(_Queued(Shutdown(), None))
         self.thread.join(timeout)
 
     # --- engine thread ----------------------------------------------------------------------------
@@ -111,18 +111,38 @@ class EngineLoop:
         if self._stopping or not self.thread.is_alive():
             raise EngineDeadError("the engine has been shut down")
 
-    def _add(self, request_id: str, prompt_token_ids: list[int], params, sink: OutputSink) -> None:
-        self.core.add_request(request_id, prompt_token_ids, params)
-        self.sinks[request_id] = sink
+    def _execute(self, command: Command) -> object:
+        """Run one command on the engine thread; its result goes to the caller's future."""
+        core = self.core
+        match command:
+            case AddRequest(request_id, prompt_token_ids, params, sink):
+                core.add_request(request_id, prompt_token_ids, params)
+                self.sinks[request_id] = sink
+            case Abort(request_id):
+                self._abort(request_id)
+            case SetPrefillBudget(tokens):
+                core.scheduler.set_prefill_chunk(tokens)
+            case ExportPrefix(token_ids, model_path, first_token):
+                return kv_snapshot.export_prefix(core, token_ids, model_path, first_token)
+            case ImportPrefix(snapshot, model_path):
+                return kv_snapshot.import_prefix(core, snapshot, model_path)
+            case Shutdown():
+                for request_id in list(self.sinks):
+                    self._abort(request_id)
+            case _:
+                raise TypeError(f"not an engine command: {command!r}")
+        return None
+
+    def _fail(self, item: _Queued, exc: BaseException) -> None:
+        if isinstance(item.command, AddRequest):
+            self.active.discard(item.command.request_id)
+        if item.future is not None:
+            item.future.set_exception(exc)
 
     def _abort(self, request_id: str) -> None:
         request = self.core.abort(request_id)
         if request is not None:
             self._deliver(request, None)
-
-    def _cancel_all(self) -> None:
-        for request_id in list(self.sinks):
-            self._abort(request_id)
 
     def _deliver(self, request: Request, token: SampledToken | None) -> None:
         sink = self.sinks.get(request.request_id)
@@ -175,29 +195,35 @@ class EngineLoop:
         for output in outputs:
             self._deliver(output.request, output.token)
 
-    def _fail_queued(self, exc: BaseException) -> None:
-        """Fail the futures of the commands still queued (a crash means they will never run)."""
+    def _fail_queued(self, message: str) -> None:
+        """Fail the futures of the commands still queued (after a crash or a shutdown they will never run)."""
         while True:
             try:
-                command = self.commands.get_nowait()
+                item = self.commands.get_nowait()
             except queue.Empty:
                 return
-            fail = getattr(command, "fail", None)
-            if fail is not None:
-                fail(EngineDeadError(f"the engine stopped after an error: {exc!r}"))
+            self._fail(item, EngineDeadError(message))
 
     def _drain(self, block: bool) -> bool:
         """Run queued commands; False once asked to stop."""
         try:
-            command = self.commands.get(block=block)
+            item = self.commands.get(block=block)
         except queue.Empty:
             return True
         while True:
-            if command is None:
-                return False
-            command()
             try:
-                command = self.commands.get_nowait()
+                result = self._execute(item.command)
+            except BaseException as exc:  # handed to the caller through the future
+                if item.future is None:
+                    raise   # nobody waits for it (an abort): the engine's state is in doubt
+                self._fail(item, exc)
+            else:
+                if item.future is not None:
+                    item.future.set_result(result)
+            if isinstance(item.command, Shutdown):
+                return False
+            try:
+                item = self.commands.get_nowait()
             except queue.Empty:
                 return True
 
@@ -221,7 +247,7 @@ class EngineLoop:
             logger.exception("engine loop crashed")
             with self._queue_lock:
                 self.error = exc
-                self._fail_queued(exc)
+                self._fail_queued(f"the engine stopped after an error: {exc!r}")
             for request_id, sink in list(self.sinks.items()):
                 try:
                     sink.on_error(exc)
@@ -229,4 +255,6 @@ class EngineLoop:
                     logger.exception("error handler of request %s failed", request_id)
                 self._release(request_id)
         finally:
-            self._stopping = True
+            with self._queue_lock:
+                self._stopping = True
+                self._fail_queued("the engine has been shut down")

@@ -81,3 +81,10 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
+
+    def reaches_length_limit(self, max_model_len: int, pending: int = 0) -> bool:
+        """Whether the output tokens plus ``pending`` ones not yet read back reach ``max_tokens`` or the
+        context (``max_model_len``): the one end-of-budget rule (``max_tokens`` None is the context alone)."""
+        outputs = len(self.output_token_ids) + pending
+        limit = self.params.max_tokens
+        return (limit is not None and outputs >= limit) or len(self.prompt_token_ids) + outputs >= max_model_len

@@ -137,11 +137,8 @@ class Scheduler:
 
     def _ends_with_pending(self, request: Request) -> bool:
         """The pending token reaches the request's token or context limit, so nothing more runs for it."""
-        if not request.num_pending_tokens:
-            return False
-        outputs = len(request.output_token_ids) + request.num_pending_tokens
-        return (outputs >= request.params.max_tokens
-                or request.num_scheduled_tokens >= self.limits.max_model_len)
+        pending = request.num_pending_tokens
+        return bool(pending) and request.reaches_length_limit(self.limits.max_model_len, pending)
 
     def finish(self, request: Request, reason: FinishReason) -> None:
         """End a request (running or waiting) and release its blocks."""

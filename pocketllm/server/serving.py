@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 import uuid
@@ -15,13 +16,9 @@ from pocketllm.errors import InvalidRequestError
 from pocketllm.outputs import RequestOutput, TokenEvent, TokenLogprob
 from pocketllm.protocol.chat_output import ChatOutputSpec
 from pocketllm.protocol.openai_fields import ParsedRequest
-from pocketllm.protocol.structured_output import (
-    after_reasoning,
-    is_forced_tool_choice,
-    parse_forced_tool_calls,
-    structured_output_for,
-)
-from pocketllm.sampling_params import SamplingParams, StructuredOutput
+from pocketllm.protocol.structured_output import is_forced_tool_choice, parse_forced_tool_calls
+from pocketllm.request_builder import EngineRequest
+from pocketllm.sampling_params import SamplingParams
 from pocketllm.server.metrics import ServerMetrics
 
 SEED_STRIDE = 1_000_003
@@ -88,72 +85,40 @@ class OpenAIServing:
         self.jobs: dict[str, _Job] = {}
 
     # --- building --------------------------------------------------------------------------------
-    def _chat_prompt(self, parsed: ParsedRequest) -> tuple[list[int], ChatOutputSpec | None]:
-        options = dict(parsed.chat_options)
-        if parsed.drop_thinking is not None:
-            options.setdefault("drop_thinking", parsed.drop_thinking)
-        return self.llm.prepare_chat(parsed.messages, **options)
-
-    def _prompt_ids(self, parsed: ParsedRequest) -> list[list[int]]:
-        tok = self.llm.tokenizer
+    def _requests(self, parsed: ParsedRequest) -> list[EngineRequest]:
+        """One engine request per prompt (a chat has one), built as the library builds them; a ``max_tokens``
+        that does not fit beside the prompt is refused."""
+        params = SamplingParams(**parsed.sampling)
+        builder = self.llm.request_builder
         if parsed.endpoint == "chat":
-            return [self._chat_prompt(parsed)[0]]
-        prompts = []
-        for prompt in parsed.prompts:
-            if isinstance(prompt, str):
-                if tok is None:
-                    raise InvalidRequestError("this model has no tokenizer; send token ids", param="prompt")
-                prompts.append(tok.encode(prompt, add_special_tokens=True))
-            else:
-                prompts.append(list(prompt))
-        return prompts
+            options = dict(parsed.chat_options)
+            if parsed.drop_thinking is not None:
+                options.setdefault("drop_thinking", parsed.drop_thinking)
+            return [builder.build(params, messages=parsed.messages, chat_options=options, strict_budget=True)]
+        return [builder.build(params, prompt=prompt, strict_budget=True) for prompt in parsed.prompts]
 
-    def _params(self, parsed: ParsedRequest, prompt_len: int, choice: int,
-                structured: StructuredOutput | None = None) -> SamplingParams:
-        sampling = dict(parsed.sampling)
-        if structured is not None:  # each choice is its own engine request, so it gets its own matcher
-            sampling["structured_output"] = structured
-        room = self.llm.max_model_len - prompt_len
-        if room < 1:
-            raise InvalidRequestError(
-                f"the prompt is {prompt_len} tokens; this model's context is {self.llm.max_model_len} tokens",
-                param="messages" if parsed.endpoint == "chat" else "prompt")
-        max_tokens = sampling.get("max_tokens")
-        if max_tokens is None:
-            sampling["max_tokens"] = room
-        elif max_tokens > room:
-            raise InvalidRequestError(
-                f"max_tokens={max_tokens} plus the {prompt_len}-token prompt exceeds this model's context of "
-                f"{self.llm.max_model_len} tokens; ask for at most {room}",
-                param="max_tokens")
-        seed = sampling.get("seed")
-        if seed is not None and choice:
-            sampling["seed"] = (seed + choice * SEED_STRIDE) % (1 << 63)
-        return SamplingParams(**sampling)
+    @staticmethod
+    def _choice_params(params: SamplingParams, choice: int) -> SamplingParams:
+        """The ``choice``-th sample's parameters: its own seed, so that the choices differ."""
+        if params.seed is None or not choice:
+            return params
+        return dataclasses.replace(params, seed=(params.seed + choice * SEED_STRIDE) % (1 << 63))
 
     def _job(self, parsed: ParsedRequest, prefix: str) -> _Job:
         request_id = parsed.request_id or f"{prefix}-{uuid.uuid4().hex}"
         if request_id in self.jobs:
             raise InvalidRequestError(f"request_id {request_id!r} is already in use", param="request_id")
-        chat_output = None
-        if parsed.endpoint == "chat":
-            prompt_ids, chat_output = self._chat_prompt(parsed)
-            prompts = [prompt_ids]
-        else:
-            prompts = self._prompt_ids(parsed)
-        structured = None
-        if parsed.endpoint == "chat":
-            structured = after_reasoning(structured_output_for(parsed.chat_options), chat_output)
+        requests = self._requests(parsed)
         choices = []
-        for p, prompt_ids in enumerate(prompts):
+        for p, request in enumerate(requests):
             for i in range(parsed.n):
                 index = p * parsed.n + i
-                choices.append(_Choice(index, f"{request_id}-{index}", prompt_ids,
-                                       self._params(parsed, len(prompt_ids), i, structured)))
+                choices.append(_Choice(index, f"{request_id}-{index}", request.prompt_ids,
+                                       self._choice_params(request.params, i)))
         job = _Job(request_id, parsed.endpoint, choices, parsed.want_logprobs)
         job.forced_tool_calls = is_forced_tool_choice(parsed.chat_options.get("tool_choice"))
-        job.prompt_tokens = sum(len(p) for p in prompts)
-        job.chat_output = chat_output
+        job.prompt_tokens = sum(len(r.prompt_ids) for r in requests)
+        job.chat_output = requests[0].chat_output if parsed.endpoint == "chat" else None
         job.include_usage = parsed.include_usage
         return job
 
