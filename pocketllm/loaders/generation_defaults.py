@@ -1,0 +1,36 @@
+"""A checkpoint's default sampling: its ``generation_config`` values, else PocketLLM's documented defaults.
+
+``pocketllm run`` and ``pocketllm chat`` sample with these unless a flag says otherwise; ``--temperature 0`` is
+greedy. The fallback (temperature 0.7, top_p 0.9, repetition_penalty 1.1) is measured on the default model by
+``scripts/sampling_defaults.py`` (docs/cpu-quality.md): without the penalty, SmolLM2-135M-Instruct sampled at
+0.7 falls into repeated lines ("A lone soul, a lone soul, ...") on short creative prompts often enough that an
+answer does not end; with it, the README's prompts end with EOS well inside 128 tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from pocketllm.sampling_params import SamplingParams
+
+# Used when the checkpoint's generation_config sets none of the sampling fields.
+FALLBACK_SAMPLING: dict[str, Any] = {"temperature": 0.7, "top_p": 0.9, "repetition_penalty": 1.1}
+# generation_config.json fields that are SamplingParams fields of the same meaning.
+_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def sampling_defaults(generation_config: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The sampling fields a checkpoint asks for: those its ``generation_config`` sets (temperature, top_p,
+    top_k, min_p, repetition_penalty; chosen together by its authors, so the others keep SamplingParams' neutral
+    values), else ``FALLBACK_SAMPLING``; ``do_sample: false`` means greedy either way."""
+    config = dict(generation_config or {})
+    values = {name: config[name] for name in _FIELDS if config.get(name) is not None} or dict(FALLBACK_SAMPLING)
+    if config.get("do_sample") is False:   # the checkpoint asks for greedy decoding
+        values["temperature"] = 0.0
+    return values
+
+
+def default_sampling_params(generation_config: Mapping[str, Any] | None, **overrides: Any) -> SamplingParams:
+    """SamplingParams with the checkpoint's defaults (``sampling_defaults``); ``overrides`` win."""
+    return SamplingParams(**{**sampling_defaults(generation_config), **overrides})
