@@ -32,5 +32,8 @@ def sampling_defaults(generation_config: Mapping[str, Any] | None) -> dict[str, 
 
 
 def default_sampling_params(generation_config: Mapping[str, Any] | None, **overrides: Any) -> SamplingParams:
-    """SamplingParams with the checkpoint's defaults (``sampling_defaults``); ``overrides`` win."""
+    """SamplingParams with the checkpoint's defaults (``sampling_defaults``); ``overrides`` win. An explicit
+    ``temperature=0`` is plain greedy decoding: none of the defaults (a repetition penalty) applies then."""
+    if overrides.get("temperature") == 0:
+        return SamplingParams(**overrides)
     return SamplingParams(**{**sampling_defaults(generation_config), **overrides})
