@@ -3,17 +3,27 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from collections.abc import Iterable
 
 from pocketllm.api import LLM
-from pocketllm.cli.engine_flags import add_engine_flags, add_sampling_flags, engine_args_from, sampling_params_from
+from pocketllm.cli.engine_flags import (
+    SAMPLING_FLAGS,
+    add_engine_flags,
+    add_sampling_flags,
+    engine_args_from,
+    sampling_params_from,
+)
 from pocketllm.cli.line_input import read_line
+from pocketllm.loaders.generation_defaults import default_sampling_params
 from pocketllm.outputs import TokenEvent, Usage
 from pocketllm.sampling_params import SamplingParams
 
-CLI_SAMPLING_DEFAULTS = {"max_tokens": 512, "temperature": 0.7}
+# Sampling flags not given take the checkpoint's defaults (generation_config, else temperature 0.7 and top_p 0.9:
+# pocketllm/loaders/generation_defaults.py); --temperature 0 is plain greedy.
+CLI_SAMPLING_DEFAULTS = {"max_tokens": 512}
 
 
 def add_run_parser(subparsers) -> None:
@@ -78,9 +88,18 @@ def _messages(system: str | None, turns: list[dict[str, str]]) -> list[dict[str,
     return ([{"role": "system", "content": system}] if system else []) + turns
 
 
+def _sampling(args: argparse.Namespace, llm: LLM) -> SamplingParams:
+    """The sampling flags given, over the checkpoint's default sampling."""
+    flags = sampling_params_from(args)
+    given = {name: getattr(flags, name) for name in SAMPLING_FLAGS if getattr(args, name, None) is not None}
+    chosen = default_sampling_params(llm.generation_config, **given)
+    return dataclasses.replace(flags, **{name: getattr(chosen, name) for name in SAMPLING_FLAGS})
+
+
 def run_command(args: argparse.Namespace) -> int:
-    params = sampling_params_from(args)
+    sampling_params_from(args)   # a bad flag fails before the model loads
     with LLM(engine_args_from(args)) as llm:
+        params = _sampling(args, llm)
         if args.raw:
             events = llm.generate_stream(args.prompt, params)
         else:
@@ -97,8 +116,9 @@ def _chat_turn(llm: LLM, messages: list[dict[str, str]], params: SamplingParams)
 
 
 def chat_command(args: argparse.Namespace) -> int:
-    params = sampling_params_from(args)
+    sampling_params_from(args)   # a bad flag fails before the model loads
     with LLM(engine_args_from(args)) as llm:
+        params = _sampling(args, llm)
         llm.render_chat(_messages(args.system, [{"role": "user", "content": "hi"}]))  # fail early without template
         turns: list[dict[str, str]] = []
         print("Type a message; /exit to leave.", file=sys.stderr)
