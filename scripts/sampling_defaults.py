@@ -6,6 +6,7 @@ For each setting, ``--samples`` sampled answers to each chat prompt (the README'
 run of four tokens occurs three times or more).
 
     python scripts/sampling_defaults.py --samples 8
+    python scripts/sampling_defaults.py --samples 16 --prompts 2 --settings "T0.7 p0.9" "T0.5 p0.9" "T0.3 p0.9"
 """
 
 from __future__ import annotations
@@ -32,6 +33,9 @@ SETTINGS = {
     "T0.7 p0.9 rp1.1": {"temperature": 0.7, "top_p": 0.9, "repetition_penalty": 1.1},
     "T0.7 p0.9 rp1.2": {"temperature": 0.7, "top_p": 0.9, "repetition_penalty": 1.2},
     "T1.0": {"temperature": 1.0},
+    "T0.5 p0.9": {"temperature": 0.5, "top_p": 0.9},
+    "T0.3 p0.9": {"temperature": 0.3, "top_p": 0.9},
+    "T0.2 p0.9": {"temperature": 0.2, "top_p": 0.9},
 }
 
 
@@ -51,8 +55,10 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=8, help="Sampled answers per prompt and setting.")
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
+    parser.add_argument("--prompts", type=int, default=len(PROMPTS), help="Use the first N prompts.")
     parser.add_argument("--show", default="Write a haiku about the sea", help="Print this prompt's first answer.")
     args = parser.parse_args()
+    del PROMPTS[args.prompts:]
     with LLM(EngineArgs(max_model_len=512, seed=0)) as llm:
         fmt = llm.engine_caps().details.get("cpu_weight_format")
         print(f"cpu_weight_format {fmt}; {args.samples} samples per prompt, {len(PROMPTS)} prompts", flush=True)

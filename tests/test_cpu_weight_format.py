@@ -88,6 +88,6 @@ def test_sampling_defaults_follow_the_generation_config() -> None:
     assert sampling_defaults({"do_sample": False})["temperature"] == 0.0
     params = default_sampling_params({"temperature": 0.3}, max_tokens=7, top_p=0.5)
     assert (params.temperature, params.top_p, params.max_tokens) == (0.3, 0.5, 7)
-    greedy = default_sampling_params({}, temperature=0)   # plain greedy: no default penalty either
-    assert greedy.temperature == 0 and greedy.repetition_penalty == 1.0 and greedy.top_p == 1.0
-    assert default_sampling_params({}, top_k=5).repetition_penalty == FALLBACK_SAMPLING["repetition_penalty"]
+    greedy = default_sampling_params({"temperature": 0.6, "repetition_penalty": 1.2}, temperature=0)
+    assert greedy.temperature == 0 and greedy.repetition_penalty == 1.0   # plain greedy: no default applies
+    assert default_sampling_params({}, top_k=5).top_p == FALLBACK_SAMPLING["top_p"]
