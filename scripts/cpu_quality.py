@@ -3,9 +3,12 @@
 Perplexity: a fixed English text, teacher-forced token by token through the CPU decode step and the LM head
 that decode runs, ``--rows`` windows of the text at once (each its own KV blocks; one row reads its cache in
 place, several gather it, as in serving). Greedy agreement: six chat prompts x ``--tokens`` greedy tokens,
-generated one request at a time, compared with the first format's tokens.
+generated one request at a time, compared with the first format's tokens. Top-1 agreement: over the
+teacher-forced positions of the largest ``--rows`` pass, how often a format's most likely next token is the
+first format's, and the first format's top-2 logit gap where it is not (a format that only flips near ties
+keeps that gap small).
 
-    python scripts/cpu_quality.py --formats auto int4 int4-torch --rows 1 8
+    python scripts/cpu_quality.py --formats float32 auto int4 int4-torch int8 bfloat16 --rows 1 8
 
 ``int4-torch`` is ``int4`` through torch's int4 kernel (bfloat16 activations) where the CPU would otherwise run
 the 4-bit x 8-bit kernel (``pocketllm/layers/q4_linear.py``).
@@ -60,9 +63,11 @@ def _chunk(ids: list[int], table: list[int]) -> ScheduledChunk:
 
 
 @torch.inference_mode()
-def perplexity(llm: LLM, ids: list[int], rows: int, length: int) -> float:
+def perplexity(llm: LLM, ids: list[int], rows: int, length: int,
+               top2: list[tuple[int, float]] | None = None) -> float:
     """exp(mean negative log-likelihood) of ``rows`` windows of ``ids``, teacher-forced through the decode
-    step (every window's tokens 1..length-1 predicted from the ones before)."""
+    step (every window's tokens 1..length-1 predicted from the ones before). ``top2`` collects each position's
+    (most likely token, its logit's lead over the second)."""
     runner = llm._client.backend.core.runner
     if runner.cpu_decode is None:
         raise SystemExit("this model has no CPU decode step")
@@ -76,6 +81,9 @@ def perplexity(llm: LLM, ids: list[int], rows: int, length: int) -> float:
         chunks = [_chunk(w[: pos + 1], t) for w, t in zip(windows, tables)]
         hidden = runner.cpu_decode.forward(chunks)
         logprobs = torch.log_softmax(runner.model.compute_logits(hidden).float(), dim=-1)
+        if top2 is not None:
+            best = logprobs.topk(2, dim=-1)
+            top2.extend((int(i[0]), float(v[0] - v[1])) for i, v in zip(best.indices, best.values))
         target = torch.tensor([w[pos + 1] for w in windows])
         total -= float(logprobs.gather(1, target[:, None]).sum())
         count += rows
@@ -106,6 +114,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=64, help="Greedy tokens per chat prompt.")
     args = parser.parse_args()
     reference = None
+    reference_top2: list[tuple[int, float]] | None = None
     for fmt in args.formats:
         extra = {} if args.model is None else {"model": args.model}
         kernels = cpu_native.switched_off() if fmt == "int4-torch" else contextlib.nullcontext()
@@ -113,13 +122,22 @@ def main() -> None:
             llm = LLM(EngineArgs(device="cpu", cpu_weight_format=fmt.removesuffix("-torch"), max_model_len=512,
                                  **extra))
         with llm:
+            resolved = llm.engine_caps().details.get("cpu_weight_format", fmt)
             ids = llm._client.encode_prompt(TEXT)
-            ppl = {rows: perplexity(llm, ids, rows, args.length) for rows in args.rows}
+            top2: list[tuple[int, float]] = []
+            ppl = {rows: perplexity(llm, ids, rows, args.length, top2 if rows == max(args.rows) else None)
+                   for rows in args.rows}
             tokens = greedy(llm, args.tokens)
         reference = reference or tokens
+        reference_top2 = reference_top2 or top2
         agree = [common_prefix(a, b) for a, b in zip(tokens, reference)]
-        print(f"{fmt}: perplexity " + ", ".join(f"{p:.3f} ({r} rows)" for r, p in ppl.items())
-              + f"; identical greedy prefix vs {args.formats[0]}: {agree}", flush=True)
+        flips = [gap for (token, _), (ref_token, gap) in zip(top2, reference_top2) if token != ref_token]
+        top1 = 1 - len(flips) / max(1, len(top2))
+        widest = f"{max(flips):.3f}" if flips else "-"
+        print(f"{fmt} (runs as {resolved}): perplexity " + ", ".join(f"{p:.4f} ({r} rows)" for r, p in ppl.items())
+              + f"; identical greedy prefix vs {args.formats[0]}: {agree}; teacher-forced top-1 agreement "
+              f"{top1:.4f} ({len(flips)} of {len(top2)} differ; {args.formats[0]}'s top-2 logit gap there at most "
+              f"{widest})", flush=True)
 
 
 if __name__ == "__main__":

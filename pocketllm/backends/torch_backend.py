@@ -61,10 +61,10 @@ class TorchBackend:
                                           self.checkpoint.hf_config, self.tokenizer)
         dummy = args.load_format == "dummy" or self.checkpoint.format == "dummy"
         weights = None if dummy else self.checkpoint.iter_weights()
-        hf_config, tokenizer = self.checkpoint.hf_config, self.tokenizer
+        hf_config, tokenizer, weight_type = self.checkpoint.hf_config, self.tokenizer, self.checkpoint.weight_type
 
         def build() -> EngineCore:   # runs on the engine thread (EngineLoop says why)
-            core = EngineCore(args, hf_config, weights, eos_ids)
+            core = EngineCore(args, hf_config, weights, eos_ids, weight_type)
             if tokenizer is not None and xgrammar_available():
                 # Added tokens (<|im_end|>, <think>, <tool_call>, ...) never appear inside constrained text.
                 never_in_text = tokenizer.special_token_ids | frozenset(tokenizer.hf.added_tokens_decoder)
@@ -87,6 +87,7 @@ class TorchBackend:
                 "format": self.checkpoint.format,
                 "device": str(self.core.device),
                 "dtype": str(self.core.dtype).removeprefix("torch."),
+                "cpu_weight_format": self.core.cpu_weight_format.name,
                 "max_model_len": self.core.max_model_len,
                 "vocab_size": self.core.vocab_size,
                 "block_size": args.block_size,

@@ -3,12 +3,19 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
-from pocketllm.cli.engine_flags import add_engine_flags, add_sampling_flags, engine_args_from, sampling_params_from
+from pocketllm.cli.engine_flags import (
+    SAMPLING_FLAGS,
+    add_engine_flags,
+    add_sampling_flags,
+    engine_args_from,
+    sampling_params_from,
+)
 from pocketllm.cli.exits import usage_error
 from pocketllm.harness.lifecycle import display_name, say
 from pocketllm.harness.line_input import read_line
@@ -18,7 +25,9 @@ if TYPE_CHECKING:   # (imported when a command runs: they import torch)
     from pocketllm.api import LLM
     from pocketllm.outputs import TokenEvent, Usage
 
-CLI_SAMPLING_DEFAULTS = {"max_tokens": 512, "temperature": 0.7}
+# Sampling flags not given take the checkpoint's defaults (generation_config, else temperature 0.7 and top_p 0.9:
+# pocketllm/loaders/generation_defaults.py); --temperature 0 is plain greedy.
+CLI_SAMPLING_DEFAULTS = {"max_tokens": 512}
 
 
 def add_run_parser(subparsers) -> None:
@@ -103,14 +112,25 @@ def _prompt(args: argparse.Namespace) -> str:
     return prompt
 
 
+def _sampling(args: argparse.Namespace, llm: LLM) -> SamplingParams:
+    """The sampling flags given, over the checkpoint's default sampling."""
+    from pocketllm.loaders.generation_defaults import default_sampling_params
+
+    flags = sampling_params_from(args)
+    given = {name: getattr(flags, name) for name in SAMPLING_FLAGS if getattr(args, name, None) is not None}
+    chosen = default_sampling_params(llm.generation_config, **given)
+    return dataclasses.replace(flags, **{name: getattr(chosen, name) for name in SAMPLING_FLAGS})
+
+
 def run_command(args: argparse.Namespace) -> int:
     prompt = _prompt(args)
-    params = sampling_params_from(args)
+    sampling_params_from(args)   # a bad flag fails before the model loads
     engine_args = engine_args_from(args)
     say(f"loading {display_name(engine_args.model)}")
     from pocketllm.api import LLM
 
     with LLM(engine_args) as llm:
+        params = _sampling(args, llm)
         if args.raw:
             events = llm.generate_stream(prompt, params)
         else:
@@ -127,12 +147,13 @@ def _chat_turn(llm: LLM, messages: list[dict[str, str]], params: SamplingParams)
 
 
 def chat_command(args: argparse.Namespace) -> int:
-    params = sampling_params_from(args)
+    sampling_params_from(args)   # a bad flag fails before the model loads
     engine_args = engine_args_from(args)
     say(f"loading {display_name(engine_args.model)}")
     from pocketllm.api import LLM
 
     with LLM(engine_args) as llm:
+        params = _sampling(args, llm)
         llm.render_chat(_messages(args.system, [{"role": "user", "content": "hi"}]))  # fail early without template
         turns: list[dict[str, str]] = []
         print("Type a message; /exit to leave, Ctrl-C stops an answer.", file=sys.stderr)

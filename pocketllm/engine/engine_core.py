@@ -24,15 +24,56 @@ logger = logging.getLogger("pocketllm.engine")
 
 GiB = 1 << 30
 
+# GGUF weight types whose blocks the int4 layers hold exactly (GGUF's Q4_1 block is their block: quantising the
+# dequantised weights gives back the file's codes, scales and minimums), so that ``cpu_weight_format="auto"``
+# multiplies the file's own 4-bit weights, by 8-bit activations (docs/cpu-quality.md measures the cost).
+INT4_EXACT_WEIGHT_TYPES = frozenset({"Q4_1"})
 
-def _kv_dtype(args: EngineArgs, device: torch.device) -> torch.dtype | None:
+
+@dataclass(frozen=True)
+class CpuWeightFormat:
+    """``cpu_weight_format`` as the engine runs it, resolved once: ``name`` is "float32", "bfloat16", "int4" or
+    "int8" on CPU ("auto" only for weights left in another compute dtype, and off CPU, where it means nothing);
+    ``reason`` says why."""
+
+    name: str
+    reason: str
+
+
+def resolve_cpu_weight_format(args: EngineArgs, device: torch.device, dtype: torch.dtype,
+                              weight_type: str | None) -> CpuWeightFormat:
+    """The format ``args.cpu_weight_format`` means here. "auto": int4 for a GGUF whose layers are Q4_1 blocks
+    on one CPU rank where PocketLLM's 4-bit x 8-bit kernels run (AVX-512 VNNI, built); otherwise the weights
+    as loaded in the compute dtype (float32 on CPU by default)."""
+    if args.cpu_weight_format != "auto":
+        return CpuWeightFormat(args.cpu_weight_format, "asked for")
+    dense = str(dtype).removeprefix("torch.")
+    if device.type != "cpu":
+        return CpuWeightFormat("auto", f"{device.type}: weights in {dense}")
+    # The weights as loaded: "float32" when that is the compute dtype, else "auto" (setup_cpu leaves both alone).
+    as_loaded = "float32" if dtype == torch.float32 else "auto"
+    if weight_type not in INT4_EXACT_WEIGHT_TYPES:
+        kind = "float weights" if weight_type is None else f"{weight_type} weights"
+        return CpuWeightFormat(as_loaded, f"{kind}: as loaded ({dense})")
+    if args.tensor_parallel_size > 1:
+        return CpuWeightFormat(as_loaded, f"{weight_type} weights over {args.tensor_parallel_size} ranks (int4 runs "
+                                          f"on one): as loaded ({dense})")
+    from pocketllm.kernels import cpu_native
+
+    if not cpu_native.available():
+        return CpuWeightFormat(as_loaded, f"{weight_type} weights, but PocketLLM's 4-bit CPU kernels do not run "
+                                          f"here (no AVX-512 VNNI or no compiler): as loaded ({dense})")
+    return CpuWeightFormat("int4", f"{weight_type} weights kept as 4-bit blocks (AVX-512 VNNI kernels)")
+
+
+def _kv_dtype(args: EngineArgs, device: torch.device, weight_format: str) -> torch.dtype | None:
     """The KV cache's dtype (None: the compute dtype). On CPU, bfloat16/int4/int8 weights keep a bfloat16 cache:
     their decode steps read it in place (half the bytes of float32) and already round activations."""
     if args.kv_cache_dtype == "fp8":
         return torch.float8_e4m3fn
     if args.kv_cache_dtype == "bfloat16" or (
             device.type == "cpu" and args.kv_cache_dtype == "auto"
-            and args.cpu_weight_format in ("bfloat16", "int4", "int8")):
+            and weight_format in ("bfloat16", "int4", "int8")):
         return torch.bfloat16
     return None
 
@@ -62,19 +103,25 @@ def _one_token_rows_longest_first(chunk: ScheduledChunk) -> int:
 class EngineCore:
     """Owns the model runner, the KV blocks and the scheduler; ``step()`` advances every running request."""
 
-    def __init__(self, args: EngineArgs, hf_config, weights, eos_token_ids: frozenset[int]) -> None:
+    def __init__(self, args: EngineArgs, hf_config, weights, eos_token_ids: frozenset[int],
+                 weight_type: str | None = None) -> None:
+        """``weight_type``: the checkpoint's storage type of its layers' matrices (``Checkpoint.weight_type``),
+        which ``cpu_weight_format="auto"`` goes by."""
         self.args = args
         self.device = resolve_device(args.device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise UnsupportedFeatureError("device 'cuda' was asked for but no CUDA device is available")
         self.dtype = resolve_dtype(args.dtype, self.device)
         self.eos_token_ids = eos_token_ids
-        kv_dtype = _kv_dtype(args, self.device)
+        self.cpu_weight_format = resolve_cpu_weight_format(args, self.device, self.dtype, weight_type)
+        if self.device.type == "cpu":
+            logger.info("CPU weight format: %s (%s)", self.cpu_weight_format.name, self.cpu_weight_format.reason)
+        kv_dtype = _kv_dtype(args, self.device, self.cpu_weight_format.name)
         self.runner = ModelRunner(hf_config, self.device, self.dtype, args.block_size, args.seed, kv_dtype)
         if kv_dtype == torch.float8_e4m3fn and self.runner.cuda_step is None:
             raise UnsupportedFeatureError("kv_cache_dtype='fp8' needs the CUDA kernel path (a CUDA device and "
                                           "Triton); use kv_cache_dtype='auto'")
-        self.runner.load(weights, dummy_seed=args.seed, weight_format=args.cpu_weight_format,
+        self.runner.load(weights, dummy_seed=args.seed, weight_format=self.cpu_weight_format.name,
                          cpu_compile=args.cpu_compile)
         # Hybrid models (recurrent-state layers): one state slot per request that may run, allocated before
         # the KV cache is sized from what memory is left.

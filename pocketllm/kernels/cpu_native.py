@@ -1,21 +1,32 @@
-"""PocketLLM's own CPU kernels (``pocketllm/kernels/cpu/*.cpp``), compiled and loaded at first use.
+"""PocketLLM's own CPU kernels (``pocketllm/kernels/cpu/*.cpp``), compiled once and loaded at first use.
 
 ``q4_linear``: a 4-bit x 8-bit product (``pocketllm/layers/q4_linear.py``); ``decode_attention``: a few query rows
 over their cached K/V; ``decode_layers``: every layer of a Llama-family decode step with q4 weights in one call
-(``pocketllm/runner/cpu_decode.py``). They need AVX-512 (F, BW, VL) with VNNI, and a C++ compiler the first time
-(torch's extension builder, which caches the library across processes by the sources' hash, as inductor does its
-code). Where either is missing, ``available()`` is False and callers keep torch's kernels.
+(``pocketllm/runner/cpu_decode.py``). They need AVX-512 (F, BW, VL) with VNNI, and a C++ compiler the first time.
+Where either is missing, ``available()`` is False and callers keep torch's kernels.
+
+The library is built (torch's extension builder, about a minute on two cores) into a directory of the user's
+cache named by the hash of everything it is built from (sources, flags, torch and Python versions):
+``$POCKETLLM_CACHE_DIR``, else ``$XDG_CACHE_HOME/pocketllm``, else ``~/.cache/pocketllm``, then
+``cpu_kernels/<hash>``. A process finds a finished build there and loads it directly (a few milliseconds); two
+checkouts with different sources keep two builds instead of rebuilding over each other. ``make install`` builds it
+ahead of the first request:
+
+    python -m pocketllm.kernels.cpu_native --build
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import hashlib
 import logging
 import os
+import platform
 import shutil
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -27,6 +38,11 @@ _FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni")
 _DIR = Path(__file__).resolve().parent / "cpu"
 _SOURCES = [_DIR / name for name in ("q4_linear.cpp", "decode_attention.cpp", "decode_step.cpp")]
 _HEADER = _DIR / "cpu_kernels.h"
+_NAME = "pocketllm_cpu_kernels"
+_CFLAGS = ("-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni", "-mfma",
+           "-mf16c")
+_LDFLAGS = ("-fopenmp",)
+_DONE = "built"   # written into the build directory once the library there is complete
 
 _lock = threading.Lock()
 # "ok": whether the kernels run (tests set it False to run torch's kernels); "loaded": the library is loaded and
@@ -59,22 +75,61 @@ def _cpu_has_flags() -> bool:
     return all(flag in flags for flag in _FLAGS)
 
 
-def _build() -> None:
-    """Compile and load the kernels, and register the shapes of their results for torch.compile."""
-    from torch.utils import cpp_extension
+def cache_root() -> Path:
+    """PocketLLM's cache directory: ``$POCKETLLM_CACHE_DIR``, else ``$XDG_CACHE_HOME/pocketllm``, else
+    ``~/.cache/pocketllm``."""
+    explicit = os.environ.get("POCKETLLM_CACHE_DIR")
+    if explicit:
+        return Path(explicit).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "pocketllm"
 
-    if shutil.which("ninja") is None:   # the ninja wheel's binary sits next to this interpreter
-        os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
-    # The builder reuses a library whose sources are unchanged; the header's hash in the flags makes a change to
-    # the shared header count too.
-    header = hashlib.sha256(_HEADER.read_bytes()).hexdigest()[:16]
-    # OpenMP: without it ``at::parallel_for`` compiles to a plain loop (one thread); the library then shares the
-    # OpenMP runtime torch has loaded (same soname), so its threads are torch's intra-op threads.
-    cpp_extension.load(
-        name="pocketllm_cpu_kernels", sources=[str(s) for s in _SOURCES], is_python_module=False, verbose=False,
-        extra_cflags=["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni",
-                      "-mfma", "-mf16c", f"-DPOCKETLLM_HEADER={header}"],
-        extra_ldflags=["-fopenmp"])
+
+def build_dir() -> Path:
+    """Where the library built from these sources, flags, torch and Python lives."""
+    digest = hashlib.sha256()
+    for path in [*_SOURCES, _HEADER]:
+        digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    digest.update(" ".join([*_CFLAGS, *_LDFLAGS, torch.__version__, sys.version, platform.machine()]).encode())
+    return cache_root() / "cpu_kernels" / digest.hexdigest()[:20]
+
+
+def library_path() -> Path:
+    """The built library's path (it exists once ``build()`` or ``available()`` has built it)."""
+    return build_dir() / f"{_NAME}.so"
+
+
+def is_built() -> bool:
+    """Whether a complete library for these sources is in the cache."""
+    directory = build_dir()
+    return (directory / _DONE).is_file() and (directory / f"{_NAME}.so").is_file()
+
+
+def _build() -> None:
+    """Load the library (compiling it first when the cache lacks it), and register the shapes of its results
+    for torch.compile."""
+    directory = build_dir()
+    if is_built():
+        torch.ops.load_library(str(directory / f"{_NAME}.so"))
+    else:
+        from torch.utils import cpp_extension
+
+        if shutil.which("ninja") is None:   # the ninja wheel's binary sits next to this interpreter
+            os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
+        directory.mkdir(parents=True, exist_ok=True)
+        logger.warning("compiling PocketLLM's CPU kernels into %s (once; about a minute)", directory)
+        started = time.perf_counter()
+        # The header's hash in the flags makes a change to the shared header rebuild the objects.
+        header = hashlib.sha256(_HEADER.read_bytes()).hexdigest()[:16]
+        # OpenMP: without it ``at::parallel_for`` compiles to a plain loop (one thread); the library then shares the
+        # OpenMP runtime torch has loaded (same soname), so its threads are torch's intra-op threads. The builder
+        # holds a lock in the directory, so processes building at once build once.
+        cpp_extension.load(
+            name=_NAME, sources=[str(s) for s in _SOURCES], is_python_module=False, verbose=False,
+            build_directory=str(directory), extra_cflags=[*_CFLAGS, f"-DPOCKETLLM_HEADER={header}"],
+            extra_ldflags=list(_LDFLAGS))   # lists of their own: the builder appends to them
+        (directory / _DONE).write_text(torch.__version__ + "\n", encoding="ascii")
+        logger.info("CPU kernels built in %.1f s", time.perf_counter() - started)
 
     @torch.library.register_fake("pocketllm_cpu::q4_linear")
     def _(x: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -140,3 +195,29 @@ def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengt
     hidden = torch.arange(k.shape[1])[None, :] >= lengths[:, None]
     scores = scores.masked_fill(hidden[:, None, None, :], float("-inf"))
     return (scores.softmax(-1) @ values).float()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m pocketllm.kernels.cpu_native --build``: build (or find) and load the kernels now. Exits 0 where
+    they cannot run (a CPU without AVX-512 VNNI: torch's kernels run there), 1 when the build fails."""
+    parser = argparse.ArgumentParser(prog="python -m pocketllm.kernels.cpu_native",
+                                     description="PocketLLM's CPU kernels: build them ahead of the first request.")
+    parser.add_argument("--build", action="store_true", help="Build (when not cached) and load the kernels.")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if not _cpu_has_flags():
+        print(f"not built: this CPU lacks {', '.join(_FLAGS)}; the CPU path runs torch's kernels")
+        return 0
+    if not args.build:
+        print(f"{'built' if is_built() else 'not built'}: {library_path()}")
+        return 0
+    started = time.perf_counter()
+    if not available():
+        print("the build failed (see the warning above); the CPU path runs torch's kernels", file=sys.stderr)
+        return 1
+    print(f"CPU kernels ready in {time.perf_counter() - started:.1f} s: {library_path()}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -42,7 +42,10 @@ class NoWeights:
 
 @dataclass(frozen=True)
 class Checkpoint:
-    """A located checkpoint: its config, generation defaults, tokenizer and a lazy weight stream."""
+    """A located checkpoint: its config, generation defaults, tokenizer and a lazy weight stream.
+
+    ``weight_type``: how the file stores most of its layers' matrices, as a GGML type name (``"Q4_1"``) for a
+    GGUF file; None for float checkpoints (safetensors) and dummy weights."""
 
     path: str
     format: str
@@ -50,6 +53,7 @@ class Checkpoint:
     generation_config: dict
     tokenizer: Tokenizer | None
     weight_source: WeightSource = field(default_factory=NoWeights, repr=False, compare=False)
+    weight_type: str | None = None
 
     def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(HF parameter name, tensor) pairs, with a "Loading weights" progress bar on stderr."""
@@ -120,7 +124,8 @@ def _load_gguf(path: str, model: str, with_weights: bool = True) -> Checkpoint:
     config = gguf_loader.build_config(reader)
     weights = gguf_loader.GGUFWeights(reader, config) if with_weights else NoWeights()
     return Checkpoint(path=model, format="gguf" if with_weights else "dummy", hf_config=config,
-                      generation_config={}, tokenizer=_gguf_tokenizer(reader, path), weight_source=weights)
+                      generation_config={}, tokenizer=_gguf_tokenizer(reader, path), weight_source=weights,
+                      weight_type=gguf_loader.linear_weight_type(reader) if with_weights else None)
 
 
 def _load_safetensors(directory: str) -> Checkpoint:

@@ -121,6 +121,17 @@ def dequantize(tensor: Any) -> np.ndarray:
     return array
 
 
+def linear_weight_type(reader: Any) -> str | None:
+    """The GGML type (e.g. ``"Q4_1"``) that holds most elements of the layers' matrices (``blk.*`` tensors of
+    two or more dimensions), or None when the file has none."""
+    counts: dict[str, int] = {}
+    for tensor in reader.tensors:
+        if tensor.name.startswith("blk.") and len(tensor.shape) >= 2:
+            kind = tensor.tensor_type.name
+            counts[kind] = counts.get(kind, 0) + int(tensor.n_elements)
+    return max(counts, key=counts.__getitem__) if counts else None
+
+
 def unpermute_rope_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
     """Undo llama.cpp's per-head row permutation of q/k (interleaved pairs back to rotate-half halves)."""
     rows = weight.shape[0]
