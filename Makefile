@@ -32,7 +32,7 @@ serve: install
 	$(BIN)/pocketllm serve $(SERVE_ARGS)
 
 run: install
-	$(BIN)/pocketllm run --prompt "$(PROMPT)" --temperature 0
+	$(BIN)/pocketllm run "$(PROMPT)"
 
 chat: install
 	$(BIN)/pocketllm chat
