@@ -56,15 +56,23 @@ def test_chat_answers_paris(llm):
     assert out.finish_reason == "stop"
 
 
-@pytest.mark.xfail(strict=True, reason="known bug: with bfloat16/int4 weights (the default on a CPU with VNNI), a "
-                                       "chat prompt's prefix-cache hit gives a wrong answer (float32 weights, or "
-                                       "prefix caching off, give the same answer twice)")
-def test_a_repeated_chat_prompt_gives_the_same_greedy_answer(smollm2_gguf):
+def test_a_prefix_cache_hit_parts_from_the_cold_answer_only_at_a_near_tie(smollm2_gguf, hf_reference):
+    """A repeated chat prompt takes 32 of its 37 tokens from the prefix cache, so its last 5 prompt tokens run as
+    a few-row chunk: with int4 weights through the 8-bit-activation product, not the dense product a 37-row
+    prefill uses. The two answers may part only where float32's two best logits are a near tie (on this prompt
+    the first token: "The" and "L" are 0.08 apart)."""
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-    with LLM(EngineArgs(model=smollm2_gguf, cpu_kv_cache_gb=0.1)) as fresh:
-        ids = fresh.tokenizer.encode(fresh.render_chat(FRANCE), add_special_tokens=False)
-        first = fresh.generate([ids], params)[0].token_ids
-        assert fresh.generate([ids], params)[0].token_ids == first   # 32 of its 37 tokens from the prefix cache
+    with LLM(EngineArgs(model=smollm2_gguf, cpu_kv_cache_gb=0.1)) as engine:
+        ids = engine.tokenizer.encode(engine.render_chat(FRANCE), add_special_tokens=False)
+        cold = engine.generate([ids], params)[0].token_ids
+        warm_out = engine.generate([ids], params)[0]
+    assert warm_out.usage.cached_tokens > 0
+    warm = warm_out.token_ids
+    first = next((i for i, (a, b) in enumerate(zip(cold, warm)) if a != b), None)
+    if first is not None:
+        logits = hf_reference.logits(smollm2_gguf, ids + cold[:first], all_positions=True)[-1]
+        best, second = logits.topk(2).values.tolist()
+        assert best - second < NEAR_TIE, (first, best - second)
 
 
 def test_greedy_matches_transformers_on_the_gguf(llm_f32, smollm2_gguf, hf_reference):
