@@ -355,3 +355,58 @@ def test_kv_cache_dtype_on_cpu(fmt: str, kv: str, expected: torch.dtype, tiny_ch
         outputs = llm.generate([[1, 400, 401], [1, 500]], SamplingParams(max_tokens=6, temperature=0.0,
                                                                          ignore_eos=True))
         assert [len(out.token_ids) for out in outputs] == [6, 6]
+
+
+def test_fast_path_reads_only_the_decode_plan() -> None:
+    """``runner/cpu_decode.py`` and ``cpu_kv_rows.py`` read no private attribute of another module's objects
+    (their own ``self._...`` and torch's ``torch._dynamo`` aside), no layer internals, and import no model."""
+    import ast
+    from pathlib import Path
+
+    import pocketllm.runner
+
+    internals = {"inner", "records", "keep", "few_rows_dtype", "self_attn", "mlp", "rotary_emb", "input_layernorm",
+                 "post_attention_layernorm", "embed_tokens", "qkv_proj", "gate_up_proj", "down_proj"}
+    for name in ("cpu_decode.py", "cpu_kv_rows.py"):
+        tree = ast.parse((Path(pocketllm.runner.__file__).parent / name).read_text(encoding="utf-8"))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute):
+                base = node.value
+                while isinstance(base, ast.Attribute):
+                    base = base.value
+                own = isinstance(node.value, ast.Name) and node.value.id == "self"
+                if node.attr.startswith("_") and not node.attr.startswith("__") and not own:
+                    assert isinstance(base, ast.Name) and base.id == "torch", f"{name}:{node.lineno} .{node.attr}"
+                assert node.attr not in internals, f"{name}:{node.lineno} .{node.attr}"
+            elif isinstance(node, ast.ImportFrom):
+                assert not (node.module or "").startswith("pocketllm.models"), f"{name}:{node.lineno}"
+
+
+def test_decode_plan_describes_only_what_the_step_computes() -> None:
+    """Plain RMSNorms and full-width rotary have plans; a zero-centred norm, partial rotary, an object without
+    ``decode_plan`` and a model with another feed-forward have none."""
+    from pocketllm.layers.decode_plan import decode_plan_of
+    from pocketllm.layers.linear import RowParallelLinear
+    from pocketllm.layers.norm import OffsetRMSNorm, RMSNorm
+    from pocketllm.layers.rotary import RotaryEmbedding
+    from pocketllm.models.llama import LlamaForCausalLM
+
+    norm = RMSNorm(8, 1e-5).decode_plan()
+    assert norm is not None and norm.eps == 1e-5 and norm.weight.shape == (8,)
+    assert OffsetRMSNorm(8).decode_plan() is None
+    full, partial = RotaryEmbedding(16, 16, 32, 10000.0), RotaryEmbedding(16, 8, 32, 10000.0)
+    assert full.decode_plan() == RotaryEmbedding(16, 16, 32, 10000.0).decode_plan() and partial.decode_plan() is None
+    product = RowParallelLinear(8, 4).decode_product()
+    assert product.out_dtype == torch.float32 and product.bias is None and product.q4_records is None
+    assert decode_plan_of(torch.nn.Linear(4, 4)) is None
+    config = SimpleNamespace(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-6,
+                             max_position_embeddings=64, rope_theta=10000.0)
+    model = LlamaForCausalLM(config)
+    plan = decode_plan_of(model)
+    assert plan is not None and len(plan.layers) == 2 and plan.embedding is model.embed_tokens.weight
+    attention = plan.layers[0].attention
+    assert (attention.num_heads, attention.num_kv_heads, attention.head_dim) == (4, 2, 8)
+    assert attention.cache is model.layers[0].self_attn.attn and attention.q_norm is None
+    model.layers[1].mlp = torch.nn.Identity()
+    assert decode_plan_of(model) is None

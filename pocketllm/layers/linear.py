@@ -8,6 +8,7 @@ from torch import nn
 
 from pocketllm.distributed import all_reduce, tp_rank, tp_size
 from pocketllm.layers.activation import silu_and_mul
+from pocketllm.layers.decode_plan import ProductPlan
 from pocketllm.layers.norm import RMSNorm
 
 
@@ -80,6 +81,13 @@ class LinearBase(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._finish(self._product(x, self._bias()))
+
+    def decode_product(self) -> ProductPlan | None:
+        """This layer as a decode step's plain ``F.linear`` (None when split across ranks)."""
+        if self.tp_size != 1:
+            return None
+        weight, bias = self.weight, self.bias
+        return ProductPlan(lambda x: F.linear(x, weight, bias), weight.dtype, bias)
 
     def fuses(self, x: torch.Tensor) -> bool:
         """Whether the input prologue runs fused into this layer's kernel for ``x``."""

@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from pocketllm.kernels import kernels_enabled
+from pocketllm.layers.decode_plan import NormPlan
 
 
 class RMSNorm(nn.Module):
@@ -26,6 +27,10 @@ class RMSNorm(nn.Module):
         if self.offset:
             return (normed * (1.0 + self.weight.float())).to(dtype)
         return (normed * self.weight.float()).to(dtype) if dtype != torch.float32 else normed * self.weight
+
+    def decode_plan(self) -> NormPlan | None:
+        """This norm as a decode plan's plain RMSNorm (None for the zero-centred ``1 + weight`` form)."""
+        return None if self.offset else NormPlan(self.weight, self.eps)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         if x.is_cuda and kernels_enabled():

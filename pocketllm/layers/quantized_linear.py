@@ -25,6 +25,7 @@ from torch import nn
 
 from pocketllm.kernels import cpu_native
 from pocketllm.layers import q4_linear
+from pocketllm.layers.decode_plan import ProductPlan
 
 GROUP_SIZE = 32
 INT4_MAX_ROWS = 8  # measured (2-core Xeon, all 30 layers in turn: weights not cache-hot): faster up to ~10 rows
@@ -144,6 +145,15 @@ class CpuLinear(nn.Module):
         """The dtype of a few rows' result: float32 from the 8-bit products, else ``act_dtype``."""
         return torch.float32 if self.int8 is not None or self.records is not None else self.act_dtype
 
+    def q4_records(self) -> torch.Tensor | None:
+        """The 4-bit kernel's records when a few rows' result is exactly their product plus ``bias`` (else None:
+        another weight format, torch's int4 kernel, or padded rows dropped by ``keep``)."""
+        return self.records if self.keep is None else None
+
+    def decode_product(self) -> ProductPlan:
+        """This layer as a decode step's product of a few rows (``few_rows_dtype`` out)."""
+        return ProductPlan(self, self.few_rows_dtype, self.bias, self.q4_records())
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` [..., K] of any float dtype → [..., N] bfloat16 (float32 from the 8-bit products)."""
         few = self.dense is None or x.dim() == 2 and x.shape[0] <= INT4_MAX_ROWS
@@ -222,6 +232,10 @@ class FloatOutput(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.inner(x).to(x.dtype)
+
+    def decode_product(self) -> ProductPlan:
+        """The wrapped layer's product (its own output dtype: a decode step casts where it needs to)."""
+        return self.inner.decode_product()
 
 
 def convert_model(model: nn.Module, weight_format: str) -> int:

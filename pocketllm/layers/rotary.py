@@ -8,6 +8,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from pocketllm.layers.decode_plan import RotaryPlan
+
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:
     """Scale long wavelengths down by ``factor`` and blend the band between, as Llama 3.1 does."""
@@ -51,6 +53,9 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         self.head_dim = head_dim
         self.rotary_dim = rotary_dim
+        self.base = base
+        self.scaling = scaling
+        self.max_position = max_position
         inv_freq = 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim))
         if scaling is not None:
             kind = scaling.get("rope_type", scaling.get("type"))
@@ -62,6 +67,12 @@ class RotaryEmbedding(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("cos_cache", emb.cos(), persistent=False)
         self.register_buffer("sin_cache", emb.sin(), persistent=False)
+
+    def decode_plan(self) -> RotaryPlan | None:
+        """This embedding as a decode plan's rotary (None when it rotates only part of each head)."""
+        if self.rotary_dim != self.head_dim:
+            return None
+        return RotaryPlan(self.head_dim, self.base, self.scaling, self.max_position, self.cos_cache, self.sin_cache)
 
     @staticmethod
     def _rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -7,7 +7,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from pocketllm.distributed import tp_size
 from pocketllm.layers.attention import Attention
+from pocketllm.layers.decode_plan import AttentionPlan, DecodePlan, LayerPlan, NormPlan, ProductPlan
 from pocketllm.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from pocketllm.layers.linear import (
     MergedColumnParallelLinear,
@@ -24,6 +26,17 @@ from pocketllm.step.attention_metadata import AttentionMetadata
 
 def head_dim_of(config: Any) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def _product(module: nn.Module) -> ProductPlan | None:
+    """A projection's decode product (linear layers and the CPU weight formats export one), else None."""
+    export = getattr(module, "decode_product", None)
+    return export() if export is not None else None
+
+
+def _norm(module: nn.Module | None) -> NormPlan | None:
+    """An RMSNorm's plan (None for a missing or zero-centred one)."""
+    return module.decode_plan() if isinstance(module, RMSNorm) else None
 
 
 class SelfAttention(nn.Module):
@@ -46,6 +59,15 @@ class SelfAttention(nn.Module):
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         return self.attend(positions, self.qkv_proj(hidden), meta)
+
+    def decode_plan(self) -> AttentionPlan | None:
+        """The attention between the projections as a decode plan (None: partial rotary, an offset q/k norm)."""
+        rotary = self.rotary_emb.decode_plan()
+        q_norm, k_norm = _norm(self.q_norm), _norm(self.k_norm)
+        if rotary is None or (self.q_norm is not None and (q_norm is None or k_norm is None)):
+            return None
+        return AttentionPlan(self.num_heads, self.num_kv_heads, self.head_dim, self.attn.scale, rotary, q_norm,
+                             k_norm, self.attn)
 
     def attend(self, positions: torch.Tensor, qkv: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """Everything after the QKV projection."""
@@ -101,6 +123,10 @@ class PreNormBlock(nn.Module):
     def mix(self, positions: torch.Tensor, hidden: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         raise NotImplementedError
 
+    def decode_plan(self) -> LayerPlan | None:
+        """This block as a decode plan's layer; None (the default) where the plan cannot describe it."""
+        return None
+
     def mix_normed(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
                    meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         """``(mix(input_layernorm(hidden + residual)), hidden + residual)`` (no residual: the first layer)."""
@@ -131,6 +157,16 @@ class DecoderLayer(PreNormBlock):
 
     def mix(self, positions: torch.Tensor, hidden: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         return self.self_attn(positions, hidden, meta)
+
+    def decode_plan(self) -> LayerPlan | None:
+        """The layer as a decode plan's layer; None with another feed-forward (experts) or parts it cannot
+        describe."""
+        if type(self.mlp) is not GatedMLP:
+            return None
+        parts = (_norm(self.input_layernorm), _product(self.self_attn.qkv_proj), self.self_attn.decode_plan(),
+                 _product(self.self_attn.o_proj), _norm(self.post_attention_layernorm),
+                 _product(self.mlp.gate_up_proj), _product(self.mlp.down_proj))
+        return None if any(part is None for part in parts) else LayerPlan(*parts)
 
     def mix_normed(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
                    meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
@@ -171,6 +207,17 @@ class CausalLM(nn.Module):
 
     def make_mlp(self, config: Any, layer_index: int) -> nn.Module:
         return GatedMLP(config.hidden_size, config.intermediate_size)
+
+    def decode_plan(self) -> DecodePlan | None:
+        """The decode step as a plan (``layers/decode_plan.py``), built from the weights as they are now (after
+        any CPU weight conversion); None on several ranks or where some layer is not one the plan describes."""
+        if tp_size() != 1:
+            return None
+        layers = tuple(layer.decode_plan() for layer in self.layers)
+        final_norm = _norm(self.norm)
+        if final_norm is None or not layers or any(layer is None for layer in layers):
+            return None
+        return DecodePlan(self.embed_tokens.weight, layers, final_norm)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:

@@ -1,5 +1,9 @@
 """CPU decode fast path: a decode-only step of a Llama-family model as one flat loop of few ops per layer.
 
+The step computes what the model describes in its ``DecodePlan`` (``layers/decode_plan.py``, exported by
+``decode_plan()``): norms, products, attention shapes and rotary tables, built once at setup. It reads nothing of
+the model but that plan, so a model family gets the fast path by exporting one.
+
 The reference path (``model.forward``) spends most of a small model's CPU decode step in per-op Python and
 dispatch overhead (about sixty ops per layer, cache gathers per layer). This step computes the same layers
 with about twenty ops each: one fused RMSNorm op, rotary embedding as ``x * cos + roll(x) * sin`` with the
@@ -20,6 +24,7 @@ import torch.nn.functional as F
 from pocketllm.distributed import tp_size
 from pocketllm.errors import InvalidRequestError
 from pocketllm.kernels import cpu_native
+from pocketllm.layers.decode_plan import DecodePlan, LayerPlan, decode_plan_of
 from pocketllm.layers.quantized_linear import INT4_MAX_ROWS
 from pocketllm.runner.cpu_kv_rows import DenseDecodeRows
 
@@ -45,13 +50,14 @@ def setup_cpu(model: torch.nn.Module, weight_format: str, block_size: int,
                                       param="cpu_weight_format")
         count = convert_model(model, weight_format)
         logger.info("CPU weights: %d linear layers (LM head included) as %s", count, weight_format)
-    if not CpuDecodeStep.supports(model):
+    plan = decode_plan_of(model) if tp_size() == 1 else None
+    if plan is None or not CpuDecodeStep.supports(plan):
         if compile_step:
             raise InvalidRequestError(f"cpu_compile compiles the decode step of Llama-family models; "
                                       f"{type(model).__name__} has layers it does not compute", param="cpu_compile")
         logger.info("CPU decode fast path off: %s has layers it does not compute", type(model).__name__)
         return None
-    return CpuDecodeStep(model, block_size, compile_step)
+    return CpuDecodeStep(plan, block_size, compile_step)
 
 
 class DecodeBatch(NamedTuple):
@@ -84,85 +90,67 @@ class FusedLayers(NamedTuple):
     final_eps: float
 
 
-def _fused_layers(layers: list[tuple], final_norm: tuple[torch.Tensor, float]) -> FusedLayers | None:
-    """The layers as ``cpu_native.decode_layers`` takes them, or None when some product is not held as q4 records
-    (another weight format, or torch's int4 kernel), a layer has q/k norms or a bias outside the QKV product, or
-    the layers' norms differ in eps."""
+def _fused_layers(plan: DecodePlan) -> FusedLayers | None:
+    """The plan's layers as ``cpu_native.decode_layers`` takes them, or None when some product is not held as q4
+    records (another weight format, or torch's int4 kernel), a layer has q/k norms or a bias outside the QKV
+    product, or the layers' norms differ in eps."""
     weights, biases, eps = [], [], set()
-    for norm1, eps1, qkv, q_norm, _k_norm, _attn, o_proj, norm2, eps2, gate_up, down in layers:
-        products = (qkv, o_proj, gate_up, down)
-        if q_norm is not None or any(getattr(p, "records", None) is None or p.keep is not None for p in products):
+    for layer in plan.layers:
+        products = (layer.qkv, layer.o_proj, layer.gate_up, layer.down)
+        if layer.attention.q_norm is not None or any(p.q4_records is None for p in products):
             return None
         if any(p.bias is not None for p in products[1:]):
             return None
-        weights.extend([norm1.float().contiguous(), qkv.records, o_proj.records, norm2.float().contiguous(),
-                        gate_up.records, down.records])
-        if qkv.bias is not None:
-            biases.append(qkv.bias.float().contiguous())
-        eps.update((eps1, eps2))
-    if len(eps) != 1 or len(biases) not in (0, len(layers)):
+        weights.extend([layer.input_norm.weight.float().contiguous(), layer.qkv.q4_records,
+                        layer.o_proj.q4_records, layer.post_attention_norm.weight.float().contiguous(),
+                        layer.gate_up.q4_records, layer.down.q4_records])
+        if layer.qkv.bias is not None:
+            biases.append(layer.qkv.bias.float().contiguous())
+        eps.update((layer.input_norm.eps, layer.post_attention_norm.eps))
+    if len(eps) != 1 or len(biases) not in (0, len(plan.layers)):
         return None
-    return FusedLayers(weights, biases, eps.pop(), final_norm[0].float().contiguous(), final_norm[1])
+    final = plan.final_norm
+    return FusedLayers(weights, biases, eps.pop(), final.weight.float().contiguous(), final.eps)
 
 
-def _plain_rms_norm(norm: torch.nn.Module) -> bool:
-    """An ``RMSNorm`` that scales by its weight itself (not the zero-centred ``1 + weight`` form)."""
-    from pocketllm.layers.norm import RMSNorm
-
-    return isinstance(norm, RMSNorm) and not norm.offset
-
-
-def _output_dtype(module: torch.nn.Module) -> torch.dtype:
-    """The dtype ``_linear(module)`` returns."""
-    inner = getattr(module, "inner", None)
-    if inner is None:
-        return module.weight.dtype
-    return inner.few_rows_dtype
-
-
-def _linear(module: torch.nn.Module):
-    """The callable computing ``module``: a CpuLinear directly (skipping its float32 wrapper), else F.linear."""
-    inner = getattr(module, "inner", None)
-    if inner is not None:
-        return inner
-    weight, bias = module.weight, module.bias
-    return lambda x: F.linear(x, weight, bias)
+def _eager_layer(layer: LayerPlan) -> tuple:
+    """A layer as the eager step unpacks it: input norm weight and eps, QKV product, q and k norm plans (or
+    None), the attention holding the caches, output product, post-attention norm weight and eps, gate/up and
+    down products (the products as callables)."""
+    attention = layer.attention
+    return (layer.input_norm.weight, layer.input_norm.eps, layer.qkv.run, attention.q_norm, attention.k_norm,
+            attention.cache, layer.o_proj.run, layer.post_attention_norm.weight, layer.post_attention_norm.eps,
+            layer.gate_up.run, layer.down.run)
 
 
 class CpuDecodeStep:
     """Decode-only steps (every chunk one token that samples) of a supported model on CPU."""
 
-    def __init__(self, model: torch.nn.Module, block_size: int, compile_step: bool = False) -> None:
-        self.model = model
+    def __init__(self, plan: DecodePlan, block_size: int, compile_step: bool = False) -> None:
+        self.plan = plan
         self.block_size = block_size
-        first = model.layers[0].self_attn
+        first = plan.layers[0].attention
         self.num_heads, self.num_kv_heads, self.head_dim = first.num_heads, first.num_kv_heads, first.head_dim
         self.grouped = self.num_heads != self.num_kv_heads
-        cos = first.rotary_emb.cos_cache
+        cos = first.rotary.cos
         half = self.head_dim // 2
         sign = torch.cat([-torch.ones(half), torch.ones(half)]).to(cos.dtype)
         # Rotary runs in the dtype of the q/k rows: the QKV projection's output (float32, or bfloat16 from
-        # bfloat16/int4 weights), float32 after q/k norms; every layer has the same.
-        rotary_dtype = torch.float32 if first.q_norm is not None else _output_dtype(first.qkv_proj)
+        # bfloat16/int4 weights), float32 after q/k norms; every layer has the same (``supports``).
+        rotary_dtype = torch.float32 if first.q_norm is not None else plan.layers[0].qkv.out_dtype
         self.cos = cos.to(rotary_dtype)
-        self.sin_signed = (first.rotary_emb.sin_cache * sign).to(rotary_dtype)
-        self.layers = []
-        for layer in model.layers:
-            attn = layer.self_attn
-            self.layers.append((
-                layer.input_layernorm.weight, layer.input_layernorm.eps, _linear(attn.qkv_proj),
-                attn.q_norm, attn.k_norm, attn.attn, _linear(attn.o_proj),
-                layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps,
-                _linear(layer.mlp.gate_up_proj), _linear(layer.mlp.down_proj)))
-        self.norm = (model.norm.weight, model.norm.eps)
-        self.scale = first.attn.scale
-        self.first_attention = first.attn   # its cache (bound later by the runner) gives the KV dtype
+        self.sin_signed = (first.rotary.sin * sign).to(rotary_dtype)
+        self.embedding = plan.embedding
+        self.layers = [_eager_layer(layer) for layer in plan.layers]
+        self.norm = (plan.final_norm.weight, plan.final_norm.eps)
+        self.scale = first.scale
+        self.first_attention = first.cache   # its cache (bound later by the runner) gives the KV dtype
         # PocketLLM's decode attention where it runs (``cpu_native``): over the same bfloat16 rows on the 2-core
         # development machine, 4.1-5.9x faster than torch's SDPA at 1 row and 2.2-2.7x at 8 (contexts 160-384).
         self._native_heads = cpu_native.attention_supported(self.head_dim, self.num_heads // self.num_kv_heads)
         # With every product in q4 records, the steps over a cache span or the dense rows run as one C++ call
         # (``cpu_native.decode_layers``): no per-op Python, dispatch or compiled graph's guards.
-        self.fused = _fused_layers(self.layers, self.norm) if self._native_heads else None
+        self.fused = _fused_layers(plan) if self._native_heads else None
         self._views: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._flat_views: list[torch.Tensor] = []   # ``_views`` as K, V, K, V, ... (``decode_layers``)
         self._views_of: torch.Tensor | None = None
@@ -192,19 +180,12 @@ class CpuDecodeStep:
         return self._compiled is not None
 
     @staticmethod
-    def supports(model: torch.nn.Module) -> bool:
-        """Llama-family decoders (the layers of ``models/llama.py``) on one rank, full-width rotary."""
-        from pocketllm.models.llama import CausalLM, DecoderLayer, GatedMLP
-
-        if tp_size() != 1 or not isinstance(model, CausalLM) or not _plain_rms_norm(model.norm):
-            return False
-        for layer in model.layers:
-            if type(layer) is not DecoderLayer or type(layer.mlp) is not GatedMLP:
-                return False
-            attn = layer.self_attn
-            if attn.rotary_emb.rotary_dim != attn.head_dim or not _plain_rms_norm(layer.input_layernorm):
-                return False
-        return True
+    def supports(plan: DecodePlan) -> bool:
+        """Whether the step computes ``plan``: every layer with the same attention shape, rotary and q/k norms
+        (or none), and every layer's QKV product returning one dtype."""
+        first = plan.layers[0]
+        return all(layer.attention.shape == first.attention.shape and layer.qkv.out_dtype == first.qkv.out_dtype
+                   for layer in plan.layers)
 
     @staticmethod
     def handles(chunks: list[Any]) -> bool:
@@ -311,7 +292,7 @@ class CpuDecodeStep:
         rows = batch.ids.shape[0]
         self._cache_views()
         dense = batch.dense_index is not None
-        hidden = F.embedding(batch.ids, self.model.embed_tokens.weight)
+        hidden = F.embedding(batch.ids, self.embedding)
         return cpu_native.decode_layers(
             hidden if hidden.dtype == torch.float32 else hidden.float(), fused.weights, fused.qkv_bias,
             self._flat_views, batch.slots, batch.cos.reshape(rows, -1), batch.sin.reshape(rows, -1),
@@ -341,7 +322,7 @@ class CpuDecodeStep:
     def run(self, batch: DecodeBatch) -> torch.Tensor:
         """The layers over a built decode batch."""
         dense = self.dense_rows.layers if batch.dense_index is not None else [None] * len(self.layers)
-        hidden = F.embedding(batch.ids, self.model.embed_tokens.weight)
+        hidden = F.embedding(batch.ids, self.embedding)
         residual = hidden
         for index, (layer, views, rows_kv) in enumerate(zip(self.layers, self._cache_views(), dense)):
             # The first residual is the embedding's fresh output; later ones are added to in place.
