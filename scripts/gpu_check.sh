@@ -22,7 +22,7 @@ for stage in $stages; do
       echo "gpu test files: $(echo $files)" | tee -a "$OUT/bench.log"
       gpus=$(nvidia-smi -L | wc -l)
       for ((i = 0; i < gpus; i++)); do
-        CUDA_VISIBLE_DEVICES=$i POCKETLLM_TEST_SHARD=$i/$gpus timeout ${TESTS_TIMEOUT:-260} $PY -m pytest -m gpu \
+        CUDA_VISIBLE_DEVICES=$i POCKETLLM_TEST_SHARD=$i/$gpus timeout ${TESTS_TIMEOUT:-480} $PY -m pytest -m gpu \
           $files -q -rfs -p no:cacheprovider > "$OUT/tests-$i.log" 2>&1 &
       done
       wait
