@@ -152,11 +152,20 @@ class CpuLinear(nn.Module):
 
     def decode_product(self) -> ProductPlan:
         """This layer as a decode step's product of a few rows (``few_rows_dtype`` out)."""
-        return ProductPlan(self, self.few_rows_dtype, self.bias, self.q4_records())
+        return ProductPlan(self.few_rows, self.few_rows_dtype, self.bias, self.q4_records())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``x`` [..., K] of any float dtype → [..., N] bfloat16 (float32 from the 8-bit products)."""
-        few = self.dense is None or x.dim() == 2 and x.shape[0] <= INT4_MAX_ROWS
+        """``x`` [..., K] of any float dtype → [..., N] bfloat16: the dense weights whatever the row count, so a
+        prompt's last tokens give the same result whether they run alone (after a prefix-cache hit, or as a
+        chunk's tail) or inside a whole prompt. A layer without dense weights takes ``few_rows``."""
+        return self._product(x, few=self.dense is None)
+
+    def few_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """A decode step's rows: up to ``INT4_MAX_ROWS`` through the 4- or 8-bit kernel (float32 out from the
+        8-bit-activation products), more through the dense weights."""
+        return self._product(x, few=self.dense is None or x.dim() == 2 and x.shape[0] <= INT4_MAX_ROWS)
+
+    def _product(self, x: torch.Tensor, few: bool) -> torch.Tensor:
         if few and (self.int8 is not None or self.records is not None):
             if self.int8 is not None:
                 out = self.int8(x)
