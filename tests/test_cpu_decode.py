@@ -42,8 +42,9 @@ def test_int4_recovers_a_q4_1_grid_exactly() -> None:
 @pytest.mark.parametrize("kernel", ["q4", "torch"])
 def test_int4_linear_matches_dequantised_matmul(rows: int, bias: bool, kernel: str,
                                                 monkeypatch: pytest.MonkeyPatch) -> None:
-    """int4 layers multiply by the 4-bit weights they hold: through the 4-bit x 8-bit kernel (where the CPU has
-    it) or torch's int4 kernel up to 8 rows, the same weights dense in bfloat16 above."""
+    """int4 layers multiply by the 4-bit weights they hold: a decode step's rows (``few_rows``) through the 4-bit
+    x 8-bit kernel (where the CPU has it) or torch's int4 kernel up to 8 rows, the same weights dense in bfloat16
+    above; a prompt chunk (``forward``) through the dense weights whatever its row count."""
     if kernel == "q4" and not cpu_native.available():
         pytest.skip("the CPU has no AVX-512 VNNI (or no compiler)")
     if kernel == "torch":
@@ -54,7 +55,9 @@ def test_int4_linear_matches_dequantised_matmul(rows: int, bias: bool, kernel: s
     layer = CpuLinear(weight, b, "int4")
     assert (layer.records is not None) == (kernel == "q4")
     held = q4_linear.unpack_q4(layer.records) if kernel == "q4" else dequantize_int4(*quantize_int4(weight))
-    out = layer(x)
+    out = layer.few_rows(x)
+    chunk = layer(x)
+    torch.testing.assert_close(chunk, F.linear(x.bfloat16(), held.bfloat16(), None if b is None else b.bfloat16()))
     if kernel == "q4" and rows <= 8:   # 8-bit activations per block of 32: the kernel's own reference
         assert out.dtype == torch.float32
         reference = q4_linear.reference(x, *q4_linear.quantize_q4(weight)) + (0 if b is None else b.bfloat16())
@@ -73,7 +76,7 @@ def test_int8_linear_matches_float_matmul(rows: int) -> None:
     torch.manual_seed(5)
     weight, x, b = torch.randn(48, 96), torch.randn(rows, 96), torch.randn(48)
     layer = CpuLinear(weight, b, "int8")
-    out = layer(x)
+    out = layer.few_rows(x)
     assert out.dtype == (torch.float32 if rows <= 8 else torch.bfloat16)
     reference = F.linear(x, weight, b)
     assert (out.float() - reference).abs().max() < 0.03 * reference.abs().max()
