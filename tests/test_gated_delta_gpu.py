@@ -38,7 +38,7 @@ def _need_fla() -> None:
     from pocketllm.kernels.gated_delta_fla import fla_available
 
     if not fla_available():
-        pytest.skip("fla (fla-core) is not importable")
+        pytest.skip("the CUDA-only fla (fla-core) kernels are not importable")
 
 
 def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:
