@@ -98,3 +98,19 @@ def test_llama_cpp_peer_needs_a_gguf(tiny_checkpoint, tmp_path):
         main(["bench", "latency", "--model", tiny_checkpoint("llama"), "--input-len", "4", "--output-len", "2",
               "--num-iters", "1", "--warmup-iters", "0", "--peak-bandwidth-gbs", "10", "--peer", "llama.cpp",
               *SMALL_ENGINE])
+
+
+def test_bench_startup(smollm2_gguf, tmp_path, capsys):
+    """Cold processes of ``pocketllm run`` on the default model, one with a tokenizer cache to fill."""
+    out = tmp_path / "startup.json"
+    assert main(["bench", "startup", "--model", smollm2_gguf, "--runs", "1", "--fresh-tokenizer-cache",
+                 "--output-json", str(out)]) == 0
+    result = _read(out)
+    assert result["benchmark"] == "startup" and result["runs"] == 1 and result["fresh_tokenizer_cache"] is True
+    assert 0 < result["ttft_s"]["median"] <= result["exit_s"]["median"]
+    assert "first token" in capsys.readouterr().out
+
+
+def test_bench_startup_reports_a_failed_run(tmp_path):
+    with pytest.raises(SystemExit, match="the run failed"):
+        main(["bench", "startup", "--model", str(tmp_path / "missing.gguf"), "--runs", "1"])

@@ -13,6 +13,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "pocketllm"
 # Bottom first. A module may import its own package and any package listed before it.
 ORDER = [
     "errors",
+    "cache_dir",
     "sampling_params",
     "config",
     "protocol",

@@ -55,16 +55,21 @@ class TorchBackend:
 
     def _build(self, args: EngineArgs) -> None:
         self.model_path = args.model or default_model_path()
-        self.checkpoint = load_checkpoint(self.model_path, args.load_format)
-        self.tokenizer = self.checkpoint.tokenizer
-        eos_ids, eos_source = resolve_eos(args.backend_options, self.checkpoint.generation_config,
-                                          self.checkpoint.hf_config, self.tokenizer)
-        dummy = args.load_format == "dummy" or self.checkpoint.format == "dummy"
-        weights = None if dummy else self.checkpoint.iter_weights()
-        hf_config, tokenizer, weight_type = self.checkpoint.hf_config, self.tokenizer, self.checkpoint.weight_type
+        # A GGUF file's tokenizer loads on a thread of its own while the weights load: it is waited for only
+        # where it is needed (the EOS ids when the config names none, the grammar compiler, ``self.tokenizer``).
+        checkpoint = self.checkpoint = load_checkpoint(self.model_path, args.load_format)
+        eos_ids, eos_source = resolve_eos(args.backend_options, checkpoint.generation_config,
+                                          checkpoint.hf_config, None)
+        if not eos_ids:
+            eos_ids, eos_source = resolve_eos(args.backend_options, checkpoint.generation_config,
+                                              checkpoint.hf_config, checkpoint.tokenizer)
+        dummy = args.load_format == "dummy" or checkpoint.format == "dummy"
+        weights = None if dummy else checkpoint.iter_weights()
+        hf_config, weight_type = checkpoint.hf_config, checkpoint.weight_type
 
         def build() -> EngineCore:   # runs on the engine thread (EngineLoop says why)
             core = EngineCore(args, hf_config, weights, eos_ids, weight_type)
+            tokenizer = checkpoint.tokenizer
             if tokenizer is not None and xgrammar_available():
                 # Added tokens (<|im_end|>, <think>, <tool_call>, ...) never appear inside constrained text.
                 never_in_text = tokenizer.special_token_ids | frozenset(tokenizer.hf.added_tokens_decoder)
@@ -74,6 +79,7 @@ class TorchBackend:
 
         self.loop = EngineLoop(build)
         self.core = self.loop.core
+        self.tokenizer = checkpoint.tokenizer
         self.caps = EngineCaps(
             max_slots=args.max_num_seqs,
             chunked_prefill=args.enable_chunked_prefill,

@@ -1,4 +1,5 @@
-"""``pocketllm bench``: throughput (offline batch), latency (batch 1) and serve (HTTP load) benchmarks."""
+"""``pocketllm bench``: throughput (offline batch), latency (batch 1), serve (HTTP load) and startup (cold
+process) benchmarks."""
 
 from __future__ import annotations
 
@@ -24,13 +25,14 @@ BENCHMARKS = (
     ("throughput", "Offline throughput of a batch of random requests (nano-vllm shape).", True),
     ("latency", "Batch-1 time to first token, decode tok/s and memory bandwidth.", True),
     ("serve", "HTTP load against a running 'pocketllm serve'.", False),
+    ("startup", "Time to first token of 'pocketllm run' from a cold process.", False),
 )
 
 
 def add_bench_parser(subparsers, full: bool = True) -> None:
     """``full``: with every benchmark's options, which imports the benchmark modules (and torch); without,
     the command is only listed (for the parser of another command)."""
-    parser = subparsers.add_parser("bench", help="Benchmarks: throughput, latency, serve.")
+    parser = subparsers.add_parser("bench", help="Benchmarks: throughput, latency, serve, startup.")
     if not full:
         return
     commands = parser.add_subparsers(dest="bench_command", required=True, metavar="BENCHMARK")

@@ -32,6 +32,8 @@ from pathlib import Path
 
 import torch
 
+from pocketllm.cache_dir import cache_root
+
 logger = logging.getLogger("pocketllm.kernels")
 
 _FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni")
@@ -73,16 +75,6 @@ def _cpu_has_flags() -> bool:
     except OSError:
         return False
     return all(flag in flags for flag in _FLAGS)
-
-
-def cache_root() -> Path:
-    """PocketLLM's cache directory: ``$POCKETLLM_CACHE_DIR``, else ``$XDG_CACHE_HOME/pocketllm``, else
-    ``~/.cache/pocketllm``."""
-    explicit = os.environ.get("POCKETLLM_CACHE_DIR")
-    if explicit:
-        return Path(explicit).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "pocketllm"
 
 
 def build_dir() -> Path:

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -44,16 +46,23 @@ class NoWeights:
 class Checkpoint:
     """A located checkpoint: its config, generation defaults, tokenizer and a lazy weight stream.
 
-    ``weight_type``: how the file stores most of its layers' matrices, as a GGML type name (``"Q4_1"``) for a
-    GGUF file; None for float checkpoints (safetensors) and dummy weights."""
+    ``tokenizer_loading`` is the tokenizer, or its load still running on a thread of its own (a GGUF file's:
+    ``tokenizer`` waits for it), so that the caller can load weights meanwhile. ``weight_type``: how the file
+    stores most of its layers' matrices, as a GGML type name (``"Q4_1"``) for a GGUF file; None for float
+    checkpoints (safetensors) and dummy weights."""
 
     path: str
     format: str
     hf_config: Any
     generation_config: dict
-    tokenizer: Tokenizer | None
+    tokenizer_loading: Future = field(repr=False, compare=False)
     weight_source: WeightSource = field(default_factory=NoWeights, repr=False, compare=False)
     weight_type: str | None = None
+
+    @property
+    def tokenizer(self) -> Tokenizer | None:
+        """The tokenizer (None for a checkpoint without one); raises what loading it raised."""
+        return self.tokenizer_loading.result()
 
     def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(HF parameter name, tensor) pairs, with a "Loading weights" progress bar on stderr."""
@@ -103,6 +112,26 @@ def _gguf_file(path: str) -> str:
     return path
 
 
+def _done(value: Tokenizer | None) -> Future:
+    future: Future = Future()
+    future.set_result(value)
+    return future
+
+
+def _in_background(load: Callable[[], Tokenizer | None]) -> Future:
+    """``load()`` run on a daemon thread; its result (or exception) in the future."""
+    future: Future = Future()
+
+    def run() -> None:
+        try:
+            future.set_result(load())
+        except BaseException as exc:   # handed to whoever asks for the tokenizer
+            future.set_exception(exc)
+
+    threading.Thread(target=run, name="pocketllm-tokenizer", daemon=True).start()
+    return future
+
+
 def _hf_tokenizer(directory: str) -> Tokenizer:
     from pocketllm.tokenizer.tokenizer import Tokenizer
 
@@ -114,7 +143,7 @@ def _hf_tokenizer(directory: str) -> Tokenizer:
 def _gguf_tokenizer(reader: Any, path: str) -> Tokenizer | None:
     from pocketllm.tokenizer.tokenizer import Tokenizer
 
-    if "tokenizer.ggml.model" not in reader.fields:
+    if "tokenizer.ggml.model" not in reader.metadata:
         return None
     return Tokenizer.from_gguf(path)
 
@@ -124,7 +153,8 @@ def _load_gguf(path: str, model: str, with_weights: bool = True) -> Checkpoint:
     config = gguf_loader.build_config(reader)
     weights = gguf_loader.GGUFWeights(reader, config) if with_weights else NoWeights()
     return Checkpoint(path=model, format="gguf" if with_weights else "dummy", hf_config=config,
-                      generation_config={}, tokenizer=_gguf_tokenizer(reader, path), weight_source=weights,
+                      generation_config={}, tokenizer_loading=_in_background(lambda: _gguf_tokenizer(reader, path)),
+                      weight_source=weights,
                       weight_type=gguf_loader.linear_weight_type(reader) if with_weights else None)
 
 
@@ -133,18 +163,19 @@ def _load_safetensors(directory: str) -> Checkpoint:
     weights = hf_loader.SafetensorsWeights(hf_loader.safetensors_files(directory))
     return Checkpoint(path=directory, format="safetensors", hf_config=config,
                       generation_config=hf_loader.read_generation_config(directory),
-                      tokenizer=_hf_tokenizer(directory), weight_source=weights)
+                      tokenizer_loading=_done(_hf_tokenizer(directory)), weight_source=weights)
 
 
 def _load_dummy(model: str) -> Checkpoint:
     if model in dummy.PRESETS:
         return Checkpoint(path=model, format="dummy", hf_config=dummy.preset_config(model),
-                          generation_config={}, tokenizer=None)
+                          generation_config={}, tokenizer_loading=_done(None))
     if os.path.isdir(model) and os.path.isfile(os.path.join(model, "config.json")):
         tokenizer = _hf_tokenizer(model) if any(
             os.path.isfile(os.path.join(model, name)) for name in TOKENIZER_FILES) else None
         return Checkpoint(path=model, format="dummy", hf_config=hf_loader.load_hf_config(model),
-                          generation_config=hf_loader.read_generation_config(model), tokenizer=tokenizer)
+                          generation_config=hf_loader.read_generation_config(model),
+                          tokenizer_loading=_done(tokenizer))
     if os.path.isfile(model) and model.lower().endswith(".gguf"):
         return _load_gguf(model, model, with_weights=False)
     raise CheckpointError(f"load_format='dummy' needs a preset ({', '.join(dummy.preset_names())}), "

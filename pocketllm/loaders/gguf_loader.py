@@ -1,8 +1,8 @@
-"""GGUF files: a transformers config from the metadata, HF-named float32 tensors from the (quantised) data.
+"""GGUF files: a model config from the metadata, HF-named float32 tensors from the (quantised) data.
 
 Facts this module relies on (llama.cpp's converter conventions):
-- shapes are stored in ggml order (fastest dimension first); ``GGUFReader`` hands out numpy arrays in the
-  reversed order, which for a linear layer is HF's ``[out_features, in_features]``;
+- shapes are stored in ggml order (fastest dimension first); ``GGUFFile`` gives them reversed, which for a linear
+  layer is HF's ``[out_features, in_features]``;
 - for the ``llama`` architecture the converter permutes the rows of ``attn_q``/``attn_k`` (weight and bias)
   per head from HF's rotate-half layout to interleaved pairs; qwen2/qwen3/qwen3moe are stored unpermuted;
 - Llama-3-style rope scaling is stored as a ``rope_freqs.weight`` tensor of per-frequency divisors, not as
@@ -21,6 +21,9 @@ import numpy as np
 import torch
 
 from pocketllm.errors import CheckpointError
+from pocketllm.loaders.gguf_dequant import check_type, dequantize
+from pocketllm.loaders.gguf_file import GGUFFile, GGUFTensor
+from pocketllm.loaders.model_config import ModelConfig
 
 # GGUF general.architecture -> (transformers model_type, architectures[0])
 ARCHITECTURES: dict[str, tuple[str, str]] = {
@@ -29,8 +32,6 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {
     "qwen3": ("qwen3", "Qwen3ForCausalLM"),
     "qwen3moe": ("qwen3_moe", "Qwen3MoeForCausalLM"),
 }
-
-SUPPORTED_TYPES = frozenset({"F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"})
 
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -59,27 +60,21 @@ _LLAMA3_HIGH_FREQ_FACTOR = 4.0
 _MISSING = object()
 
 
-def open_gguf(path: str) -> Any:
-    """A memory-mapped ``gguf.GGUFReader`` over ``path``."""
-    from gguf import GGUFReader
-
-    try:
-        return GGUFReader(path)
-    except (OSError, ValueError) as exc:
-        raise CheckpointError(f"cannot read GGUF file {path!r}: {exc}") from exc
+def open_gguf(path: str) -> GGUFFile:
+    """The metadata and memory-mapped tensors of the GGUF file at ``path``."""
+    return GGUFFile(path)
 
 
-def metadata(reader: Any, key: str, default: Any = _MISSING) -> Any:
+def metadata(reader: GGUFFile, key: str, default: Any = _MISSING) -> Any:
     """One metadata value as a Python object; ``default`` (or CheckpointError) when absent."""
-    field = reader.fields.get(key)
-    if field is None:
+    if key not in reader.metadata:
         if default is _MISSING:
             raise CheckpointError(f"GGUF metadata lacks {key!r}")
         return default
-    return field.contents()
+    return reader.metadata[key]
 
 
-def architecture(reader: Any) -> str:
+def architecture(reader: GGUFFile) -> str:
     """``general.architecture``, checked against the architectures PocketLLM runs."""
     arch = metadata(reader, "general.architecture")
     if arch not in ARCHITECTURES:
@@ -97,38 +92,14 @@ def _uniform(value: Any, key: str) -> int:
     return int(value)
 
 
-def _tensor_shape(tensor: Any) -> tuple[int, ...]:
-    """A reader tensor's shape in numpy/HF order (ggml's ``ne`` reversed)."""
-    return tuple(int(dim) for dim in reversed(tensor.shape))
-
-
-def check_type(tensor: Any) -> None:
-    """Raise CheckpointError for a tensor type we do not dequantise."""
-    kind = tensor.tensor_type.name
-    if kind not in SUPPORTED_TYPES:
-        raise CheckpointError(f"GGUF tensor {tensor.name!r} has type {kind}, which PocketLLM cannot dequantise "
-                              f"(supported: {', '.join(sorted(SUPPORTED_TYPES))})")
-
-
-def dequantize(tensor: Any) -> np.ndarray:
-    """A reader tensor as a writable, contiguous float32 array in HF layout."""
-    from gguf.quants import dequantize as gguf_dequantize
-
-    check_type(tensor)
-    array = gguf_dequantize(tensor.data, tensor.tensor_type).reshape(_tensor_shape(tensor))
-    if array.dtype != np.float32 or not array.flags.writeable or not array.flags.c_contiguous:
-        array = np.array(array, dtype=np.float32)
-    return array
-
-
-def linear_weight_type(reader: Any) -> str | None:
+def linear_weight_type(reader: GGUFFile) -> str | None:
     """The GGML type (e.g. ``"Q4_1"``) that holds most elements of the layers' matrices (``blk.*`` tensors of
     two or more dimensions), or None when the file has none."""
     counts: dict[str, int] = {}
     for tensor in reader.tensors:
         if tensor.name.startswith("blk.") and len(tensor.shape) >= 2:
-            kind = tensor.tensor_type.name
-            counts[kind] = counts.get(kind, 0) + int(tensor.n_elements)
+            kind = tensor.type.name
+            counts[kind] = counts.get(kind, 0) + tensor.n_elements
     return max(counts, key=counts.__getitem__) if counts else None
 
 
@@ -198,7 +169,7 @@ def llama3_rope_from_factors(factors: np.ndarray, theta: float, head_dim: int) -
     return params
 
 
-def _rope_scaling(reader: Any, arch: str, theta: float, head_dim: int) -> dict[str, Any] | None:
+def _rope_scaling(reader: GGUFFile, arch: str, theta: float, head_dim: int) -> dict[str, Any] | None:
     """Rope scaling from metadata (linear/yarn) or from a ``rope_freqs`` tensor (llama3)."""
     tensors = {tensor.name: tensor for tensor in reader.tensors}
     if _ROPE_FREQS in tensors:
@@ -217,7 +188,7 @@ def _rope_scaling(reader: Any, arch: str, theta: float, head_dim: int) -> dict[s
     raise CheckpointError(f"GGUF rope scaling type {kind!r} is not supported")
 
 
-def _special_ids(reader: Any) -> dict[str, Any]:
+def _special_ids(reader: GGUFFile) -> dict[str, Any]:
     """bos/eos/pad ids; eos lists every end-of-generation id llama.cpp would stop on (eos, eot, eom)."""
     ids: dict[str, Any] = {}
     bos = metadata(reader, "tokenizer.ggml.bos_token_id", None)
@@ -233,7 +204,7 @@ def _special_ids(reader: Any) -> dict[str, Any]:
     return ids
 
 
-def _moe_params(reader: Any, arch: str) -> dict[str, Any]:
+def _moe_params(reader: GGUFFile, arch: str) -> dict[str, Any]:
     """Qwen3-MoE expert settings (every layer sparse, as llama.cpp runs it)."""
     return {
         "num_experts": int(metadata(reader, f"{arch}.expert_count")),
@@ -245,10 +216,8 @@ def _moe_params(reader: Any, arch: str) -> dict[str, Any]:
     }
 
 
-def build_config(reader: Any) -> Any:
-    """A transformers config equivalent to the GGUF metadata."""
-    from transformers import AutoConfig
-
+def build_config(reader: GGUFFile) -> ModelConfig:
+    """The model config the GGUF metadata describes (what transformers would build from the same file)."""
     arch = architecture(reader)
     model_type, class_name = ARCHITECTURES[arch]
     tensors = {tensor.name: tensor for tensor in reader.tensors}
@@ -262,7 +231,7 @@ def build_config(reader: Any) -> Any:
     theta = float(metadata(reader, f"{arch}.rope.freq_base", 10000.0))
     params: dict[str, Any] = {
         "architectures": [class_name],
-        "vocab_size": _tensor_shape(tensors["token_embd.weight"])[0],
+        "vocab_size": tensors["token_embd.weight"].shape[0],
         "hidden_size": hidden,
         "num_hidden_layers": int(metadata(reader, f"{arch}.block_count")),
         "num_attention_heads": heads,
@@ -284,20 +253,20 @@ def build_config(reader: Any) -> Any:
     scaling = _rope_scaling(reader, arch, theta, head_dim)
     if scaling is not None:
         params["rope_scaling"] = scaling
-    return AutoConfig.for_model(model_type, **params)
+    return ModelConfig(model_type, **params)
 
 
 class GGUFWeights:
     """HF-named float32 tensors of a GGUF file, dequantised one at a time."""
 
-    def __init__(self, reader: Any, hf_config: Any) -> None:
+    def __init__(self, reader: GGUFFile, hf_config: ModelConfig) -> None:
         self.reader = reader
         self.arch = architecture(reader)
         self.num_heads = int(hf_config.num_attention_heads)
         self.num_kv_heads = int(hf_config.num_key_value_heads)
         self.check()
 
-    def _tensors(self) -> list[Any]:
+    def _tensors(self) -> list[GGUFTensor]:
         return [tensor for tensor in self.reader.tensors if tensor.name != _ROPE_FREQS]
 
     def check(self) -> None:
@@ -311,7 +280,7 @@ class GGUFWeights:
         total = 0
         for tensor in self._tensors():
             _, part = hf_name(tensor.name)
-            total += _tensor_shape(tensor)[0] if part in _EXPERT_NAMES else 1
+            total += tensor.shape[0] if part in _EXPERT_NAMES else 1
         return total
 
     def _fix_layout(self, array: np.ndarray, part: str | None) -> np.ndarray:

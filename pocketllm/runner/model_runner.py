@@ -9,6 +9,7 @@ import math
 import time
 from collections.abc import Callable, Iterable
 
+import numpy as np
 import torch
 
 from pocketllm.distributed import tp_rank, tp_size
@@ -39,6 +40,18 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return DTYPES[name]
+
+
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zero tensor; on CPU from ``calloc`` (numpy's zeros), whose large blocks are pages the kernel zeroes when
+    first touched: a 2 GiB cache costs nothing until used, where ``torch.zeros`` writes every byte first (seconds
+    on a small CPU)."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    nbytes = int(np.prod(shape, dtype=np.int64)) * torch.empty(0, dtype=dtype).element_size()
+    raw = np.zeros(nbytes + 64, dtype=np.uint8)
+    start = -raw.ctypes.data % 64   # rows on cache-line boundaries, as torch's own allocations are
+    return torch.from_numpy(raw[start:start + nbytes]).view(dtype).view(shape)
 
 
 @dataclasses.dataclass
@@ -301,8 +314,8 @@ class ModelRunner:
         self.num_blocks = num_blocks
         for attn in self.attention_layers:
             shape = (num_blocks, self.block_size, attn.num_kv_heads, attn.head_dim)
-            attn.k_cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
-            attn.v_cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
+            attn.k_cache = _zeros(shape, self.kv_dtype, self.device)
+            attn.v_cache = _zeros(shape, self.kv_dtype, self.device)
 
     def _tensors(self, host: HostBatch, previous_tokens: torch.Tensor | None
                  ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:

@@ -91,7 +91,13 @@ class Tokenizer:
 
     @classmethod
     def from_gguf(cls, gguf_path: str) -> Tokenizer:
-        """The tokenizer a GGUF file describes in its ``tokenizer.*`` metadata."""
+        """The tokenizer a GGUF file describes in its ``tokenizer.*`` metadata (converted once, then loaded from the
+        user's cache: ``gguf_cache.py``)."""
+        from pocketllm.tokenizer import gguf_cache
+
+        cached = gguf_cache.load(gguf_path)
+        if cached is not None:
+            return cls(cached)
         from transformers import PreTrainedTokenizerFast
 
         directory, name = os.path.split(os.path.abspath(gguf_path))
@@ -100,7 +106,9 @@ class Tokenizer:
             hf = PreTrainedTokenizerFast.from_pretrained(directory, gguf_file=name, local_files_only=True)
         except (OSError, ValueError, KeyError) as exc:
             raise CheckpointError(f"cannot build a tokenizer from {gguf_path!r}: {exc}") from exc
-        return cls(_repair_gguf_special_tokens(hf, read_gguf_vocab(gguf_path)))
+        hf = _repair_gguf_special_tokens(hf, read_gguf_vocab(gguf_path))
+        gguf_cache.store(gguf_path, hf)
+        return cls(hf)
 
     def _prepends_bos(self) -> bool:
         """Whether plain-text encoding adds BOS (observed, since the config flag is not always honest)."""
