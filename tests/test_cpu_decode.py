@@ -15,6 +15,7 @@ from pocketllm.errors import InvalidRequestError
 from pocketllm.kernels import cpu_native
 from pocketllm.layers import q4_linear, quantized_linear
 from pocketllm.layers.quantized_linear import CpuLinear, RescoredLMHead, dequantize_int4, quantize_int4
+from pocketllm.runner.step_backend import CpuDecodeBackend
 from pocketllm.sampling_params import SamplingParams
 from pocketllm.step.host_batch import gather_host_batch
 from pocketllm.step.scheduled_chunk import ScheduledChunk
@@ -115,6 +116,12 @@ def test_lm_head_rescores_its_top_candidates_exactly(fbgemm: bool, monkeypatch: 
 def test_unknown_cpu_weight_format_is_refused() -> None:
     with pytest.raises(InvalidRequestError, match="cpu_weight_format"):
         EngineArgs(cpu_weight_format="int3")
+
+
+def _without_cpu_decode(runner) -> None:
+    """Take the CPU decode step out of the runner's step backends: every step runs the reference step."""
+    runner.step_backends = [b for b in runner.step_backends if not isinstance(b, CpuDecodeBackend)]
+    assert runner.cpu_decode is None
 
 
 def _chunk(ids: list[int], table: list[int]) -> SimpleNamespace:
@@ -224,7 +231,7 @@ def test_greedy_tokens_equal_with_and_without_the_fast_path(fmt: str, tiny_check
         with LLM(EngineArgs(model=tiny_checkpoint("llama"), device="cpu", num_kv_blocks=64,
                             cpu_weight_format=fmt)) as llm:
             if not fast:
-                llm._client.backend.core.runner.cpu_decode = None
+                _without_cpu_decode(llm._client.backend.core.runner)
             results.append([out.token_ids for out in llm.generate(prompts, params)])
     assert all(len(tokens) == 12 for tokens in results[0])
     if fmt == "auto":
@@ -322,7 +329,7 @@ def test_dense_rows_follow_a_changing_batch(fmt: str, tiny_checkpoint) -> None:
         core = EngineCore(EngineArgs(model=directory, device="cpu", num_kv_blocks=1024, block_size=4,
                                      cpu_weight_format=fmt), config, weights, frozenset())
         if not fast:
-            core.runner.cpu_decode = None
+            _without_cpu_decode(core.runner)
         prompts = [[1, 400, 401, 402], [1, 500], [1, 600, 601, 602, 603, 604, 605], [1, 700, 701]]
         limits = [5, 11, 8, 9]
         requests = [core.add_request(f"r{i}", prompts[i], SamplingParams(max_tokens=limits[i], temperature=0.0,

@@ -246,6 +246,7 @@ def test_mixed_step_sends_leading_decode_rows_to_the_decode_kernel(dtype, splits
     leading one-token rows and the prefill kernel on the rest, and matches the reference on every row."""
     _need_kernels(dtype, uses_dot=True)
     from pocketllm.layers.attention import Attention
+    from pocketllm.layers.attention_backend import TritonAttentionBackend
     from pocketllm.step.attention_metadata import AttentionMetadata
 
     gen = torch.Generator().manual_seed(splits)
@@ -268,7 +269,7 @@ def test_mixed_step_sends_leading_decode_rows_to_the_decode_kernel(dtype, splits
         query_start_gpu=torch.tensor(starts, dtype=torch.int32, device=DEVICE), max_query_len=max(q_lens),
         num_splits=splits, num_decode_rows=lead,
         split_counters=torch.zeros(lead * kv_heads, dtype=torch.int32, device=DEVICE))
-    out = layer._attend_kernels(q, meta).view_as(q)
+    out = TritonAttentionBackend().attend(layer, q, meta).view_as(q)
     ref = _ref_attention(q, layer.k_cache, layer.v_cache, tables, lens, q_lens, head_dim ** -0.5)
     assert _rel(out[:lead], ref[:lead]) < TOL[dtype]
     assert _rel(out[lead:], ref[lead:]) < TOL[dtype]

@@ -50,12 +50,7 @@ def serve_steps(runner) -> None:
     """Receive → forward → take part in the logits gather, as rank 0's ``ModelRunner.launch`` does."""
     channel = StepChannel()
     while (host := channel.receive()) is not None:
-        if runner.cuda_step is not None:
-            runner.cuda_step.forward(host)   # (its logits end with the gather)
-            continue
-        sampled_hidden = runner.forward_reference(host)
-        if sampled_hidden is not None:
-            runner.model.compute_logits(sampled_hidden)
+        runner.run_host_batch(host)   # (its logits end with the gather)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -19,6 +20,9 @@ from pocketllm.runner.model_runner import ModelRunner, resolve_device, resolve_d
 from pocketllm.sampling_params import SamplingParams
 from pocketllm.step.sampled import SampledToken, SampleResult
 from pocketllm.step.scheduled_chunk import ScheduledChunk
+
+if TYPE_CHECKING:
+    from pocketllm.runner.cpu_decode import CpuDecodeStep
 
 logger = logging.getLogger("pocketllm.engine")
 
@@ -118,7 +122,7 @@ class EngineCore:
             logger.info("CPU weight format: %s (%s)", self.cpu_weight_format.name, self.cpu_weight_format.reason)
         kv_dtype = _kv_dtype(args, self.device, self.cpu_weight_format.name)
         self.runner = ModelRunner(hf_config, self.device, self.dtype, args.block_size, args.seed, kv_dtype)
-        if kv_dtype == torch.float8_e4m3fn and self.runner.cuda_step is None:
+        if kv_dtype == torch.float8_e4m3fn and not self.runner.uses_kernels:
             raise UnsupportedFeatureError("kv_cache_dtype='fp8' needs the CUDA kernel path (a CUDA device and "
                                           "Triton); use kv_cache_dtype='auto'")
         self.runner.load(weights, dummy_seed=args.seed, weight_format=self.cpu_weight_format.name,
@@ -175,16 +179,16 @@ class EngineCore:
         logger.info("KV cache: %d blocks of %d tokens (%.2f GiB), max_model_len %d",
                     num_blocks, args.block_size, num_blocks * self.runner.kv_bytes_per_block() / GiB,
                     max_model_len)
-        if args.cpu_compile and self.runner.cpu_decode is not None and self.runner.cpu_decode.compiles:
-            self._compile_cpu_decode()
+        compiled_step = self.runner.compiled_cpu_decode if args.cpu_compile else None
+        if compiled_step is not None:
+            self._compile_cpu_decode(compiled_step)
 
-    def _compile_cpu_decode(self) -> None:
+    def _compile_cpu_decode(self, step: CpuDecodeStep) -> None:
         """``cpu_compile``: run throwaway requests now, so that every kind of compiled decode step compiles at
         start-up, not during the first requests. The first request outlives the others, which hold one block
         each: it decodes with them over the dense rows, then alone over its first block (a cache span), then
         alone over a first and a third block (one dense row). Later batches of another kind run eagerly."""
         started = time.perf_counter()
-        step = self.runner.cpu_decode
         several = min(self.args.max_num_seqs, step.compiled_max_rows)
         prompt, short = [1] * 4, SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
         self.add_request("compile-0", prompt, replace(short, max_tokens=self.args.block_size + 2))

@@ -71,7 +71,7 @@ class SelfAttention(nn.Module):
 
     def attend(self, positions: torch.Tensor, qkv: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """Everything after the QKV projection."""
-        if meta.uses_kernels and self.rotary_emb.rotary_dim == self.head_dim:
+        if self.attn.backend.supports_packed and self.rotary_emb.rotary_dim == self.head_dim:
             return self.o_proj(self.attn.forward_packed(qkv, positions, self.rotary_emb, self.q_norm, self.k_norm,
                                                         meta))
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim

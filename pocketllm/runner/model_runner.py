@@ -8,6 +8,7 @@ import logging
 import math
 import time
 from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -16,14 +17,25 @@ from pocketllm.distributed import tp_rank, tp_size
 from pocketllm.distributed.step_channel import StepChannel
 from pocketllm.errors import InvalidRequestError
 from pocketllm.kernels import available as kernels_available
+from pocketllm.layers.attention_backend import TritonAttentionBackend
 from pocketllm.models.registry import model_class
 from pocketllm.models.weights import init_dummy_weights, load_weights
 from pocketllm.runner.sampler import Sampler, SamplingRow
+from pocketllm.runner.step_backend import (
+    CpuDecodeBackend,
+    CudaGraphStep,
+    HostBatchStep,
+    ReferenceStep,
+    StepBackend,
+)
 from pocketllm.sampling_params import SamplingParams
 from pocketllm.step.attention_metadata import AttentionMetadata
-from pocketllm.step.host_batch import HostBatch, gather_host_batch
+from pocketllm.step.host_batch import HostBatch
 from pocketllm.step.sampled import SampledToken, SampleResult
 from pocketllm.step.scheduled_chunk import ScheduledChunk
+
+if TYPE_CHECKING:
+    from pocketllm.runner.cpu_decode import CpuDecodeStep
 
 logger = logging.getLogger("pocketllm.runner")
 
@@ -74,7 +86,13 @@ def _apply_all(choices: list[tuple[OneRowSetting, object]]) -> None:
 
 
 class ModelRunner:
-    """Turns a list of scheduled chunks into one flat forward pass and samples where a chunk ends."""
+    """Turns a list of scheduled chunks into one flat forward pass and samples where a chunk ends.
+
+    A step runs on the first of ``step_backends`` (``step_backend.py``) that handles its chunks: the CPU decode
+    step where ``load`` set one up, then the host-batch step, which handles every step (the CUDA step on CUDA
+    with Triton, else the PyTorch reference). The attention layers' backend goes with the host-batch step: the
+    Triton kernels with the CUDA step, the PyTorch reference otherwise.
+    """
 
     def __init__(self, hf_config, device: torch.device, dtype: torch.dtype, block_size: int,
                  seed: int, kv_dtype: torch.dtype | None = None) -> None:
@@ -101,16 +119,24 @@ class ModelRunner:
         # (distributed/worker.py), on CUDA through the kernel path without decode graphs.
         self.tp_size = tp_size()
         self.step_channel = StepChannel() if self.tp_size > 1 and tp_rank() == 0 else None
-        # CUDA with Triton: kernel metadata from one pinned copy per step, decode CUDA graphs (cuda_graphs.py).
+        # CUDA with Triton: kernel metadata from one pinned copy per step, decode CUDA graphs (cuda_graphs.py),
+        # the attention layers on the Triton backend; else the reference step.
         self.cuda_step = None
         self.num_state_slots = 0
+        self.reference_step = ReferenceStep(self.model, device, block_size, self.step_channel,
+                                            bool(self.state_layers))
+        self.host_step: HostBatchStep = self.reference_step
         if device.type == "cuda" and kernels_available(device) and self.attention_layers:
             from pocketllm.runner.cuda_graphs import CudaStepRunner
 
             self.cuda_step = CudaStepRunner(self.model, device, block_size,
                                             max(layer.num_kv_heads for layer in self.attention_layers))
-        # CPU: the flat decode step (cpu_decode.py), set up by ``load``.
-        self.cpu_decode = None
+            self.host_step = CudaGraphStep(self.cuda_step, block_size, self.step_channel)
+            triton = TritonAttentionBackend()
+            for layer in self.attention_layers:
+                layer.backend = triton
+        # CPU: the flat decode step (cpu_decode.py) goes first, set up by ``load``.
+        self.step_backends: list[StepBackend] = [self.host_step]
 
     def load(self, weights: Iterable[tuple[str, torch.Tensor]] | None, dummy_seed: int | None = None,
              weight_format: str = "auto", cpu_compile: bool = False) -> None:
@@ -123,10 +149,31 @@ class ModelRunner:
         if self.device.type == "cpu":
             from pocketllm.runner.cpu_decode import setup_cpu
 
-            self.cpu_decode = setup_cpu(self.model, weight_format, self.block_size, cpu_compile)
+            step = setup_cpu(self.model, weight_format, self.block_size, cpu_compile)
+            self.step_backends = [self.host_step] if step is None else [CpuDecodeBackend(step, self.model),
+                                                                         self.host_step]
         elif cpu_compile:
             raise InvalidRequestError(f"cpu_compile compiles the CPU decode step; this engine runs on {self.device}",
                                       param="cpu_compile")
+
+    @property
+    def uses_kernels(self) -> bool:
+        """Whether steps run the Triton kernels (CUDA with Triton, a model with attention layers)."""
+        return self.cuda_step is not None
+
+    @property
+    def cpu_decode(self) -> CpuDecodeStep | None:
+        """The CPU decode step among the step backends (None where there is none)."""
+        for backend in self.step_backends:
+            if isinstance(backend, CpuDecodeBackend):
+                return backend.step
+        return None
+
+    @property
+    def compiled_cpu_decode(self) -> CpuDecodeStep | None:
+        """The CPU decode step when it runs compiled (``cpu_compile``), else None."""
+        step = self.cpu_decode
+        return step if step is not None and step.compiles else None
 
     @torch.inference_mode()
     def profile_activation_bytes(self, max_num_batched_tokens: int, max_num_seqs: int) -> int:
@@ -317,32 +364,16 @@ class ModelRunner:
             attn.k_cache = _zeros(shape, self.kv_dtype, self.device)
             attn.v_cache = _zeros(shape, self.kv_dtype, self.device)
 
-    def _tensors(self, host: HostBatch, previous_tokens: torch.Tensor | None
-                 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        """The reference path's device tensors of a host batch (block tables padded with 0)."""
-        device = self.device
-        width = max(len(t) for t in host.tables)
-        tables = [t + [0] * (width - len(t)) for t in host.tables]
-        state = {}
-        if self.state_layers:
-            state = {"state_slots": torch.tensor(host.state_slots, dtype=torch.int64, device=device),
-                     "state_slots_host": host.state_slots}
-        meta = AttentionMetadata(
-            slot_mapping=torch.tensor(host.slots, dtype=torch.int64, device=device),
-            block_tables=torch.tensor(tables, dtype=torch.int64, device=device),
-            query_start=host.query_start, context_lens=host.context_lens, block_size=self.block_size, **state)
-        ids = torch.tensor(host.input_ids, dtype=torch.int64, device=device)
-        host.pending.fill(ids, previous_tokens)
-        return ids, torch.tensor(host.positions, dtype=torch.int64, device=device), meta
-
     def forward_reference(self, host: HostBatch, previous_tokens: torch.Tensor | None = None
                           ) -> torch.Tensor | None:
-        """The PyTorch reference forward of a host batch: hidden states of its sampling rows (None if none)."""
-        ids, positions, meta = self._tensors(host, previous_tokens)
-        hidden = self.model(ids, positions, meta)
-        if not host.sample_index:
-            return None
-        return hidden.index_select(0, torch.tensor(host.sample_index, dtype=torch.int64, device=self.device))
+        """The PyTorch reference forward of a host batch: hidden states of its sampling rows (None if none).
+        Runs where the attention layers are on the reference backend (not on the CUDA kernel path)."""
+        return self.reference_step.sampled_hidden(host, previous_tokens)
+
+    def run_host_batch(self, host: HostBatch) -> torch.Tensor | None:
+        """A tensor-parallel worker's step: the host batch rank 0 sent, through the host-batch step (the logits
+        of its sampling rows)."""
+        return self.host_step.run(host)
 
     @torch.inference_mode()
     def execute(self, chunks: list[ScheduledChunk]) -> list[SampledToken]:
@@ -356,18 +387,10 @@ class ModelRunner:
         """Queue the forward pass; the logits of the sampling rows in the model's dtype (None if no chunk
         samples). A chunk whose last input is still pending takes it from ``previous_tokens`` (the previous
         step's sampled tokens, on the device). On CUDA nothing here waits for the device."""
-        if self.cpu_decode is not None and self.cpu_decode.handles(chunks):
-            sampled_hidden = self.cpu_decode.forward(chunks)
-        else:
-            host = gather_host_batch(chunks, self.block_size)
-            if self.step_channel is not None:
-                self.step_channel.send(host)
-            if self.cuda_step is not None:
-                return self.cuda_step.forward(host, previous_tokens)
-            sampled_hidden = self.forward_reference(host, previous_tokens)
-        if sampled_hidden is None:
-            return None
-        return self.model.compute_logits(sampled_hidden)
+        for backend in self.step_backends:
+            if backend.handles(chunks):
+                return backend.launch(chunks, previous_tokens)
+        raise RuntimeError("no step backend handles this step")   # the host-batch step handles every step
 
     @torch.inference_mode()
     def sample_async(self, chunks: list[ScheduledChunk], logits: torch.Tensor | None) -> SampleResult | None:
