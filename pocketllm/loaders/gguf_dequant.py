@@ -25,7 +25,7 @@ def check_type(tensor: GGUFTensor) -> None:
 
 def _halves(blocks: np.ndarray, start: int) -> np.ndarray:
     """The float16 at byte ``start`` of every block, as a float32 column."""
-    return np.ascontiguousarray(blocks[:, start:start + 2]).view(np.float16).astype(np.float32)
+    return blocks[:, start:start + 2].view(np.float16).astype(np.float32)
 
 
 def _nibbles(packed: np.ndarray) -> np.ndarray:
