@@ -14,7 +14,7 @@ LLAMA_CPP ?= llama-cpp-python==0.3.36
 LLAMA_CPP_CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON \
 	-DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF
 
-.PHONY: install serve run chat test lint clean chromium
+.PHONY: install serve run chat test test-slow lint clean chromium
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -56,6 +56,17 @@ chromium:
 test: install $(VENV)/.llama-cpp chromium
 	$(BIN)/ruff check pocketllm tests
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+# The files whose tests wait on a running engine (servers, the harness, the library's streams and cancels), run
+# with the engine slowed by a test-only delay before every step (POCKETLLM_TEST_STEP_DELAY_MS, read by
+# pocketllm/engine/loop.py; servers started by the tests inherit it): a test that only passes when the engine is
+# fast fails here. `make test` runs the same files unthrottled.
+STEP_DELAY_MS ?= 20
+SLOW_TESTS ?= tests/test_server.py tests/test_harness_host.py tests/test_harness_pipe.py tests/test_api.py \
+	tests/test_openai_fields.py tests/test_tool_calls_server.py tests/test_cli_exits.py \
+	tests/test_structured_outputs.py tests/test_tp_server.py tests/test_web_client.py tests/test_bench.py
+test-slow: install chromium
+	POCKETLLM_TEST_STEP_DELAY_MS=$(STEP_DELAY_MS) $(BIN)/python -m pytest -q $(PYTEST_ARGS) $(SLOW_TESTS)
 
 lint: install
 	$(BIN)/ruff check pocketllm tests

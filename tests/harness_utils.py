@@ -6,7 +6,6 @@ import json
 import os
 import random
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -14,7 +13,7 @@ import threading
 import time
 from typing import Any
 
-from server_utils import free_port
+from server_utils import LISTENING, OutputLines
 
 TIMEOUT = 120.0
 FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
@@ -144,32 +143,32 @@ class PipeProcess:
 
 
 class HostProcess:
-    """``pocketllm host`` on a free loopback port (or ``port``)."""
+    """``pocketllm host`` on loopback: on a port the system picks (``--port 0``; the port is read from the
+    ``listening on`` line the host prints at once), or on ``port`` (a restart on the port a host just left)."""
 
     def __init__(self, *args: str, token: str = "s3cret-token", port: int | None = None) -> None:
-        self.port = port or free_port()
         self.token = token
         self.args = args
-        self.stderr = tempfile.TemporaryFile()
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "pocketllm", "host", "--port", str(self.port), "--token", token, *args],
-            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=self.stderr, env=_env())
+            [sys.executable, "-m", "pocketllm", "host", "--port", str(port or 0), "--token", token, *args],
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=_env())
+        self.output = OutputLines(self.proc, self.proc.stderr)
+        self._port = port
+
+    @property
+    def port(self) -> int:
+        """The port the host bound (waits for its ``listening on`` line, printed before the model loads)."""
+        if self._port is None:
+            self._port = int(self.output.wait_for(LISTENING).group(1))
+        return self._port
 
     @property
     def url(self) -> str:
         return f"ws://127.0.0.1:{self.port}/"
 
-    def wait_listening(self, timeout: float = 60) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"host exited early:\n{self.error_output()}")
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=1):
-                    return
-            except OSError:
-                time.sleep(0.05)
-        raise TimeoutError("the host did not listen")
+    def wait_listening(self) -> None:
+        """Until the host prints that it listens (its socket is bound and listening by then)."""
+        self.output.wait_for(LISTENING)
 
     def connect(self, auth: bool = True) -> Conn:
         conn = Conn(self.url)
@@ -192,8 +191,9 @@ class HostProcess:
             conn.close()
 
     def error_output(self) -> str:
-        self.stderr.seek(0)
-        return self.stderr.read().decode("utf-8", "replace")[-4000:]
+        if self.proc.poll() is not None:
+            self.output.reader.join(10)
+        return self.output.text()[-4000:]
 
     def stop(self) -> int | None:
         if self.proc.poll() is None:

@@ -9,6 +9,7 @@ safety net against a hung command.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -87,12 +88,6 @@ def command() -> Iterator[Callable[..., Command]]:
         cmd.kill()
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _assert_interrupted(status: int, stderr: str) -> None:
     assert status == INTERRUPTED, stderr[-3000:]
     assert "Traceback" not in stderr, stderr
@@ -105,7 +100,7 @@ def _assert_interrupted(status: int, stderr: str) -> None:
 @pytest.mark.parametrize("args", [("run", "Hello"), ("chat",), ("serve",), ("host",), ("pipe",)],
                          ids=lambda args: args[0])
 def test_ctrl_c_while_the_model_loads(command, smollm2_gguf, args):
-    port = ("--port", str(_free_port())) if args[0] in ("serve", "host") else ()
+    port = ("--port", "0") if args[0] in ("serve", "host") else ()
     cmd = command(*args, *port, "-m", smollm2_gguf)
     cmd.wait_for("stderr", LOADING_WEIGHTS)
     cmd.interrupt()
@@ -126,13 +121,13 @@ def test_ctrl_c_while_run_generates(command, smollm2_gguf):
 
 @pytest.mark.parametrize("name", ["serve", "host"])
 def test_ctrl_c_stops_a_ready_server(command, tiny_checkpoint, name):
-    cmd = command(name, "--port", str(_free_port()), "-m", tiny_checkpoint("llama"), stdin=subprocess.DEVNULL)
+    cmd = command(name, "--port", "0", "-m", tiny_checkpoint("llama"), stdin=subprocess.DEVNULL)
     cmd.wait_for("stderr", "ready: ")
     cmd.interrupt()
     status, _, stderr = cmd.finish()
     _assert_interrupted(status, stderr)
     lines = stderr.splitlines()
-    assert lines[0].startswith("listening on http://127.0.0.1:"), stderr
+    assert re.match(r"listening on http://127\.0\.0\.1:[1-9][0-9]*\b", lines[0]), stderr   # the port it got for 0
     if name == "host":
         assert "/#token=" in lines[0]
 

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
+import torch
 
 from pocketllm import LLM, EngineArgs, SamplingParams
 
@@ -97,3 +100,22 @@ def test_prefix_cache_hits_and_agrees(tiny_checkpoint):
     assert results[True][0] == results[False][0]
     assert results[True][1] >= 32
     assert results[False][1] == 0
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_prefix_cache_hit_matches_transformers(arch, tiny_checkpoint, hf_reference):
+    """A prompt whose first blocks come from the prefix cache is answered as transformers answers it."""
+    directory = tiny_checkpoint(arch)
+    shared = _prompts()[2] + _prompts()[1] + _prompts()[0]             # 55 tokens: 13 blocks of 4
+    first, second = shared + [11, 12, 13], shared + [21, 22]
+    params = SamplingParams(max_tokens=12, temperature=0.0, logprobs=3, ignore_eos=True)
+    with LLM(EngineArgs(model=directory, block_size=4, num_kv_blocks=256)) as llm:
+        llm.generate([first], params)
+        out = llm.generate([second], params)[0]
+    assert out.usage.cached_tokens == 52, "the shared prefix's 13 full blocks come from the cache"
+    assert out.token_ids == hf_reference.greedy(directory, [second], 12)[0]
+    reference = torch.log_softmax(hf_reference.logits(directory, second + out.token_ids, all_positions=True), -1)
+    for i, entry in enumerate(out.logprobs):
+        row = reference[len(second) - 1 + i]
+        assert math.isclose(entry.logprob, row[entry.token_id].item(), abs_tol=1e-4)
+        assert [alt.token_id for alt in entry.top] == torch.topk(row, 3).indices.tolist()

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from pocketllm import LLM, EngineArgs, SamplingParams
+from pocketllm.scheduler_api import BatchScheduler
 
 
 @pytest.fixture(scope="module", params=["off", "on"], ids=["sync", "async-scheduling"])
@@ -76,3 +77,39 @@ def test_repetition_penalty_matches_transformers(llm, tiny_checkpoint):
                              min_new_tokens=16, repetition_penalty=1.8, pad_token_id=0)
     params = SamplingParams(max_tokens=16, temperature=0.0, repetition_penalty=1.8, ignore_eos=True)
     assert llm.generate([PROMPT], params)[0].token_ids == ref[0, len(PROMPT):].tolist()
+
+
+# A KV pool of 20 blocks of 4 tokens (80 tokens) for four requests that need about 170: some are preempted.
+PREEMPTION = {"num_kv_blocks": 20, "block_size": 4, "max_num_batched_tokens": 24}
+OTHER_PROMPTS = [[(1000 + 7919 * (i + 1) * (n + 3)) % 49152 for i in range(length)]
+                 for n, length in enumerate((17, 33, 9))]
+
+
+@pytest.mark.parametrize("async_scheduling", ["off", "on"], ids=["sync", "async-scheduling"])
+def test_seeded_request_reproduces_across_preemption(async_scheduling: str, tiny_checkpoint) -> None:
+    """A seeded sampled request that is preempted (and recomputed) while others run gives its tokens alone."""
+    seeded = SamplingParams(max_tokens=32, temperature=1.0, seed=4321, ignore_eos=True)
+    unseeded = SamplingParams(max_tokens=32, temperature=0.9, ignore_eos=True)
+    greedy = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+    with LLM(EngineArgs(model=tiny_checkpoint("llama"), async_scheduling=async_scheduling, **PREEMPTION)) as llm:
+        alone = llm.generate([PROMPT], seeded)[0].token_ids
+        assert llm.stats()["num_preemptions"] == 0, "the request alone fits the pool"
+        scheduler = llm._client.backend.core.scheduler
+        preempt = scheduler._preempt
+        preempted: list[str] = []
+
+        def recording_preempt(victim) -> None:
+            preempted.append(victim.request_id)
+            preempt(victim)
+
+        scheduler._preempt = recording_preempt
+        batch = BatchScheduler(llm, max_batch_size=4)
+        # Submitted last, the seeded request is the newest running one: the first victim of a preemption.
+        ids = [batch.submit_request(prompt, params, request_id=f"other-{i}")
+               for i, (prompt, params) in enumerate(zip(OTHER_PROMPTS, (unseeded, unseeded, greedy)))]
+        ids.append(batch.submit_request(PROMPT, seeded, request_id="seeded"))
+        outputs = [batch.poll_result(request_id, timeout_ms=120_000) for request_id in ids]
+        assert llm.stats()["num_preemptions"] > 0
+    assert "seeded" in preempted, "the seeded request itself was meant to be preempted"
+    assert outputs[-1].token_ids == alone
+    assert all(len(out.token_ids) == 32 for out in outputs)

@@ -118,6 +118,40 @@ def test_n_choices_sampled_with_seed_differ_and_reproduce(client):
     assert len(set(texts)) > 1
 
 
+# The rule docs/server.md states for ``n`` with a ``seed``: choice i is seeded with (s + i × 1,000,003) mod 2^63.
+SEED_STRIDE = 1_000_003
+
+
+@pytest.fixture(scope="module")
+def tiny_server(tiny_checkpoint):
+    """A server of the tiny float32 checkpoint: a row's logits do not depend on the batch it runs in."""
+    proc = ServerProcess("--model", tiny_checkpoint("llama"), "--cpu-kv-cache-gb", "0.05")
+    try:
+        proc.wait_ready()
+        yield proc
+    finally:
+        proc.stop()
+
+
+def _sampled_choices(server: ServerProcess, seed: int, n: int) -> list[str]:
+    body = {"model": "x", "prompt": "Once upon a time", "max_tokens": 16, "temperature": 1.0, "ignore_eos": True,
+            "seed": seed, "n": n}
+    response = httpx.post(server.url + "/v1/completions", json=body, timeout=120)
+    assert response.status_code == 200, response.text
+    return [choice["text"] for choice in sorted(response.json()["choices"], key=lambda c: c["index"])]
+
+
+@pytest.mark.parametrize("seed", [7, 2**63 - 2])
+def test_n_choices_follow_the_documented_seed_rule(tiny_server, seed):
+    """Choice i of n with seed s reproduces, differs from the others, and is the single request with seed
+    (s + i × 1,000,003) mod 2^63."""
+    choices = _sampled_choices(tiny_server, seed, 3)
+    assert _sampled_choices(tiny_server, seed, 3) == choices
+    assert len(set(choices)) == 3
+    alone = [_sampled_choices(tiny_server, (seed + i * SEED_STRIDE) % 2**63, 1)[0] for i in range(3)]
+    assert alone == choices
+
+
 def test_n_choices_stream_interleaved(client):
     stream = client.chat.completions.create(model="x", messages=FRANCE, temperature=0, max_tokens=16, n=2,
                                             stream=True)

@@ -14,7 +14,6 @@ import time
 import httpx
 import openai
 import pytest
-from server_utils import free_port
 from test_tp import gone, wait_gone
 
 SHUTDOWN_TIMEOUT = 8
@@ -24,11 +23,10 @@ class Supervised:
     """The supervisor process; its stderr goes to a file so rank pids can be read while it runs."""
 
     def __init__(self, model: str, log_path: str, rendezvous: str, *extra: str) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self._port: int | None = None
         self.log_path = log_path
         self.log = open(log_path, "w", encoding="utf-8")
-        argv = [sys.executable, "-m", "pocketllm", "serve", "--port", str(self.port), "--model", model,
+        argv = [sys.executable, "-m", "pocketllm", "serve", "--port", "0", "--model", model,
                 "--tensor-parallel-size", "2", "--device", "cpu", "--dtype", "float32", "--cpu-kv-cache-gb", "0.02",
                 "--max-model-len", "256", "--tensor-parallel-rendezvous-dir", rendezvous,
                 "--tensor-parallel-shutdown-timeout", str(SHUTDOWN_TIMEOUT), "--shutdown-timeout", "2", *extra]
@@ -38,6 +36,24 @@ class Supervised:
     def output(self) -> str:
         with open(self.log_path, encoding="utf-8") as handle:
             return handle.read()
+
+    @property
+    def port(self) -> int:
+        """The port rank 0 bound for ``--port 0``, from its ``listening on`` line (printed before it loads)."""
+        deadline = time.monotonic() + 60
+        while self._port is None:
+            found = re.search(r"^listening on http://127\.0\.0\.1:(\d+)\b", self.output(), re.MULTILINE)
+            if found:
+                self._port = int(found.group(1))
+            elif self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"rank 0 did not say where it listens:\n{self.output()}")
+            else:
+                time.sleep(0.05)
+        return self._port
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
 
     def rank_pids(self, timeout: float = 60) -> dict[int, int]:
         deadline = time.monotonic() + timeout
@@ -106,9 +122,9 @@ def test_serves_openai_client_and_sigterm_reaps(tiny_checkpoint, tmp_path, rende
 
 
 def test_killed_worker_stops_the_group(tiny_checkpoint, tmp_path, rendezvous) -> None:
-    """(Through a TCP rendezvous at an explicit master address.)"""
+    """(Through a TCP rendezvous at an explicit master address; the supervisor picks the port.)"""
     server = Supervised(tiny_checkpoint("llama"), str(tmp_path / "log"), rendezvous,
-                        "--tensor-parallel-master-addr", "127.0.0.1", "--tensor-parallel-master-port", str(free_port()))
+                        "--tensor-parallel-master-addr", "127.0.0.1")
     try:
         pids = server.rank_pids()
         server.wait_ready()

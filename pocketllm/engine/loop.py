@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import logging
+import math
+import os
 import queue
 import threading
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass
 
@@ -29,6 +32,24 @@ from pocketllm.step.sampled import SampledToken
 __all__ = ["EngineLoop", "OutputSink"]
 
 logger = logging.getLogger("pocketllm.engine")
+
+# Test hook: the engine thread sleeps this many milliseconds before every step, so that a test suite run with
+# it set shows which tests assume the engine to be fast (``make test-slow``). Read once, when a loop is built.
+STEP_DELAY_VAR = "POCKETLLM_TEST_STEP_DELAY_MS"
+
+
+def step_delay_seconds(environ: Mapping[str, str] = os.environ) -> float:
+    """The delay ``POCKETLLM_TEST_STEP_DELAY_MS`` asks for, in seconds (0 when unset or empty)."""
+    raw = environ.get(STEP_DELAY_VAR, "").strip()
+    if not raw:
+        return 0.0
+    try:
+        milliseconds = float(raw)
+    except ValueError:
+        milliseconds = math.nan
+    if not (math.isfinite(milliseconds) and milliseconds >= 0):
+        raise ValueError(f"{STEP_DELAY_VAR}={raw!r}: expected a number of milliseconds >= 0")
+    return milliseconds / 1000.0
 
 
 @dataclass(frozen=True)
@@ -54,6 +75,7 @@ class EngineLoop:
     def __init__(self, build: Callable[[], EngineCore]) -> None:
         """Start the engine thread and wait until it has built the core (an error building it is raised
         here, and the thread has ended)."""
+        self.step_delay = step_delay_seconds()   # the test hook (STEP_DELAY_VAR); 0 outside tests
         self.commands: queue.SimpleQueue[_Queued] = queue.SimpleQueue()
         self.sinks: dict[str, OutputSink] = {}
         self.active: set[str] = set()
@@ -184,6 +206,8 @@ class EngineLoop:
                 previous = None
             if not self._drain(block=previous is None and not self.core.has_work()):
                 break
+            if self.step_delay:
+                time.sleep(self.step_delay)
             pending = self.core.launch()
             if previous is not None:
                 self._deliver_all(self.core.complete(previous))
@@ -240,6 +264,8 @@ class EngineLoop:
                 self._run_pipelined()
                 return
             while self._drain(block=not self.core.has_work()):
+                if self.step_delay:
+                    time.sleep(self.step_delay)
                 outputs: list[StepOutput] = self.core.step()
                 for output in outputs:
                     self._deliver(output.request, output.token)
