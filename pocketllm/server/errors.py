@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from fastapi.responses import JSONResponse
 
-ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-               409: "invalid_request_error", 500: "server_error", 503: "service_unavailable", 504: "timeout"}
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+               404: "not_found_error", 409: "invalid_request_error", 413: "invalid_request_error",
+               500: "server_error", 503: "service_unavailable", 504: "timeout"}
 
 
 def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
