@@ -213,6 +213,29 @@ def test_fuzz_5000_lines_then_health(pipe):
     assert text == "The capital of France is Paris."
 
 
+def test_every_id_is_answered_after_a_line_whose_id_holds_a_lone_surrogate():
+    """A lone surrogate in an id is echoed back escaped; the lines after it, a generation and the shutdown
+    included, are all answered, and the process exits 0."""
+    surrogate = "\ud800"   # sent as the JSON escape \ud800 (json.dumps escapes it)
+    proc = PipeProcess("--ctx", "256")
+    try:
+        proc.wait_ready()
+        proc.send({"op": "health", "id": surrogate})
+        proc.send({"op": "generate", "id": "bad" + surrogate, "prompt": "x" + surrogate})
+        proc.send({"op": "generate", "id": 2, "prompt": "Once upon a time", "n": 3, "temp": 0})
+        proc.send({"op": "shutdown", "id": 3})
+        assert proc.router.first(surrogate)["state"] == "ready"
+        assert "not valid Unicode" in proc.router.first("bad" + surrogate)["error"]
+        assert proc.router.first(3)["state"] == "draining"
+        assert proc.proc.wait(60) == 0, proc.error_output()
+        proc.reader.join(10)
+        _, done = proc.router.collect(2, timeout=1)
+        assert done["finish"] == "budget" and done["usage"]["gen_tokens"] == 3
+        assert not proc.impure
+    finally:
+        proc.stop()
+
+
 def test_eof_drains_and_exits_zero():
     """Closing stdin lets running requests finish, then the process exits 0 (its own process)."""
     proc = PipeProcess("--ctx", "256")
