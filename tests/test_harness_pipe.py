@@ -182,6 +182,14 @@ def test_bad_lines_are_answered_with_an_error(pipe, line, id_, needle):
     assert reply["id"] == id_ and needle in reply["error"], reply
 
 
+def test_a_prompt_certainly_past_the_context_is_refused_before_it_is_encoded(pipe):
+    """200,000 bytes are more than 81 (SmolLM2's longest token) x 2,048 (--ctx): refused from the byte count."""
+    _, error = pipe.request({"op": "generate", "id": "huge", "prompt": "x" * 200_000})
+    assert "the prompt is at least 2470 tokens and the context is 2048" in error["error"], error
+    pipe.send({"op": "health", "id": "after-huge"})
+    assert pipe.router.first("after-huge")["state"] == "ready"
+
+
 def test_duplicate_running_id_is_refused(pipe):
     count = [{"role": "user", "content": "Count from one to one hundred in words."}]
     pipe.send({"op": "chat", "id": "dup", "messages": count, "n": 200, "temp": 0})

@@ -354,18 +354,19 @@ class Harness:
             raise ProtocolError("this model has no tokenizer, so text cannot be encoded for it")
         if kind == "text":
             text = (session.text if session else "") + op.get("prompt")
-            self._check_fits(tokenizer.min_tokens(text))
+            self._check_fits(tokenizer.min_tokens(text), "at least ")
             return tokenizer.encode(text, add_special_tokens=True), text
         messages = (list(session.messages) if session else []) + op.get("messages")
         rendered = llm.render_chat(messages)  # refuses a model without a chat template
-        self._check_fits(tokenizer.min_tokens(rendered))
+        self._check_fits(tokenizer.min_tokens(rendered), "at least ")
         return tokenizer.encode(rendered, add_special_tokens=False), messages
 
-    def _check_fits(self, prompt_len: int) -> None:
-        """Refuses a prompt of (at least) ``prompt_len`` tokens that leaves no room in the context."""
+    def _check_fits(self, prompt_len: int, bound: str = "") -> None:
+        """Refuses a prompt of ``prompt_len`` tokens (``bound``: "at least " for a lower bound) that leaves no
+        room in the context."""
         limit = self.llm.max_model_len
         if limit - prompt_len < 1:
-            raise ProtocolError(f"the prompt is {prompt_len} tokens and the context is {limit} (--ctx); "
+            raise ProtocolError(f"the prompt is {bound}{prompt_len} tokens and the context is {limit} (--ctx); "
                                 "shorten it or start a new session")
 
     def _params(self, op: Op, prompt_len: int) -> SamplingParams:

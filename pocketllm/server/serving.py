@@ -71,7 +71,14 @@ class _Job:
 
 
 def sse(payload: dict | str) -> str:
-    data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)
+    """One server-sent event; always valid UTF-8 (a lone surrogate in a payload is written escaped)."""
+    if isinstance(payload, str):
+        return f"data: {payload}\n\n"
+    data = json.dumps(payload, ensure_ascii=False)
+    try:
+        data.encode("utf-8")
+    except UnicodeEncodeError:
+        data = json.dumps(payload, ensure_ascii=True)
     return f"data: {data}\n\n"
 
 
