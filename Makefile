@@ -14,7 +14,7 @@ LLAMA_CPP ?= llama-cpp-python==0.3.36
 LLAMA_CPP_CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON \
 	-DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF
 
-.PHONY: install serve run chat test test-slow lint clean chromium
+.PHONY: install serve run chat test test-slow soak lint clean chromium
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -67,6 +67,13 @@ SLOW_TESTS ?= tests/test_server.py tests/test_harness_host.py tests/test_harness
 	tests/test_structured_outputs.py tests/test_tp_server.py tests/test_web_client.py tests/test_bench.py
 test-slow: install chromium
 	POCKETLLM_TEST_STEP_DELAY_MS=$(STEP_DELAY_MS) $(BIN)/python -m pytest -q $(PYTEST_ARGS) $(SLOW_TESTS)
+
+# The reliability tests at full length: the HTTP fuzzer with 20,000 cases, and the server's and harness's edge,
+# disconnect, cancel, store and fuzz tests (`make test` runs the same files with a 2,000-case fuzzer).
+SOAK_TESTS := tests/test_server_fuzz.py tests/test_server_guards.py tests/test_server.py tests/test_request_limits.py \
+	tests/test_harness_channel.py tests/test_harness_store.py tests/test_harness_pipe.py tests/test_harness_host.py
+soak: install
+	POCKETLLM_FUZZ_CASES=20000 $(BIN)/python -m pytest -q $(SOAK_TESTS) $(PYTEST_ARGS)
 
 lint: install
 	$(BIN)/ruff check pocketllm tests

@@ -86,6 +86,7 @@ class RequestBuilder:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise InvalidRequestError("this checkpoint has no tokenizer; send token ids", param="prompt")
+            self.check_text_fits(prompt, "prompt")
             return self.tokenizer.encode(prompt, add_special_tokens=True)
         return list(prompt)
 
@@ -115,7 +116,16 @@ class RequestBuilder:
         if options.get("tool_choice") == "none":
             syntax = dataclasses.replace(syntax, tool_parser=None)
         spec = chat_output_spec(syntax, text, options.get("tools"))
+        self.check_text_fits(text, "messages")
         return self.tokenizer.encode(text, add_special_tokens=False), spec
+
+    def check_text_fits(self, text: str, param: str) -> None:
+        """Refuses, before paying for its encoding, a text that is certainly too long for the context (by the
+        tokenizer's exact lower bound on its token count)."""
+        least = self.tokenizer.min_tokens(text)
+        if least >= self.max_model_len:
+            raise InvalidRequestError(f"the prompt is at least {least} tokens; this model's context is "
+                                      f"{self.max_model_len} tokens", param=param)
 
     @staticmethod
     def chat_params(params: SamplingParams | None, options: Mapping[str, Any],

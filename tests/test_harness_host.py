@@ -61,6 +61,41 @@ def test_web_client_is_served_from_the_same_port(host):
         assert httpx.get(base + path).status_code == 404, path
 
 
+def _raw_get(port: int, headers: str) -> bytes:
+    """The status line and headers of a GET / sent with exactly ``headers``."""
+    import socket
+
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+        sock.sendall(f"GET / HTTP/1.1\r\n{headers}\r\n".encode())
+        reply = b""
+        while b"\r\n\r\n" not in reply:
+            data = sock.recv(65536)
+            if not data:
+                break
+            reply += data
+    return reply.split(b"\r\n\r\n", 1)[0]
+
+
+def test_dns_rebinding_and_foreign_origins_are_refused(host):
+    """A request for a foreign Host name (a DNS-rebound page) is refused, so is a WebSocket opened by another
+    site's page (its Origin); the host's own origin, and clients that send no Origin, go on to the token."""
+    from websockets.exceptions import InvalidStatus
+    from websockets.sync.client import connect
+
+    assert _raw_get(host.port, f"Host: attacker.example:{host.port}\r\n").startswith(b"HTTP/1.1 403")
+    assert _raw_get(host.port, f"Host: localhost:{host.port}\r\n").startswith(b"HTTP/1.1 200")
+    upgrade = "Upgrade: websocket\r\nConnection: Upgrade\r\nSec-WebSocket-Version: 13\r\n" \
+              "Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n"
+    assert _raw_get(host.port, f"Host: attacker.example:{host.port}\r\n{upgrade}").startswith(b"HTTP/1.1 403")
+    for origin in ("http://attacker.example", f"http://localhost:{host.port}", "null"):
+        with pytest.raises(InvalidStatus) as info:
+            connect(host.url, origin=origin, open_timeout=10)
+        assert info.value.response.status_code == 403, origin
+    with connect(host.url, origin=f"http://127.0.0.1:{host.port}", open_timeout=10) as ws:   # the web client's
+        ws.send(json.dumps({"op": "auth", "id": 1, "token": host.token}))
+        assert json.loads(ws.recv(timeout=30)) == {"id": 1, "auth": "ok"}
+
+
 def test_every_connection_must_authenticate_first(host):
     conn = host.connect(auth=False)
     conn.send({"op": "health", "id": 1})

@@ -182,6 +182,14 @@ def test_bad_lines_are_answered_with_an_error(pipe, line, id_, needle):
     assert reply["id"] == id_ and needle in reply["error"], reply
 
 
+def test_a_prompt_certainly_past_the_context_is_refused_before_it_is_encoded(pipe):
+    """200,000 bytes are more than 81 (SmolLM2's longest token) x 2,048 (--ctx): refused from the byte count."""
+    _, error = pipe.request({"op": "generate", "id": "huge", "prompt": "x" * 200_000})
+    assert "the prompt is at least 2470 tokens and the context is 2048" in error["error"], error
+    pipe.send({"op": "health", "id": "after-huge"})
+    assert pipe.router.first("after-huge")["state"] == "ready"
+
+
 def test_duplicate_running_id_is_refused(pipe):
     count = [{"role": "user", "content": "Count from one to one hundred in words."}]
     pipe.send({"op": "chat", "id": "dup", "messages": count, "n": 200, "temp": 0})
@@ -211,6 +219,29 @@ def test_fuzz_5000_lines_then_health(pipe):
     assert len(errors) == len(lines), f"{len(lines)} bad lines, {len(errors)} errors, in {took:.1f}s"
     text, done = pipe.request({"op": "chat", "id": "post-fuzz", "messages": FRANCE, "temp": 0})
     assert text == "The capital of France is Paris."
+
+
+def test_every_id_is_answered_after_a_line_whose_id_holds_a_lone_surrogate():
+    """A lone surrogate in an id is echoed back escaped; the lines after it, a generation and the shutdown
+    included, are all answered, and the process exits 0."""
+    surrogate = "\ud800"   # sent as the JSON escape \ud800 (json.dumps escapes it)
+    proc = PipeProcess("--ctx", "256")
+    try:
+        proc.wait_ready()
+        proc.send({"op": "health", "id": surrogate})
+        proc.send({"op": "generate", "id": "bad" + surrogate, "prompt": "x" + surrogate})
+        proc.send({"op": "generate", "id": 2, "prompt": "Once upon a time", "n": 3, "temp": 0})
+        proc.send({"op": "shutdown", "id": 3})
+        assert proc.router.first(surrogate)["state"] == "ready"
+        assert "not valid Unicode" in proc.router.first("bad" + surrogate)["error"]
+        assert proc.router.first(3)["state"] == "draining"
+        assert proc.proc.wait(60) == 0, proc.error_output()
+        proc.reader.join(10)
+        _, done = proc.router.collect(2, timeout=1)
+        assert done["finish"] == "budget" and done["usage"]["gen_tokens"] == 3
+        assert not proc.impure
+    finally:
+        proc.stop()
 
 
 def test_eof_drains_and_exits_zero():

@@ -13,8 +13,15 @@ from pocketllm.sampling_params import SamplingParams
 class _Tokenizer:
     """Encodes a text as one token per character."""
 
+    def __init__(self) -> None:
+        self.encoded = 0
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        self.encoded += 1
         return [ord(c) for c in text]
+
+    def min_tokens(self, text: str) -> int:
+        return len(text)
 
 
 def _builder(context: int = 16) -> RequestBuilder:
@@ -41,6 +48,14 @@ def test_a_prompt_that_fills_the_context_is_refused():
     assert info.value.param == "prompt"
     with pytest.raises(InvalidRequestError):
         _builder().build(prompt="ab", messages=[{"role": "user", "content": "x"}])
+
+
+def test_a_text_certainly_too_long_is_refused_before_it_is_encoded():
+    builder = _builder(4)
+    with pytest.raises(InvalidRequestError) as info:
+        builder.build(prompt="x" * 10_000)
+    assert info.value.param == "prompt" and "at least 10000 tokens" in str(info.value)
+    assert builder.tokenizer.encoded == 0
 
 
 @pytest.mark.parametrize(("max_tokens", "outputs", "pending", "ends"), [

@@ -96,3 +96,10 @@ def test_harness_lines_are_always_utf8() -> None:
     assert json.loads(line)["id"] == json.loads('"\\ud800"')
     assert encode({"id": 1, "text": "é"}) == '{"id":1,"text":"é"}'   # plain lines keep their characters
     assert valid_session_id("abc") and not valid_session_id("abc\n") and not valid_session_id("a/b")
+
+
+@pytest.mark.parametrize("field", ["temperature", "top_p", "frequency_penalty", "presence_penalty", "min_p",
+                                   "repetition_penalty"])
+def test_an_integer_too_large_for_a_float_is_refused(field: str) -> None:
+    _refused(parse_completion_request, {"prompt": "a", field: 10**400}, field)
+    _refused(parse_completion_request, {"prompt": "a", "logit_bias": {"1": -(10**400)}}, "logit_bias")

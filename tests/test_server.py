@@ -312,6 +312,34 @@ def test_unregistered_paths_are_404(server, method, path):
     assert "error" in response.json()
 
 
+def test_an_oversized_body_is_refused_from_its_content_length(server):
+    """A 20 MB body is a 413 from its headers alone (none of it is sent); the server answers on."""
+    import socket
+
+    with socket.create_connection(("127.0.0.1", server.port), timeout=60) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 20000000\r\n\r\n")
+        reply = b""
+        while b"\r\n\r\n" not in reply or not reply.rstrip().endswith(b"}"):
+            data = sock.recv(65536)
+            if not data:
+                break
+            reply += data
+    head, _, body = reply.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 413"), head
+    assert json.loads(body)["error"]["type"] == "invalid_request_error"
+    assert httpx.get(server.url + "/health").status_code == 200
+
+
+def test_a_foreign_host_header_is_refused(server):
+    """Bound to loopback without an API key: a DNS-rebound name is refused, loopback names are served."""
+    refused = httpx.get(server.url + "/v1/models", headers={"Host": f"attacker.example:{server.port}"})
+    assert refused.status_code == 403 and refused.json()["error"]["type"] == "permission_error"
+    assert httpx.get(server.url + "/v1/models", headers={"Host": f"localhost:{server.port}"}).status_code == 200
+    cross = httpx.get(server.url + "/v1/models", headers={"Origin": "http://attacker.example"})
+    assert cross.status_code == 403
+
+
 def _metric(server, name: str) -> float:
     text = httpx.get(server.url + "/metrics").text
     match = re.search(rf"^pocketllm:{name}(?:{{[^}}]*}})? ([0-9.e+-]+)$", text, re.M)
@@ -326,7 +354,7 @@ def test_metrics_exposed(server, client):
                  "prefix_cache_hits", "prompt_tokens_total", "generation_tokens_total", "num_preemptions",
                  "time_to_first_token_seconds_bucket", "inter_token_latency_seconds_bucket",
                  "e2e_request_latency_seconds_bucket", "request_queue_time_seconds_bucket",
-                 "request_success_total"):
+                 "request_success_total", "request_aborted_total"):
         assert f"pocketllm:{name}" in text, name
     assert _metric(server, "generation_tokens_total") > 0
 
@@ -336,6 +364,21 @@ def _finished(server, reason: str) -> float:
     text = httpx.get(server.url + "/metrics").text
     match = re.search(rf'^pocketllm:request_success_total{{finished_reason="{reason}"}} ([0-9.e+-]+)$', text, re.M)
     return float(match.group(1)) if match else 0.0
+
+
+def _aborted(server, reason: str) -> float:
+    """``pocketllm:request_aborted_total`` for one reason."""
+    text = httpx.get(server.url + "/metrics").text
+    match = re.search(rf'^pocketllm:request_aborted_total{{reason="{reason}"}} ([0-9.e+-]+)$', text, re.M)
+    assert match, f"no aborted counter for {reason}"
+    return float(match.group(1))
+
+
+def _wait_aborted(server, reason: str, value: float, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while _aborted(server, reason) != value:
+        assert time.monotonic() < deadline, f"request_aborted_total{{reason={reason!r}}} never reached {value}"
+        time.sleep(0.02)
 
 
 def _wait_idle(server, timeout: float = 10) -> None:
@@ -349,6 +392,7 @@ def _wait_idle(server, timeout: float = 10) -> None:
 
 def test_disconnect_frees_blocks(server):
     _wait_idle(server)
+    aborted = _aborted(server, "client_disconnect")
     body = {**CHAT, "max_tokens": 3000, "ignore_eos": True, "stream": True, "temperature": 0.8}
     with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=60) as response:
         lines = response.iter_lines()
@@ -357,18 +401,22 @@ def test_disconnect_frees_blocks(server):
         assert _metric(server, "num_requests_running") == 1
         assert _metric(server, "kv_cache_usage_perc") > 0
     _wait_idle(server)
+    _wait_aborted(server, "client_disconnect", aborted + 1)
 
 
 def test_non_streaming_disconnect_frees_blocks(server):
     _wait_idle(server)
+    aborted = _aborted(server, "client_disconnect")
     body = {**CHAT, "max_tokens": 3000, "ignore_eos": True, "temperature": 0.8}
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(server.url + "/v1/chat/completions", json=body, timeout=1.5)
     _wait_idle(server)
+    _wait_aborted(server, "client_disconnect", aborted + 1)
 
 
 def test_delete_cancels_active_request_and_404s_otherwise(server):
     _wait_idle(server)
+    aborted = _aborted(server, "cancel")
     assert httpx.delete(server.url + "/v1/requests/never-seen").status_code == 404
     body = {**CHAT, "max_tokens": 3000, "ignore_eos": True, "stream": True, "temperature": 0.8,
             "request_id": "cancel-me"}
@@ -387,6 +435,7 @@ def test_delete_cancels_active_request_and_404s_otherwise(server):
     assert [r for r in reasons if r is not None] == ["cancelled"]
     _wait_idle(server)  # its KV blocks are freed
     assert httpx.delete(server.url + "/v1/requests/cancel-me").status_code == 404
+    assert _aborted(server, "cancel") == aborted + 1   # counted before its last chunk was sent
 
 
 def _wait_for(server, name: str, value: float, timeout: float = 60) -> None:
@@ -414,6 +463,7 @@ def test_api_key_and_deadline():
         assert error["type"] == "timeout" and "did not finish within 1.0 s" in error["message"]
         _wait_idle(proc)  # the choices that missed the deadline were cancelled, their blocks freed
         assert _finished(proc, "length") == _finished(proc, "stop") == 0
+        assert _aborted(proc, "deadline") == 1 and _aborted(proc, "client_disconnect") == 0
     finally:
         proc.stop()
 

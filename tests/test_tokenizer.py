@@ -116,6 +116,23 @@ def test_vocab_bytes(smol: Tokenizer) -> None:
     assert len(singles) == len(set(singles)) > 200  # byte tokens map back to distinct bytes
 
 
+@pytest.mark.parametrize("text", ["", "a", "Hello, world!", " " * 5000, "\n" + " " * 80, "#" * 800,
+                                  "<|im_start|>user\nhi<|im_end|>" * 20, "héllo 日本語 🙂 " * 50,
+                                  "\n" * 300 + "x" * 300])
+def test_min_tokens_is_a_lower_bound(smol: Tokenizer, text: str) -> None:
+    assert smol.max_token_bytes == max(len(piece) for piece in smol.vocab_bytes())
+    least = smol.min_tokens(text)
+    assert least <= len(smol.encode(text, add_special_tokens=False))
+    assert least == -(-len(text.encode()) // smol.max_token_bytes)
+
+
+def test_min_tokens_is_zero_where_no_bound_is_exact(tmp_path: Path) -> None:
+    path = tmp_path / "spm.gguf"
+    _write_sentencepiece_gguf(path)   # not byte-level
+    tok = Tokenizer.from_gguf(str(path))
+    assert tok.max_token_bytes is None and tok.min_tokens("hello " * 100) == 0
+
+
 # ---------------------------------------------------------------- HF directories and chat templates
 
 

@@ -59,6 +59,12 @@ def add_harness_parsers(subparsers) -> None:
                            "resume warm.")
     host.add_argument("--web", default=None, metavar="DIR",
                       help="Serve this directory as the web client instead of the built-in one.")
+    host.add_argument("--allowed-hosts", action="append", default=None, metavar="NAMES",
+                      help="Host header names answered besides loopback ones, e.g. a tunnel's name "
+                           "(comma-separated, repeatable; '*': any).")
+    host.add_argument("--allowed-origins", action="append", default=None, metavar="ORIGINS",
+                      help="Web origins whose pages may open a WebSocket besides the host's own "
+                           "(comma-separated, repeatable; '*': any).")
     host.set_defaults(handler=host_command)
 
     connect = subparsers.add_parser("connect", help="Hold a conversation in the terminal with a running host.")
@@ -104,7 +110,9 @@ def host_command(args: argparse.Namespace) -> int:
     from pocketllm.harness.host import HostConfig, run_host
 
     config = HostConfig(engine_args=engine_args, port=sock.getsockname()[1], token=token, max_conns=args.max_conns,
-                        idle_expiry_ms=args.idle_expiry, kv_store=args.kv_store, web_dir=args.web, sock=sock)
+                        idle_expiry_ms=args.idle_expiry, kv_store=args.kv_store, web_dir=args.web, sock=sock,
+                        allowed_hosts=tuple(args.allowed_hosts or ()),
+                        allowed_origins=tuple(args.allowed_origins or ()))
     return run_host(config)
 
 

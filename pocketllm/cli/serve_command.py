@@ -35,6 +35,14 @@ def add_serve_parser(subparsers) -> None:
                         help="Seconds a request may take before its unfinished choices are cancelled.")
     parser.add_argument("--shutdown-timeout", type=float, default=30.0,
                         help="On SIGTERM/SIGINT, seconds in-flight requests may finish before being cancelled.")
+    parser.add_argument("--max-request-bytes", type=int, default=None, metavar="N",
+                        help="Refuse request bodies larger than N bytes with a 413 (default: 8 MiB).")
+    parser.add_argument("--allowed-hosts", action="append", default=None, metavar="NAMES",
+                        help="Host header names answered besides loopback ones (comma-separated, repeatable; "
+                             "'*': any). Bound to loopback without --api-key, other names are refused.")
+    parser.add_argument("--allowed-origins", action="append", default=None, metavar="ORIGINS",
+                        help="Browser origins (e.g. http://localhost:3000) allowed besides the server's own "
+                             "(comma-separated, repeatable; '*': any).")
     parser.add_argument("--access-log", action="store_true", help="Log one line per request on stderr.")
     parser.add_argument("--verbose", action="store_true", help="Log scheduling decisions at DEBUG.")
     add_engine_flags(parser)
@@ -77,6 +85,8 @@ def serve_command(args: argparse.Namespace) -> int:
         if args.model is not None and args.model != args.model_positional:
             usage_error("serve", "give the model once: as MODEL or as --model")
         args.model = args.model_positional
+    if args.max_request_bytes is not None and args.max_request_bytes < 1:
+        usage_error("serve", "--max-request-bytes must be a positive number of bytes")
     engine_args = engine_args_from(args)
     status = _tensor_parallel_role(args, engine_args)
     if status is not None:
@@ -90,6 +100,8 @@ def serve_command(args: argparse.Namespace) -> int:
     import uvicorn
 
     from pocketllm.server.app import ServerConfig, ServerState, build_app
+    from pocketllm.server.exposure import ExposurePolicy
+    from pocketllm.server.guards import DEFAULT_MAX_REQUEST_BYTES
 
     failed = threading.Event()
 
@@ -103,9 +115,12 @@ def serve_command(args: argparse.Namespace) -> int:
             failed.set()
             server.should_exit = True
 
+    exposure = ExposurePolicy.build(args.host, allowed_hosts=args.allowed_hosts or (),
+                                    allowed_origins=args.allowed_origins or (), check_hosts=args.api_key is None)
     config = ServerConfig(engine_args=engine_args, served_model_name=args.served_model_name,
                           api_key=args.api_key, request_timeout=args.request_timeout,
-                          access_log=args.access_log, on_loaded=on_loaded)
+                          access_log=args.access_log, on_loaded=on_loaded, exposure=exposure,
+                          max_request_bytes=args.max_request_bytes or DEFAULT_MAX_REQUEST_BYTES)
     app = build_app(config)
     state = app.state.pocketllm
     shutdown_timeout = args.shutdown_timeout

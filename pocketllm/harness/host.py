@@ -24,6 +24,7 @@ from pocketllm.harness.lifecycle import LOOPBACK, StopSignals, display_name, run
 from pocketllm.harness.protocol import ProtocolError, encode, error_line, parse_line
 from pocketllm.harness.service import Channel, Harness
 from pocketllm.harness.sessions import SessionStore
+from pocketllm.server.exposure import ExposurePolicy
 
 logger = logging.getLogger("pocketllm.harness")
 
@@ -48,6 +49,8 @@ class HostConfig:
     kv_store: str | None = None
     web_dir: str | None = None
     sock: socket.socket | None = None   # a listening socket already bound (by the CLI, before loading anything)
+    allowed_hosts: tuple[str, ...] = ()     # Host names answered besides loopback ones ("*": any)
+    allowed_origins: tuple[str, ...] = ()   # web origins that may open a WebSocket besides the host's own
 
 
 def builtin_web_dir() -> str:
@@ -108,20 +111,37 @@ class Host:
         self.static = StaticFiles(web, None if config.web_dir else BUILTIN_CSP)
         self.connections: set[Any] = set()
         self._names = itertools.count(1)
+        self.exposure = ExposurePolicy.build(LOOPBACK, allowed_hosts=config.allowed_hosts,
+                                             allowed_origins=config.allowed_origins)
 
     def check_token(self, token: Any) -> bool:
         given = token.encode("utf-8") if isinstance(token, str) else b""
         return hmac.compare_digest(given, self.token)
 
     def _http(self, connection, request):
-        """Plain HTTP requests get the web client; WebSocket upgrades go on to the handshake."""
-        if request.headers.get("Upgrade", "").lower() == "websocket":
+        """Requests for a foreign ``Host`` (DNS rebinding) and WebSocket upgrades from a foreign ``Origin`` (another
+        site's page) are refused with a 403; plain HTTP requests get the web client; WebSocket upgrades go on to
+        the handshake (and the token)."""
+        host = request.headers.get("Host")
+        upgrade = request.headers.get("Upgrade", "").lower() == "websocket"
+        problem = self.exposure.host_refusal(host)
+        if problem is None and upgrade:
+            problem = self.exposure.origin_refusal(request.headers.get("Origin"), host)
+        if problem is not None:
+            logger.warning("refused a request: %s", problem)
+            return connection.respond(403, problem + "\n")
+        if upgrade:
             return None
         return self.static.respond(connection, request)
 
     async def _handler(self, ws) -> None:
+        from websockets.exceptions import ConnectionClosed
+
+        async def write(line: str) -> None:
+            await ws.send(line)
+
         async def send(obj: dict[str, Any]) -> None:
-            await ws.send(encode(obj))
+            await write(encode(obj))
 
         if self.harness.draining:
             await send(error_line("the host is shutting down"))
@@ -135,7 +155,7 @@ class Host:
             return
         self.connections.add(ws)
         name = f"c{next(self._names)}"
-        channel = Channel(name, send, check_token=self.check_token,
+        channel = Channel(name, write, check_token=self.check_token, gone=(ConnectionClosed,),
                           on_bad_token=lambda: asyncio.ensure_future(ws.close(CLOSE_POLICY, "wrong token")))
         try:
             if not await self._authenticate(ws, send):

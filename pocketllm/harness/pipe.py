@@ -11,11 +11,10 @@ import logging
 import os
 import sys
 import threading
-from typing import Any
 
 from pocketllm.config import EngineArgs
 from pocketllm.harness.lifecycle import StopSignals, run_until_done, say
-from pocketllm.harness.protocol import encode, error_line
+from pocketllm.harness.protocol import error_line
 from pocketllm.harness.service import Channel, Harness
 
 logger = logging.getLogger("pocketllm.harness")
@@ -79,11 +78,11 @@ async def serve_pipe(engine_args: EngineArgs, out) -> int:
     signals = StopSignals(harness.begin_shutdown)
     signals.install(loop)
 
-    async def send(obj: dict[str, Any]) -> None:
-        out.write(encode(obj) + "\n")
+    async def write(line: str) -> None:
+        out.write(line + "\n")
         out.flush()
 
-    channel = Channel("pipe", send)
+    channel = Channel("pipe", write)
     lines: asyncio.Queue = asyncio.Queue()
     threading.Thread(target=_read_lines, args=(loop, lines), name="pocketllm-stdin", daemon=True).start()
     loader = asyncio.create_task(harness.load())

@@ -57,11 +57,11 @@ class Op:
 def encode(obj: dict[str, Any]) -> str:
     """One output line (without the newline), always encodable as UTF-8: a line holding a lone surrogate (a
     request's ``"\\ud800"`` echoed back in its id, say) is written with every non-ASCII character escaped."""
-    text = json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+    text = json.dumps(obj, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
     try:
         text.encode("utf-8")
     except UnicodeEncodeError:
-        return json.dumps(obj, ensure_ascii=True, separators=(",", ":"))
+        return json.dumps(obj, ensure_ascii=True, separators=(",", ":"), allow_nan=False)
     return text
 
 
@@ -122,7 +122,18 @@ def _sampling(fields: dict[str, Any]) -> None:
             raise ValueError("stop must be a non-empty string or a list of non-empty strings")
         if len(stops) > MAX_STOPS:
             raise ValueError(f"stop takes at most {MAX_STOPS} strings")
+        for stop_string in stops:
+            _unicode("stop", stop_string)
         fields["stop"] = tuple(stops)
+
+
+def _unicode(name: str, text: str) -> str:
+    """``text`` unchanged if it is valid Unicode (no lone surrogate, which no tokenizer can encode)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError(f"{name} is not valid Unicode (it holds a lone surrogate)") from None
+    return text
 
 
 def check_messages(messages: Any, name: str = "messages") -> list[dict[str, str]]:
@@ -142,6 +153,7 @@ def check_messages(messages: Any, name: str = "messages") -> list[dict[str, str]
             raise ValueError(f"{name}[{i}].role must be one of {', '.join(ROLES)}")
         if not isinstance(content, str):
             raise ValueError(f"{name}[{i}].content must be a string")
+        _unicode(f"{name}[{i}].content", content)
         clean.append({"role": role, "content": content})
     return clean
 
@@ -154,6 +166,7 @@ def _validate(op: str, fields: dict[str, Any]) -> None:
     if op == "generate":
         if not isinstance(fields.get("prompt"), str) or not fields["prompt"]:
             raise ValueError("generate needs a non-empty string 'prompt'")
+        _unicode("prompt", fields["prompt"])
     elif op == "chat":
         if "messages" not in fields:
             raise ValueError("chat needs 'messages'")

@@ -20,7 +20,7 @@ from typing import Any
 from pocketllm.api import AsyncLLM
 from pocketllm.config import EngineArgs
 from pocketllm.errors import PocketLLMError
-from pocketllm.harness.protocol import Op, ProtocolError, error_line, finish_of, parse_line
+from pocketllm.harness.protocol import Op, ProtocolError, encode, error_line, finish_of, parse_line
 from pocketllm.harness.sessions import Session, SessionStore
 from pocketllm.sampling_params import SamplingParams
 
@@ -43,27 +43,50 @@ def _default_model_label() -> str:
 
 
 class Channel:
-    """Where lines come from and answers go: the pipe, or one WebSocket connection."""
+    """Where lines come from and answers go: the pipe, or one WebSocket connection.
 
-    def __init__(self, name: str, send: Callable[[dict[str, Any]], Awaitable[None]],
+    ``write`` takes one encoded line; an exception of ``gone`` (or a ``ConnectionError``/``EOFError``) from it
+    means the peer went away and the channel closes. Any other failure costs that one line only: an answer
+    that cannot be encoded is replaced by an error line for its id, and a write that fails otherwise is
+    logged; the channel keeps answering."""
+
+    def __init__(self, name: str, write: Callable[[str], Awaitable[None]],
                  check_token: Callable[[str], bool] | None = None,
-                 on_bad_token: Callable[[], None] | None = None) -> None:
+                 on_bad_token: Callable[[], None] | None = None,
+                 gone: tuple[type[BaseException], ...] = ()) -> None:
         self.name = name
-        self._send = send
+        self._write = write
+        self._gone = (ConnectionError, EOFError, *gone)
         self.check_token = check_token
         self.on_bad_token = on_bad_token
         self.requests: dict[Any, Turn] = {}
         self.sessions: set[str] = set()
         self.closed = False
 
+    def _encoded(self, obj: dict[str, Any]) -> str:
+        try:
+            return encode(obj)
+        except (TypeError, ValueError, RecursionError) as exc:
+            logger.warning("channel %s: an answer could not be encoded (%s); sent an error instead", self.name, exc)
+            request_id = obj.get("id")
+            try:
+                encode({"id": request_id})
+            except (TypeError, ValueError, RecursionError):
+                request_id = None
+            return encode(error_line(f"internal error: the answer could not be encoded ({type(exc).__name__})",
+                                     request_id))
+
     async def send(self, obj: dict[str, Any]) -> None:
         if self.closed:
             return
+        line = self._encoded(obj)
         try:
-            await self._send(obj)
-        except Exception as exc:  # the peer went away; the host's reader notices and detaches us
-            logger.debug("channel %s: send failed (%s)", self.name, exc)
+            await self._write(line)
+        except self._gone as exc:   # the peer went away; the host's reader notices and detaches us
+            logger.debug("channel %s: the peer is gone (%r)", self.name, exc)
             self.closed = True
+        except Exception as exc:
+            logger.warning("channel %s: an answer could not be written (%r); carrying on", self.name, exc)
 
 
 @dataclass
@@ -213,7 +236,7 @@ class Harness:
         stored_tokens = 0
         if session is None:
             session = Session(sid)
-            record = self.store.load(sid) if self.store is not None else None
+            record = self.store.load(sid) if self.store is not None else None   # StoreError: refused, kept
             if record is not None:
                 session.restore(record)
                 resumed = True
@@ -247,7 +270,7 @@ class Harness:
     async def _op_close(self, channel: Channel, op: Op) -> None:
         sid = op.get("session")
         session = self.sessions.get(sid)
-        stored = self.store is not None and self.store.load(sid) is not None
+        stored = self.store is not None and self.store.exists(sid)
         if session is None and not stored:
             raise ProtocolError(f"unknown session {sid!r}")
         if session is not None:
@@ -323,24 +346,32 @@ class Harness:
         self._spawn(self._run_turn(channel, op, turn, kind), turn)
 
     def _prompt(self, op: Op, session: Session | None, kind: str) -> tuple[list[int], Any]:
-        """(prompt token ids, the session's new state) of this turn."""
+        """(prompt token ids, the session's new state) of this turn (run in a worker thread: a long prompt
+        holds no other conversation up; one certainly past the context is refused before it is encoded)."""
         llm = self.llm
         tokenizer = llm.tokenizer
         if tokenizer is None:
             raise ProtocolError("this model has no tokenizer, so text cannot be encoded for it")
         if kind == "text":
             text = (session.text if session else "") + op.get("prompt")
+            self._check_fits(tokenizer.min_tokens(text), "at least ")
             return tokenizer.encode(text, add_special_tokens=True), text
         messages = (list(session.messages) if session else []) + op.get("messages")
         rendered = llm.render_chat(messages)  # refuses a model without a chat template
+        self._check_fits(tokenizer.min_tokens(rendered), "at least ")
         return tokenizer.encode(rendered, add_special_tokens=False), messages
 
-    def _params(self, op: Op, prompt_len: int) -> SamplingParams:
+    def _check_fits(self, prompt_len: int, bound: str = "") -> None:
+        """Refuses a prompt of ``prompt_len`` tokens (``bound``: "at least " for a lower bound) that leaves no
+        room in the context."""
         limit = self.llm.max_model_len
-        room = limit - prompt_len
-        if room < 1:
-            raise ProtocolError(f"the prompt is {prompt_len} tokens and the context is {limit} (--ctx); "
+        if limit - prompt_len < 1:
+            raise ProtocolError(f"the prompt is {bound}{prompt_len} tokens and the context is {limit} (--ctx); "
                                 "shorten it or start a new session")
+
+    def _params(self, op: Op, prompt_len: int) -> SamplingParams:
+        self._check_fits(prompt_len)
+        room = self.llm.max_model_len - prompt_len
         values: dict[str, Any] = dict(FALLBACK_SAMPLING)
         defaults = self.llm.generation_config
         values.update({name: defaults[name] for name in _GENERATION_CONFIG_FIELDS if defaults.get(name) is not None})
@@ -362,7 +393,7 @@ class Harness:
                 session.stored_tokens, session.stored_parts = list(snapshot.token_ids), parts
             logger.info("session %s: %d stored tokens back in the prefix cache", session.sid,
                         session.restored_tokens)
-        except (OSError, PocketLLMError, ValueError) as exc:
+        except Exception as exc:   # whatever the files hold, the turn goes on cold with the history intact
             logger.warning("session %s: stored KV not used: %s", session.sid, exc)
             session.restored_tokens = 0
 
@@ -377,7 +408,7 @@ class Harness:
                 done = {"id": op.id, "done": True, "finish": "cancel",
                         "usage": {"prompt_tokens": 0, "gen_tokens": 0, "prefill_ms": 0.0, "decode_ms": 0.0}}
                 return
-            prompt_ids, new_state = self._prompt(op, session, kind)
+            prompt_ids, new_state = await asyncio.to_thread(self._prompt, op, session, kind)
             params = self._params(op, len(prompt_ids))
             restored = None
             if session is not None and session.pending_kv:

@@ -7,16 +7,81 @@ import glob
 import json
 import logging
 import os
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from pocketllm.api import KVSnapshot
 from pocketllm.errors import PocketLLMError
+from pocketllm.harness.protocol import check_messages
 
 logger = logging.getLogger("pocketllm.harness")
 
 RECORD_VERSION = 1
+FILE_MODE = 0o600
+DIR_MODE = 0o700
+
+
+class StoreError(PocketLLMError):
+    """A stored session that cannot be used (unreadable, corrupt or of an unknown format); it is never
+    overwritten: a corrupt file is moved aside first."""
+
+
+def check_record(record: Any, sid: str) -> dict[str, Any]:
+    """``record`` if it is a whole session record of ``sid``; raises ValueError saying what is wrong."""
+    if not isinstance(record, dict):
+        raise ValueError("not a JSON object")
+    if record.get("session") != sid:
+        raise ValueError(f"it names session {record.get('session')!r}")
+    if record.get("kind") not in ("chat", "text", None):
+        raise ValueError(f"unknown kind {record.get('kind')!r}")
+    messages = record.get("messages", [])
+    if messages:
+        check_messages(messages)
+    elif not isinstance(messages, list):
+        raise ValueError("messages is not a list")
+    if not isinstance(record.get("text", ""), str):
+        raise ValueError("text is not a string")
+    tokens = record.get("token_ids", [])
+    if not isinstance(tokens, list) or not all(type(t) is int and t >= 0 for t in tokens):
+        raise ValueError("token_ids is not a list of token ids")
+    return record
+
+
+def write_atomically(path: str, write: Callable[[str], None]) -> None:
+    """``write(temporary path)``, then the file is made private (0600), synced and renamed over ``path``: a
+    reader sees the old file or the whole new one, never a part, also after a crash."""
+    tmp = f"{path}.tmp-{os.getpid()}-{threading.get_ident()}"
+    try:
+        write(tmp)
+        os.chmod(tmp, FILE_MODE)
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.remove(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+    directory = os.open(os.path.dirname(path), os.O_RDONLY)
+    try:
+        os.fsync(directory)   # the rename itself survives a crash
+    finally:
+        os.close(directory)
+
+
+def _write_json(record: dict[str, Any]) -> Callable[[str], None]:
+    def write(path: str) -> None:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, FILE_MODE)
+        with open(fd, "w", encoding="utf-8") as handle:
+            json.dump(record, handle, ensure_ascii=False)
+    return write
 
 
 @dataclass
@@ -83,7 +148,7 @@ class SessionStore:
 
     def __init__(self, directory: str) -> None:
         self.directory = os.path.abspath(directory)
-        os.makedirs(self.directory, exist_ok=True)
+        os.makedirs(self.directory, mode=DIR_MODE, exist_ok=True)
 
     def _json(self, sid: str) -> str:
         return os.path.join(self.directory, f"{sid}.json")
@@ -113,16 +178,18 @@ class SessionStore:
             pass
 
     def load_kv(self, sid: str) -> tuple[KVSnapshot | None, list[int]]:
-        """The stored KV of ``sid`` joined from token 0 (stopping at a gap or an unreadable increment), and the
-        first tokens of the increments used."""
+        """The stored KV of ``sid`` joined from token 0, stopping at a gap or at an increment that cannot be
+        read (logged: the turn prefills the rest cold, and its save rewrites from there), and the first tokens
+        of the increments used."""
         parts: list[KVSnapshot] = []
         for start in self.kv_parts(sid):
             if start != (parts[-1].end_token if parts else 0):
                 break
             try:
                 part = KVSnapshot.load(self._kv_part(sid, start))
-            except (OSError, ValueError, PocketLLMError) as exc:
-                logger.warning("stored KV of session %s from token %d not used: %s", sid, start, exc)
+            except Exception as exc:   # a truncated or garbage file: safetensors, torch or JSON errors alike
+                logger.warning("session %s: stored KV from token %d is unreadable (%s); the turn prefills from "
+                               "token %d", sid, start, exc, start)
                 break
             if part.first_token != start:
                 break
@@ -131,21 +198,45 @@ class SessionStore:
             return None, []
         return KVSnapshot.join(parts), [p.first_token for p in parts]
 
+    def exists(self, sid: str) -> bool:
+        return os.path.isfile(self._json(sid))
+
+    def _move_aside(self, path: str) -> str:
+        """Rename a corrupt file to ``<name>.corrupt-<time>`` (kept for inspection, never overwritten)."""
+        aside = f"{path}.corrupt-{time.strftime('%Y%m%dT%H%M%S')}"
+        candidate, n = aside, 1
+        while os.path.exists(candidate):
+            candidate, n = f"{aside}-{n}", n + 1
+        os.replace(path, candidate)
+        return candidate
+
     def load(self, sid: str) -> dict[str, Any] | None:
-        """The stored record of ``sid``, or None (also when the file cannot be read)."""
+        """The stored record of ``sid``, or None when there is none. A file that cannot be used raises
+        ``StoreError``: a corrupt one is moved aside first (so a new conversation never overwrites it)."""
         path = self._json(sid)
-        if not os.path.isfile(path):
-            return None
         try:
-            with open(path, encoding="utf-8") as handle:
-                record = json.load(handle)
-        except (OSError, ValueError) as exc:
-            logger.warning("cannot read stored session %s: %s", sid, exc)
+            with open(path, "rb") as handle:
+                data = handle.read()
+        except FileNotFoundError:
             return None
-        if not isinstance(record, dict) or record.get("version") != RECORD_VERSION:
-            logger.warning("stored session %s has an unknown format; ignoring it", sid)
-            return None
-        return record
+        except OSError as exc:
+            raise StoreError(f"the stored conversation of session {sid!r} cannot be read: "
+                             f"{exc.strerror or exc}") from None
+        try:
+            record = json.loads(data.decode("utf-8"))
+            version = record.get("version") if isinstance(record, dict) else None
+            if isinstance(version, int) and version > RECORD_VERSION:
+                raise StoreError(f"the stored conversation of session {sid!r} was written by a newer PocketLLM "
+                                 f"(format {version}); it is left as it is")
+            if version != RECORD_VERSION:
+                raise ValueError(f"unknown format {version!r}")
+            return check_record(record, sid)
+        except (ValueError, RecursionError) as exc:   # UnicodeDecodeError and JSONDecodeError included
+            aside = self._move_aside(path)
+            logger.error("session %s: the stored conversation is corrupt (%s); moved aside to %s", sid, exc, aside)
+            raise StoreError(f"the stored conversation of session {sid!r} is corrupt ({exc}); it was moved "
+                             f"aside to {os.path.basename(aside)}, and opening {sid!r} again starts it "
+                             "anew") from None
 
     def save(self, sid: str, record: dict[str, Any], increment: KVSnapshot | None) -> None:
         """Write the KV increment (increments from its first token on are replaced; None drops all stored KV)
@@ -156,12 +247,8 @@ class SessionStore:
                 self._remove(self._kv_part(sid, first))
         self._remove(self._legacy_kv(sid))
         if increment is not None and increment.token_ids:
-            increment.save(self._kv_part(sid, start))
-        path = self._json(sid)
-        tmp = f"{path}.tmp-{os.getpid()}"
-        with open(tmp, "w", encoding="utf-8") as handle:
-            json.dump(record, handle, ensure_ascii=False)
-        os.replace(tmp, path)
+            write_atomically(self._kv_part(sid, start), increment.save)
+        write_atomically(self._json(sid), _write_json(record))
 
     def delete(self, sid: str) -> None:
         for path in (self._json(sid), self._legacy_kv(sid), *(self._kv_part(sid, f) for f in self.kv_parts(sid))):

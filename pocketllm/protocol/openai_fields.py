@@ -278,9 +278,18 @@ def _whole(field: str, value: Any, low: int | None, high: int | None, what: str,
     return number
 
 
+def _finite(value: Any) -> bool:
+    """A JSON number a float holds: finite, and not an integer too large for a float (10**400 is refused)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
+
+
 def _real(field: str, value: Any, low: float, high: float | None, what: str, low_open: bool = False) -> float:
-    ok = (not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
-          and (value > low if low_open else value >= low) and (high is None or value <= high))
+    ok = (_finite(value) and (value > low if low_open else value >= low) and (high is None or value <= high))
     if not ok:
         raise _invalid(field, value, what)
     return float(value)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hmac
 import json
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -12,14 +13,16 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pocketllm.api import AsyncLLM
 from pocketllm.config import EngineArgs
 from pocketllm.errors import InvalidRequestError, PocketLLMError, UnsupportedFeatureError
 from pocketllm.protocol.openai_fields import parse_chat_request, parse_completion_request
-from pocketllm.server.errors import error_response
+from pocketllm.server.errors import JSONResponse, error_response
+from pocketllm.server.exposure import ExposurePolicy
+from pocketllm.server.guards import DEFAULT_MAX_REQUEST_BYTES, BodyLimitMiddleware, ExposureMiddleware
 from pocketllm.server.metrics import ServerMetrics
 from pocketllm.server.serving import OpenAIServing, RequestFailed
 
@@ -34,6 +37,8 @@ class ServerConfig:
     api_key: str | None = None
     request_timeout: float | None = None
     access_log: bool = False   # one line a request on the "pocketllm.access" logger
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    exposure: ExposurePolicy = ExposurePolicy()   # no Host/Origin checks unless the CLI builds a policy
     # Called on the loading thread once the model has loaded or failed to (``load_error``).
     on_loaded: Callable[[ServerState], None] | None = field(default=None, compare=False)
 
@@ -53,7 +58,16 @@ class ServerState:
 
     @property
     def model_name(self) -> str:
-        return self.config.served_model_name or self.config.engine_args.model or "pocketllm-default"
+        return self.config.served_model_name or default_model_name(self.config.engine_args.model)
+
+
+def default_model_name(model: str | None) -> str:
+    """The name a model is served under without ``--served-model-name``: the checkpoint's file or directory
+    name (without ``.gguf``), never its path."""
+    if model is None:
+        return "pocketllm-default"
+    name = os.path.basename(os.path.normpath(model))
+    return name[:-len(".gguf")] if name.lower().endswith(".gguf") else name
 
 
 class ApiKeyMiddleware:
@@ -139,8 +153,14 @@ def build_app(config: ServerConfig) -> FastAPI:
             return error_response(404, f"no route for {request.method} {request.url.path}")
         return error_response(exc.status_code, str(exc.detail))
 
+    @app.exception_handler(Exception)
+    async def unexpected_error(request: Request, exc: Exception) -> JSONResponse:
+        return error_response(500, f"internal error: {type(exc).__name__}")
+
     if config.api_key:
         app.add_middleware(ApiKeyMiddleware, key=config.api_key)
+    app.add_middleware(BodyLimitMiddleware, limit=config.max_request_bytes)
+    app.add_middleware(ExposureMiddleware, policy=config.exposure)
     if config.access_log:   # added last, so outermost: refused requests are logged too
         app.add_middleware(AccessLogMiddleware)
 
@@ -202,7 +222,7 @@ def build_app(config: ServerConfig) -> FastAPI:
             else:
                 parsed, prefix = parse_completion_request(body, caps), "cmpl"
             if parsed.stream:
-                job = serving.prepare_stream(parsed, prefix)
+                job = await serving.prepare_stream(parsed, prefix)
                 return StreamingResponse(serving.stream(job), media_type="text/event-stream",
                                          headers={"Cache-Control": "no-cache", "X-Request-Id": job.request_id})
             return JSONResponse(await serving.complete(parsed, prefix, request.is_disconnected))

@@ -2,10 +2,25 @@
 
 from __future__ import annotations
 
-from fastapi.responses import JSONResponse
+import json
+from typing import Any
 
-ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-               409: "invalid_request_error", 500: "server_error", 503: "service_unavailable", 504: "timeout"}
+from fastapi import responses
+
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+               404: "not_found_error", 409: "invalid_request_error", 413: "invalid_request_error",
+               500: "server_error", 503: "service_unavailable", 504: "timeout"}
+
+
+class JSONResponse(responses.JSONResponse):
+    """A JSON response that is always valid UTF-8: content holding a lone surrogate (a request's field name
+    echoed in an error, say) is written with its non-ASCII characters escaped."""
+
+    def render(self, content: Any) -> bytes:
+        try:
+            return super().render(content)
+        except UnicodeEncodeError:
+            return json.dumps(content, ensure_ascii=True, allow_nan=False, separators=(",", ":")).encode("ascii")
 
 
 def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:

@@ -9,6 +9,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from pocketllm.outputs import RequestOutput
 
+ABORT_REASONS = ("client_disconnect", "cancel", "deadline", "shutdown")
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
                    10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
 
@@ -56,6 +57,11 @@ class ServerMetrics:
         self.generation_tokens = Counter("pocketllm:generation_tokens", "Tokens generated.", registry=r)
         self.finished = Counter("pocketllm:request_success", "Finished requests by finish reason.",
                                 ["finished_reason"], registry=r)
+        self.aborted = Counter("pocketllm:request_aborted", "Requests ended early, by reason: the client went "
+                               "away, a DELETE, the request deadline, the shutdown timeout.", ["reason"],
+                               registry=r)
+        for reason in ABORT_REASONS:
+            self.aborted.labels(reason=reason)
         self.ttft = Histogram("pocketllm:time_to_first_token_seconds", "Arrival to first token.",
                               buckets=LATENCY_BUCKETS, registry=r)
         self.itl = Histogram("pocketllm:inter_token_latency_seconds", "Time between consecutive tokens.",

@@ -66,10 +66,19 @@ class _Job:
     # stream_options.include_usage: chunks carry "usage": null and a last chunk the usage of every choice.
     include_usage: bool = False
     finished: list[RequestOutput] = field(default_factory=list)
+    # Why it was ended early (client_disconnect, cancel, deadline, shutdown); None while it runs its course.
+    aborted: str | None = None
 
 
 def sse(payload: dict | str) -> str:
-    data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)
+    """One server-sent event; always valid UTF-8 (a lone surrogate in a payload is written escaped)."""
+    if isinstance(payload, str):
+        return f"data: {payload}\n\n"
+    data = json.dumps(payload, ensure_ascii=False)
+    try:
+        data.encode("utf-8")
+    except UnicodeEncodeError:
+        data = json.dumps(payload, ensure_ascii=True)
     return f"data: {data}\n\n"
 
 
@@ -104,11 +113,15 @@ class OpenAIServing:
             return params
         return dataclasses.replace(params, seed=(params.seed + choice * SEED_STRIDE) % (1 << 63))
 
-    def _job(self, parsed: ParsedRequest, prefix: str) -> _Job:
+    async def _job(self, parsed: ParsedRequest, prefix: str) -> _Job:
+        """The request's choices, its prompts encoded in a worker thread (the chat template and the tokenizer
+        run off the event loop, so a long prompt stalls no other stream); registered under its id."""
         request_id = parsed.request_id or f"{prefix}-{uuid.uuid4().hex}"
         if request_id in self.jobs:
             raise InvalidRequestError(f"request_id {request_id!r} is already in use", param="request_id")
-        requests = self._requests(parsed)
+        requests = await asyncio.to_thread(self._requests, parsed)
+        if request_id in self.jobs:   # taken by another request while this one was encoded
+            raise InvalidRequestError(f"request_id {request_id!r} is already in use", param="request_id")
         choices = []
         for p, request in enumerate(requests):
             for i in range(parsed.n):
@@ -120,20 +133,32 @@ class OpenAIServing:
         job.prompt_tokens = sum(len(r.prompt_ids) for r in requests)
         job.chat_output = requests[0].chat_output if parsed.endpoint == "chat" else None
         job.include_usage = parsed.include_usage
+        self.jobs[request_id] = job
         return job
 
-    def cancel(self, request_id: str) -> bool:
-        """Cancel every choice of an active request; False if unknown or finished."""
+    def cancel(self, request_id: str, reason: str = "cancel") -> bool:
+        """Cancel every choice of an active request (``reason``, the first one given, is counted in
+        ``pocketllm:request_aborted_total`` when it ends); False if unknown or finished."""
         job = self.jobs.get(request_id)
         if job is None:
             return False
+        job.aborted = job.aborted or reason
+        self._cancel_choices(job)
+        return True
+
+    def _cancel_choices(self, job: _Job) -> None:
         for choice in job.choices:
             self.llm.cancel(choice.engine_id)
-        return True
 
     def cancel_all(self) -> None:
         for request_id in list(self.jobs):
-            self.cancel(request_id)
+            self.cancel(request_id, "shutdown")
+
+    def _end(self, job: _Job) -> None:
+        """Unregister a job; count it if it was aborted."""
+        self.jobs.pop(job.request_id, None)
+        if job.aborted is not None:
+            self.metrics.aborted.labels(reason=job.aborted).inc()
 
     # --- shaping ---------------------------------------------------------------------------------
     def _token_bytes(self, token_id: int) -> list[int]:
@@ -219,8 +244,7 @@ class OpenAIServing:
     async def complete(self, parsed: ParsedRequest, prefix: str,
                        disconnected: Callable[[], Any]) -> dict:
         """A whole (non-streaming) response; choices that miss the deadline are left out."""
-        job = self._job(parsed, prefix)
-        self.jobs[job.request_id] = job
+        job = await self._job(parsed, prefix)
         try:
             tasks = {asyncio.ensure_future(self.llm.generate([c.prompt_ids], c.params, request_id=c.engine_id,
                                                              chat_output=job.chat_output)): c
@@ -228,6 +252,8 @@ class OpenAIServing:
             watcher = asyncio.ensure_future(self._watch_disconnect(job, disconnected))
             done, pending = await asyncio.wait(tasks, timeout=self.request_timeout)
             watcher.cancel()
+            if pending:
+                job.aborted = job.aborted or "deadline"
             for task in pending:
                 self.llm.cancel(tasks[task].engine_id)
             if pending:
@@ -257,20 +283,18 @@ class OpenAIServing:
                     "choices": [self._choice_body(job, c, o) for c, o in results],
                     "usage": self._usage(job, [o for _, o in results])}
         finally:
-            self.jobs.pop(job.request_id, None)
+            self._end(job)
 
     async def _watch_disconnect(self, job: _Job, disconnected: Callable[[], Any]) -> None:
         while True:
             await asyncio.sleep(0.05)
             if await disconnected():
-                self.cancel(job.request_id)
+                self.cancel(job.request_id, "client_disconnect")
                 return
 
-    def prepare_stream(self, parsed: ParsedRequest, prefix: str) -> _Job:
+    async def prepare_stream(self, parsed: ParsedRequest, prefix: str) -> _Job:
         """Validate and register a streaming request before the response starts (so errors are a 400)."""
-        job = self._job(parsed, prefix)
-        self.jobs[job.request_id] = job
-        return job
+        return await self._job(parsed, prefix)
 
     async def stream(self, job: _Job) -> AsyncIterator[str]:
         """SSE chunks of every choice, interleaved as tokens arrive, then ``[DONE]``."""
@@ -291,6 +315,7 @@ class OpenAIServing:
         deadline = None if self.request_timeout is None else job.started + self.request_timeout
         open_choices = len(job.choices)
         timed_out = False
+        ran_its_course = False
         try:
             if job.endpoint == "chat":
                 for choice in job.choices:
@@ -304,7 +329,7 @@ class OpenAIServing:
                     choice, event = await asyncio.wait_for(events.get(), timeout)
                 except asyncio.TimeoutError:
                     timed_out = True
-                    self.cancel(job.request_id)
+                    self.cancel(job.request_id, "deadline")
                     deadline = None
                     continue
                 if event is None:
@@ -317,6 +342,7 @@ class OpenAIServing:
                 chunk = self._stream_chunk(job, choice, event)
                 if chunk is not None:
                     yield sse(chunk)
+            ran_its_course = True
             if timed_out:
                 yield sse({"error": {"message": f"the request did not finish within {self.request_timeout} s",
                                      "type": "timeout", "param": None, "code": 504}})
@@ -327,8 +353,10 @@ class OpenAIServing:
         finally:
             for task in tasks:
                 task.cancel()
-            self.cancel(job.request_id)
-            self.jobs.pop(job.request_id, None)
+            if not ran_its_course:   # the client went away (the response was closed mid-stream)
+                job.aborted = job.aborted or "client_disconnect"
+            self._cancel_choices(job)
+            self._end(job)
 
     def _stream_logprobs(self, job: _Job, choice: _Choice, event: TokenEvent) -> dict | None:
         """The log-probabilities of the tokens whose text this chunk sends: those held with earlier, empty

@@ -7,7 +7,7 @@ import logging
 import os
 import re
 from collections.abc import Sequence
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from typing import Any
 
 from pocketllm.errors import CheckpointError, InvalidRequestError
@@ -17,6 +17,9 @@ logger = logging.getLogger("pocketllm.tokenizer")
 _BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 _SPIECE_SPACE = "\u2581"
 _GGUF_CONTROL, _GGUF_USER_DEFINED = 3, 4
+# Pre-tokenizers that drop part of the text (whitespace, delimiters): a token may then stand for more input.
+_DROPPING_PRE_TOKENIZERS = ('"Whitespace"', '"WhitespaceSplit"', '"BertPreTokenizer"', '"CharDelimiterSplit"',
+                            '"Removed"')
 
 
 @lru_cache(maxsize=1)
@@ -133,6 +136,29 @@ class Tokenizer:
     def _is_byte_level(self) -> bool:
         decoder = getattr(self.hf.backend_tokenizer, "decoder", None)
         return decoder is not None and b"ByteLevel" in decoder.__getstate__()
+
+    @cached_property
+    def max_token_bytes(self) -> int | None:
+        """The most bytes of input text one token can stand for, when that is exact: a byte-level BPE without a
+        normalizer, a pre-tokenizer that drops nothing and no added token that swallows the spaces around it
+        (each token then covers exactly its own bytes of the input); else None."""
+        backend = getattr(self.hf, "backend_tokenizer", None)
+        if backend is None or not self._byte_level or backend.normalizer is not None:
+            return None
+        if any(token.lstrip or token.rstrip for token in self.hf.added_tokens_decoder.values()):
+            return None
+        pre = backend.pre_tokenizer
+        state = pre.__getstate__().decode("utf-8", "replace") if pre is not None else ""
+        if any(kind in state for kind in _DROPPING_PRE_TOKENIZERS):
+            return None
+        return max(len(piece) for piece in self.vocab_bytes())
+
+    def min_tokens(self, text: str) -> int:
+        """A lower bound of ``len(encode(text))`` computed without encoding (0 when none is exact)."""
+        most = self.max_token_bytes
+        if not most:
+            return 0
+        return -(-len(text.encode("utf-8", "surrogatepass")) // most)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of ``text``, exactly as the HF tokenizer's ``__call__`` gives them."""

@@ -1,0 +1,111 @@
+"""Generated HTTP request bodies for the server's fuzz test: valid requests bent one to three ways (a field of
+the policy table set to a hostile value, an unknown field, broken messages or prompts), and raw bodies that are
+not JSON objects at all. Values stay small enough that an accepted request generates at most a few tokens."""
+
+from __future__ import annotations
+
+import json
+import random
+from typing import Any
+
+from pocketllm.protocol.openai_fields import CHAT, COMPLETIONS, FIELD_POLICY
+
+LONE = "\ud800"
+DEEP = 200
+HOSTILE: list[Any] = [
+    None, True, False, 0, 1, 3, -1, 2**31, 2**63, -(2**63) - 1, 2**64, 10**400, 0.5, -0.0, 1e308, -1e308,
+    float("nan"), float("inf"), "", "x", "٣", " 5", "05", LONE, "a" + LONE, "\x00", "x" * 5000, [], {}, [1, 2],
+    [[1]], ["a", 1], {"a": 1}, {"1": 1}, {"٥": 1}, {"99999999999": 5}, {LONE: 1},
+    {"type": "json_schema", "json_schema": {"name": "x", "schema": {"not": {}}}},
+    {"type": "json_schema", "json_schema": {"name": "x", "schema": {"anyOf": []}}},
+    {"type": "json_object"}, {"type": "text"}, {"type": "nope"}, {"include_usage": True}, ["stop"] * 100,
+    [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],
+    [{"type": "function", "function": {"name": LONE}}], "required", "none", "auto",
+]
+MESSAGES: list[Any] = [
+    [], [{}], [{"role": "user"}], [{"role": "robot", "content": "x"}], [{"role": "user", "content": LONE}],
+    [{"role": "user", "content": [{"type": "text", "text": "hi"}]}], [{"role": "user", "content": 5}],
+    [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
+    [{"role": "tool", "content": "x"}], [{"role": "assistant", "content": None, "tool_calls": []}],
+    [{"role": "user", "content": "x", "name": LONE}], "hi", None, [{"role": "user", "content": "x" * 4000}],
+    [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}],
+]
+BENIGN: dict[str, Any] = {"temperature": 0.7, "top_p": 0.9, "top_k": 5, "seed": 5, "n": 2, "stream": True,
+                          "stop": ["\n", "x"], "frequency_penalty": 0.5, "presence_penalty": 0.5,
+                          "logit_bias": {"5": 1}, "ignore_eos": True, "min_p": 0.1, "max_tokens": 1,
+                          "repetition_penalty": 1.1, "user": "u"}
+PROMPTS: list[Any] = [
+    "", LONE, [], [[]], [1, 2], [0], [-1], [2**40], [10**30], [1.5], ["a", "b"], [[1], [2]], [[1], "a"], None,
+    {"a": 1}, "x" * 4000, [True], [[2**63]],
+]
+
+
+def _nested(depth: int) -> Any:
+    value: Any = 1
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
+def _base(endpoint: str) -> dict[str, Any]:
+    if endpoint == CHAT:
+        return {"model": "x", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+    return {"model": "x", "prompt": "hi", "max_tokens": 3}
+
+
+def _bent(endpoint: str, rng: random.Random) -> dict[str, Any]:
+    body = _base(endpoint)
+    fields = list(FIELD_POLICY[endpoint])
+    if rng.random() < 0.3:   # requests that should be served
+        for name in rng.sample(sorted(BENIGN), rng.randint(1, 4)):
+            body[name] = BENIGN[name]
+        if body.get("stream") and rng.random() < 0.5:
+            body["stream_options"] = {"include_usage": True}
+        return body
+    for _ in range(rng.randint(1, 3)):
+        kind = rng.randrange(6)
+        if kind <= 2:
+            body[rng.choice(fields)] = rng.choice(HOSTILE)
+        elif kind == 3:
+            body[rng.choice(["nope", LONE, "", "max_tokens ", "Temperature"])] = rng.choice(HOSTILE)
+        elif kind == 4:
+            if endpoint == CHAT:
+                body["messages"] = rng.choice(MESSAGES)
+            else:
+                body["prompt"] = rng.choice(PROMPTS)
+        else:
+            body[rng.choice(fields)] = _nested(rng.choice([10, DEEP]))
+    for budget in ("max_tokens", "max_completion_tokens", "n"):   # what an accepted request may cost
+        value = body.get(budget)
+        if type(value) is int and 3 < value < 2**31:
+            body[budget] = 3
+    return body
+
+
+def _raw(rng: random.Random) -> bytes:
+    kind = rng.randrange(6)
+    if kind == 0:
+        return bytes(rng.randrange(256) for _ in range(rng.randrange(0, 64)))
+    if kind == 1:
+        good = json.dumps(_base(CHAT))
+        return good[: rng.randrange(1, len(good))].encode()
+    if kind == 2:
+        return json.dumps(rng.choice([[], 1, "s", None, [{"messages": []}], 1.5])).encode()
+    if kind == 3:
+        return b"[" * 100_000 + b"]" * 100_000
+    if kind == 4:
+        return b'{"prompt": "a", "max_tokens": NaN}'
+    return b'{"prompt": "\\ud800\\udfff\\udfff", "max_tokens": 1, "prompt": 3}'
+
+
+def fuzz_cases(count: int, rng: random.Random) -> list[tuple[str, bytes]]:
+    """``count`` (path, body) pairs over both endpoints."""
+    cases: list[tuple[str, bytes]] = []
+    while len(cases) < count:
+        endpoint = rng.choice([CHAT, COMPLETIONS])
+        path = "/v1/chat/completions" if endpoint == CHAT else "/v1/completions"
+        if rng.random() < 0.15:
+            cases.append((path, _raw(rng)))
+        else:
+            cases.append((path, json.dumps(_bent(endpoint, rng), allow_nan=True).encode()))
+    return cases
