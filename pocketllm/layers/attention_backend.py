@@ -82,9 +82,12 @@ class TorchAttentionBackend(AttentionBackend):
         k, v = self._context(layer, meta, i)
         q_len, ctx_len = end - start, k.shape[0]
         mask = None
-        if q_len > 1:
+        if q_len > 1 or layer.sliding_window is not None:
             rows = torch.arange(ctx_len - q_len, ctx_len, device=q.device)[:, None]
-            mask = torch.arange(ctx_len, device=q.device)[None, :] <= rows
+            cols = torch.arange(ctx_len, device=q.device)[None, :]
+            mask = cols <= rows
+            if layer.sliding_window is not None:
+                mask = mask & (cols > rows - layer.sliding_window)
         out = F.scaled_dot_product_attention(
             q[start:end].transpose(0, 1), k.transpose(0, 1).to(q.dtype), v.transpose(0, 1).to(q.dtype),
             attn_mask=mask, scale=layer.scale, enable_gqa=layer.num_heads != layer.num_kv_heads)
@@ -99,7 +102,11 @@ class TorchAttentionBackend(AttentionBackend):
         shape = (meta.num_seqs, num_blocks * meta.block_size, layer.num_kv_heads, layer.head_dim)
         k = layer.k_cache[blocks].reshape(shape)[:, :max_len].transpose(1, 2).to(q.dtype)
         v = layer.v_cache[blocks].reshape(shape)[:, :max_len].transpose(1, 2).to(q.dtype)
-        mask = (torch.arange(max_len, device=q.device)[None, :] < lens[:, None])[:, None, None, :]
+        cols = torch.arange(max_len, device=q.device)[None, :]
+        mask = cols < lens[:, None]
+        if layer.sliding_window is not None:
+            mask = mask & (cols >= lens[:, None] - layer.sliding_window)
+        mask = mask[:, None, None, :]
         out = F.scaled_dot_product_attention(
             q.unsqueeze(2), k, v, attn_mask=mask, scale=layer.scale,
             enable_gqa=layer.num_heads != layer.num_kv_heads)

@@ -182,10 +182,10 @@ class CpuDecodeStep:
     @staticmethod
     def supports(plan: DecodePlan) -> bool:
         """Whether the step computes ``plan``: every layer with the same attention shape, rotary and q/k norms
-        (or none), and every layer's QKV product returning one dtype."""
+        (or none), full attention (no sliding window), and every layer's QKV product returning one dtype."""
         first = plan.layers[0]
         return all(layer.attention.shape == first.attention.shape and layer.qkv.out_dtype == first.qkv.out_dtype
-                   for layer in plan.layers)
+                   and layer.attention.sliding_window is None for layer in plan.layers)
 
     @staticmethod
     def handles(chunks: list[Any]) -> bool:
