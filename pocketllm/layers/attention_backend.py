@@ -140,7 +140,7 @@ class TritonAttentionBackend(AttentionBackend):
                 None if k_norm is None else k_norm.weight, q_norm.eps if q_norm is not None else 0.0, layer.num_heads,
                 layer.num_kv_heads, layer.head_dim, layer.k_cache, layer.v_cache, meta.slot_mapping,
                 meta.block_tables, meta.context_lens_gpu, layer.scale, meta.num_splits, meta.split_counters,
-                block_n=meta.decode_tile)
+                block_n=meta.decode_tile, window=layer.sliding_window)
             return out.view(qkv.shape[0], layer.num_heads * layer.head_dim)
         q = qkv_prepare(qkv, positions, rotary.cos_cache, rotary.sin_cache,
                         None if q_norm is None else q_norm.weight, None if k_norm is None else k_norm.weight,
@@ -155,14 +155,16 @@ class TritonAttentionBackend(AttentionBackend):
 
         if meta.is_decode_only:
             out = paged_decode(q, layer.k_cache, layer.v_cache, meta.block_tables, meta.context_lens_gpu,
-                               layer.scale, meta.num_splits, counters=meta.split_counters, block_n=meta.decode_tile)
+                               layer.scale, meta.num_splits, counters=meta.split_counters, block_n=meta.decode_tile,
+                               window=layer.sliding_window)
         else:
             out = torch.empty_like(q)
             lead = meta.num_decode_rows
             if lead:
                 paged_decode(q[:lead], layer.k_cache, layer.v_cache, meta.block_tables[:lead],
                              meta.context_lens_gpu[:lead], layer.scale, meta.num_splits, out=out[:lead],
-                             counters=meta.split_counters, block_n=meta.decode_tile)
+                             counters=meta.split_counters, block_n=meta.decode_tile, window=layer.sliding_window)
             paged_prefill(q, layer.k_cache, layer.v_cache, meta.block_tables, meta.context_lens_gpu,
-                          meta.query_start_gpu, meta.max_query_len, layer.scale, out=out, first_seq=lead)
+                          meta.query_start_gpu, meta.max_query_len, layer.scale, out=out, first_seq=lead,
+                          window=layer.sliding_window)
         return out.view(q.shape[0], layer.num_heads * layer.head_dim)
