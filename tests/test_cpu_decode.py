@@ -132,7 +132,7 @@ def _chunk(ids: list[int], table: list[int]) -> SimpleNamespace:
 
 
 @pytest.mark.parametrize("kernels", ["native", "torch"])
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral", "qwen2_swa"])   # the last two: windows
 def test_fast_decode_step_equals_reference_forward(arch: str, kernels: str, tiny_checkpoint,
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     """One request over consecutive blocks (cache view), one over scattered blocks (gather), and a batch of

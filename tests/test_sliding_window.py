@@ -18,7 +18,6 @@ from pocketllm.models.qwen2 import Qwen2ForCausalLM
 from pocketllm.models.qwen3 import Qwen3ForCausalLM
 from pocketllm.models.qwen3_moe import Qwen3MoeForCausalLM
 from pocketllm.models.windows import by_layer_type, every_layer, every_layer_if_enabled
-from pocketllm.runner.cpu_decode import CpuDecodeStep
 
 
 def _config(**params) -> SimpleNamespace:
@@ -105,13 +104,14 @@ def test_reference_backend_masks_keys_older_than_the_window() -> None:
     torch.testing.assert_close(out, expected.reshape(length, heads * dim), rtol=1e-5, atol=1e-5)
 
 
-def test_cpu_decode_fast_path_refuses_a_windowed_plan(tiny_checkpoint) -> None:
-    """The CPU decode step does not compute a window, so a windowed model decodes on the reference path."""
-    with LLM(EngineArgs(model=tiny_checkpoint("mistral"), device="cpu", num_kv_blocks=32, block_size=4)) as llm:
-        runner = llm._client.backend.core.runner
-        plan = runner.model.decode_plan()
-        assert plan is not None and plan.layers[0].attention.sliding_window == 16
-        assert not CpuDecodeStep.supports(plan)
-        assert runner.cpu_decode is None
+def test_cpu_decode_fast_path_takes_the_window_but_not_the_fused_step(tiny_checkpoint) -> None:
+    """The CPU decode step attends each windowed layer over its window (eagerly: the one-call int4 step and
+    the compiled step take no window)."""
+    with LLM(EngineArgs(model=tiny_checkpoint("mistral"), device="cpu", num_kv_blocks=32, block_size=4,
+                        cpu_weight_format="int4", cpu_compile=True)) as llm:
+        step = llm._client.backend.core.runner.cpu_decode
+        assert step is not None and step.windows == [16]
+        assert step.plan.layers[0].attention.sliding_window == 16
+        assert step.fused is None and not step.compiles
         out = llm.generate([list(range(100, 130))], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
     assert len(out[0].token_ids) == 4

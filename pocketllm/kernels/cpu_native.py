@@ -128,7 +128,8 @@ def _build() -> None:
         return x.new_empty((x.shape[0], weights.shape[0] * 16))   # 16 output channels per record
 
     @torch.library.register_fake("pocketllm_cpu::decode_attention")
-    def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor, scale: float) -> torch.Tensor:
+    def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor, scale: float,
+          starts: torch.Tensor | None = None) -> torch.Tensor:
         return torch.empty_like(q, memory_format=torch.contiguous_format)
 
 
@@ -158,10 +159,10 @@ def attention_supported(head_dim: int, group: int) -> bool:
 
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor,
-                     scale: float) -> torch.Tensor:
-    """``q`` [R, KVH, G, D] float32 over ``k``/``v`` [R, L, KVH, D]: row r attends to its first ``lengths[r]``
-    positions; [R, KVH, G, D] float32."""
-    return torch.ops.pocketllm_cpu.decode_attention(q, k, v, lengths, scale)
+                     scale: float, starts: torch.Tensor | None = None) -> torch.Tensor:
+    """``q`` [R, KVH, G, D] float32 over ``k``/``v`` [R, L, KVH, D]: row r attends to its positions ``starts[r]``
+    (0 without ``starts``) to ``lengths[r] - 1``; [R, KVH, G, D] float32."""
+    return torch.ops.pocketllm_cpu.decode_attention(q, k, v, lengths, scale, starts)
 
 
 def decode_layers(hidden: torch.Tensor, weights: list[torch.Tensor], qkv_bias: list[torch.Tensor],
@@ -180,11 +181,13 @@ def decode_layers(hidden: torch.Tensor, weights: list[torch.Tensor], qkv_bias: l
 
 
 def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor,
-                        scale: float) -> torch.Tensor:
+                        scale: float, starts: torch.Tensor | None = None) -> torch.Tensor:
     """``decode_attention`` in float64 torch ops (tests)."""
     keys, values = k.double().transpose(1, 2), v.double().transpose(1, 2)    # [R, KVH, L, D]
     scores = q.double() @ keys.transpose(-1, -2) * scale                     # [R, KVH, G, L]
     hidden = torch.arange(k.shape[1])[None, :] >= lengths[:, None]
+    if starts is not None:
+        hidden = hidden | (torch.arange(k.shape[1])[None, :] < starts[:, None])
     scores = scores.masked_fill(hidden[:, None, None, :], float("-inf"))
     return (scores.softmax(-1) @ values).float()
 

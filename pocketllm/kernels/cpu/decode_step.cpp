@@ -189,7 +189,7 @@ at::Tensor decode_layers(const at::Tensor& hidden, at::TensorList weights, at::T
       keys = k_cache.narrow(0, span_start, longest).view({1, longest, kv_heads, dim});
       values = v_cache.narrow(0, span_start, longest).view({1, longest, kv_heads, dim});
     }
-    attend(q, keys, values, length_p, static_cast<float>(scale), attended);
+    attend(q, keys, values, length_p, nullptr, static_cast<float>(scale), attended);
     q4_matmul(attended.data_ptr<float>(), rows, w[2], proj_p, scratch_p);
     add_into(res_p, proj_p, rows * width);
     rms_norm_rows(res_p, rows, width, w[3].data_ptr<float>(), static_cast<float>(eps), x_p);
