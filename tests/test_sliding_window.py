@@ -104,14 +104,18 @@ def test_reference_backend_masks_keys_older_than_the_window() -> None:
     torch.testing.assert_close(out, expected.reshape(length, heads * dim), rtol=1e-5, atol=1e-5)
 
 
-def test_cpu_decode_fast_path_takes_the_window_but_not_the_fused_step(tiny_checkpoint) -> None:
-    """The CPU decode step attends each windowed layer over its window (eagerly: the one-call int4 step and
-    the compiled step take no window)."""
+def test_cpu_decode_fast_path_takes_the_window(tiny_checkpoint) -> None:
+    """The CPU decode step attends each windowed layer over its window: the one-call int4 step takes each
+    layer's window; the compiled step takes none, so a windowed model's step stays eager under cpu_compile."""
     with LLM(EngineArgs(model=tiny_checkpoint("mistral"), device="cpu", num_kv_blocks=32, block_size=4,
-                        cpu_weight_format="int4", cpu_compile=True)) as llm:
+                        cpu_weight_format="int4")) as llm:
         step = llm._client.backend.core.runner.cpu_decode
         assert step is not None and step.windows == [16]
         assert step.plan.layers[0].attention.sliding_window == 16
-        assert step.fused is None and not step.compiles
+        assert step.fused is None or step.fused.windows == [16, 16]
         out = llm.generate([list(range(100, 130))], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
     assert len(out[0].token_ids) == 4
+    with LLM(EngineArgs(model=tiny_checkpoint("mistral"), device="cpu", num_kv_blocks=32, block_size=4,
+                        cpu_compile=True)) as llm:
+        step = llm._client.backend.core.runner.cpu_decode
+        assert step is not None and not step.compiles

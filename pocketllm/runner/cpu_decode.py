@@ -86,25 +86,24 @@ class DecodeBatch(NamedTuple):
 class FusedLayers(NamedTuple):
     """What ``cpu_native.decode_layers`` takes of the model: six weights per layer (norm, QKV records, output
     records, norm, gate/up records, down records; norms in float32), the QKV biases (float32; empty when there
-    are none), the layers' shared norm eps, and the final norm."""
+    are none), the layers' shared norm eps, the final norm, and each layer's sliding window (0: none)."""
 
     weights: list[torch.Tensor]
     qkv_bias: list[torch.Tensor]
     eps: float
     final_norm: torch.Tensor
     final_eps: float
+    windows: list[int]
 
 
 def _fused_layers(plan: DecodePlan) -> FusedLayers | None:
     """The plan's layers as ``cpu_native.decode_layers`` takes them, or None when some product is not held as q4
-    records (another weight format, or torch's int4 kernel), a layer has q/k norms, a sliding window or a bias
-    outside the QKV product, or the layers' norms differ in eps."""
+    records (another weight format, or torch's int4 kernel), a layer has q/k norms or a bias outside the QKV
+    product, or the layers' norms differ in eps."""
     weights, biases, eps = [], [], set()
     for layer in plan.layers:
         products = (layer.qkv, layer.o_proj, layer.gate_up, layer.down)
         if layer.attention.q_norm is not None or any(p.q4_records is None for p in products):
-            return None
-        if layer.attention.sliding_window is not None:
             return None
         if any(p.bias is not None for p in products[1:]):
             return None
@@ -117,7 +116,8 @@ def _fused_layers(plan: DecodePlan) -> FusedLayers | None:
     if len(eps) != 1 or len(biases) not in (0, len(plan.layers)):
         return None
     final = plan.final_norm
-    return FusedLayers(weights, biases, eps.pop(), final.weight.float().contiguous(), final.eps)
+    windows = [layer.attention.sliding_window or 0 for layer in plan.layers]
+    return FusedLayers(weights, biases, eps.pop(), final.weight.float().contiguous(), final.eps, windows)
 
 
 def _eager_layer(layer: LayerPlan) -> tuple:
@@ -326,7 +326,8 @@ class CpuDecodeStep:
             hidden if hidden.dtype == torch.float32 else hidden.float(), fused.weights, fused.qkv_bias,
             self._flat_views, batch.slots, batch.cos.reshape(rows, -1), batch.sin.reshape(rows, -1),
             self.dense_rows.flat if dense else [], batch.dense_index, 0 if dense else batch.span[0], batch.lengths,
-            self.num_heads, self.num_kv_heads, fused.eps, self.scale, fused.final_norm, fused.final_eps)
+            self.num_heads, self.num_kv_heads, fused.eps, self.scale, fused.final_norm, fused.final_eps,
+            fused.windows)
 
     def compiled_all(self) -> None:
         """Start-up has compiled every kind of step (``EngineCore``): from now on a batch that matches none of
