@@ -136,6 +136,10 @@ TINY_CONFIGS: dict[str, dict[str, Any]] = {
                          "original_max_position_embeddings": 64},
     },
     "qwen2": {**_TINY_COMMON, "model_type": "qwen2", "tie_word_embeddings": True},
+    # Sliding-window attention: every layer (Mistral), or the layers from max_window_layers on (Qwen2).
+    "mistral": {**_TINY_COMMON, "model_type": "mistral", "tie_word_embeddings": False, "sliding_window": 16},
+    "qwen2_swa": {**_TINY_COMMON, "model_type": "qwen2", "tie_word_embeddings": True, "use_sliding_window": True,
+                  "sliding_window": 8, "max_window_layers": 1},
     "qwen3": {**_TINY_COMMON, "model_type": "qwen3", "tie_word_embeddings": True, "num_hidden_layers": 3},
     "qwen3_moe": {
         **_TINY_COMMON, "model_type": "qwen3_moe", "tie_word_embeddings": False, "num_experts": 4,

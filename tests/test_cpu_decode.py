@@ -132,7 +132,7 @@ def _chunk(ids: list[int], table: list[int]) -> SimpleNamespace:
 
 
 @pytest.mark.parametrize("kernels", ["native", "torch"])
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral", "qwen2_swa"])   # the last two: windows
 def test_fast_decode_step_equals_reference_forward(arch: str, kernels: str, tiny_checkpoint,
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     """One request over consecutive blocks (cache view), one over scattered blocks (gather), and a batch of
@@ -164,19 +164,21 @@ def test_fast_decode_step_equals_reference_forward(arch: str, kernels: str, tiny
 
 
 @pytest.mark.parametrize("kv", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral", "qwen2_swa"])
 def test_fused_step_equals_the_step_of_torch_ops(arch: str, kv: torch.dtype, tiny_checkpoint) -> None:
     """int4 weights in q4 records: the step in one C++ call (``decode_layers``) over a cache span, over the dense
     rows of three requests and over one request's dense row gives the hidden states of the step's torch ops
     around the same kernels, stores the same K/V in the paged cache and the dense rows, and leaves a gathered
-    batch to the torch ops. Qwen2 adds a QKV bias; the cache is bfloat16 (int4's default) or float32."""
+    batch to the torch ops. Qwen2 adds a QKV bias, Mistral and qwen2_swa sliding windows; the cache is bfloat16
+    (int4's default) or float32."""
     if not cpu_native.available():
         pytest.skip("the CPU has no AVX-512 VNNI (or no compiler)")
     with LLM(EngineArgs(model=tiny_checkpoint(arch), device="cpu", num_kv_blocks=256, block_size=4,
                         cpu_weight_format="int4", cpu_compile=True)) as llm:
         runner = llm._client.backend.core.runner
         step = runner.cpu_decode
-        assert step.fused is not None and (len(step.fused.qkv_bias) > 0) == (arch == "qwen2")
+        assert step.fused is not None and (len(step.fused.qkv_bias) > 0) == arch.startswith("qwen2")
+        assert step.fused.windows == [layer.sliding_window or 0 for layer in runner.attention_layers]
         assert not step.compiles   # cpu_compile: nothing left to compile
         if kv != runner.kv_dtype:
             runner.kv_dtype = kv

@@ -58,3 +58,21 @@ def test_kernel_refuses_bad_lengths_and_shapes() -> None:
         cpu_native.decode_attention(q, k[:, :, :2], k[:, :, :2], torch.tensor([3, 4]), 0.125)
     with pytest.raises(RuntimeError, match="head size"):
         cpu_native.decode_attention(torch.randn(2, 3, 3, 48), k[..., :48], k[..., :48], torch.tensor([3, 4]), 0.1)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("window", [1, 7, 40, 1000])
+def test_kernel_attends_from_each_rows_start(dtype: torch.dtype, window: int) -> None:
+    """A sliding window: row r attends to positions ``starts[r] .. lengths[r] - 1`` only."""
+    torch.manual_seed(window)
+    rows, heads, group, dim, longest = 5, 2, 3, 64, 300
+    k = torch.randn(rows, longest, heads, dim).to(dtype)
+    v = torch.randn(rows, longest, heads, dim).to(dtype)
+    lengths = torch.tensor([1, 5, 41, 299, 300])
+    starts = (lengths - window).clamp(min=0)
+    q = torch.randn(rows, heads, group, dim)
+    got = cpu_native.decode_attention(q, k, v, lengths, dim ** -0.5, starts)
+    expected = cpu_native.reference_attention(q, k, v, lengths, dim ** -0.5, starts)
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
+    with pytest.raises(RuntimeError, match="start"):
+        cpu_native.decode_attention(q, k, v, lengths, dim ** -0.5, lengths)

@@ -533,7 +533,8 @@ REGIMES = {
 }
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "qwen3_moe"])
+# mistral and qwen2_swa: sliding windows (every layer; the second layer only) shorter than the prompts
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "qwen3_moe", "mistral", "qwen2_swa"])
 @pytest.mark.parametrize("regime", list(REGIMES))
 def test_engine_fp32_cuda_equals_cpu(arch, regime):
     _need_cuda()

@@ -12,6 +12,9 @@ head) merges the pieces with log-sum-exp weights in the same launch. The number 
 batch size and on a power-of-two bucket of the step's longest context (``decode_splits``), so a CUDA graph
 captured per batch size and split count has a fixed launch shape.
 
+A layer with a sliding window passes ``window`` > 0 (0: full attention): the query at position ``p`` attends
+the keys at positions ``p - window + 1 .. p`` only (decode starts each split there; prefill masks per row).
+
 Index arithmetic that can exceed 2**31 (slot times row stride) is done in int64. Padding rows of a
 CUDA-graph batch carry ``slot = -1`` (nothing stored) and ``context_len = 0`` (zeros out).
 """
@@ -92,6 +95,13 @@ def _split_range(lens_ptr, seq, split, num_splits, BLOCK_N: tl.constexpr, SPLIT_
 
 
 @triton.jit
+def _window_start(start, ctx, window):
+    """A decode split's first token under a sliding window (``window`` 0: ``start``): the query at ``ctx - 1``
+    attends the keys from ``ctx - window`` on."""
+    return tl.maximum(start, tl.where(window > 0, ctx - window, 0))
+
+
+@triton.jit
 def _kv_tile(k_cache_ptr, v_cache_ptr, table, tok, end, kvh, dims, dim_mask, NUM_KV_HEADS: tl.constexpr,
              HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr):
     """Keys and values of tokens ``tok`` (those before ``end``) of one KV head, gathered through the block
@@ -159,7 +169,7 @@ def _decode_output(acc, m_i, l_i, seq, kvh, split, active, num_splits, out_ptr, 
 
 @triton.jit
 def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, lens_ptr, out_ptr, part_ptr, lse_ptr, count_ptr,
-                   stride_qt, stride_ot, stride_table, scale, num_splits,
+                   stride_qt, stride_ot, stride_table, scale, num_splits, window,
                    NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
                    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                    BLOCK_N: tl.constexpr, SPLIT_MIN: tl.constexpr, SPLIT: tl.constexpr, S_PAD: tl.constexpr,
@@ -174,6 +184,7 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, lens_ptr, out_pt
     ctx, start, end, active = _split_range(lens_ptr, seq, split, num_splits, BLOCK_N, SPLIT_MIN)
     if split >= active:
         return
+    start = _window_start(start, ctx, window)   # (a split wholly before the window: empty, lse -inf)
 
     rows = tl.arange(0, GROUP_PAD)
     dims = tl.arange(0, D_PAD)
@@ -222,7 +233,7 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, lens_ptr, out_pt
 @triton.jit
 def _packed_decode_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, slot_ptr, k_cache_ptr, v_cache_ptr,
                           tables_ptr, lens_ptr, out_ptr, part_ptr, lse_ptr, count_ptr, stride_qkv, stride_cos,
-                          stride_ot, stride_table, scale, eps, num_splits,
+                          stride_ot, stride_table, scale, eps, num_splits, window,
                           NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr,
                           GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                           BLOCK_N: tl.constexpr, SPLIT_MIN: tl.constexpr, SPLIT: tl.constexpr,
@@ -239,6 +250,7 @@ def _packed_decode_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, sl
     ctx, start, end, active = _split_range(lens_ptr, seq, split, num_splits, BLOCK_N, SPLIT_MIN)
     if split >= active:
         return
+    start = _window_start(start, ctx, window)   # (a split wholly before the window: empty, lse -inf)
     half: tl.constexpr = HEAD_DIM // 2
     rows = tl.arange(0, GROUP_PAD)
     dims = tl.arange(0, HEAD_DIM)
@@ -397,10 +409,11 @@ def _split_buffers(batch: int, num_heads: int, num_kv_heads: int, num_splits: in
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                  context_lens: torch.Tensor, scale: float, num_splits: int, out: torch.Tensor | None = None,
                  counters: torch.Tensor | None = None, block_n: int | None = None, num_warps: int | None = None,
-                 num_stages: int | None = None, heads_first: bool | None = None, split_min: int | None = None
-                 ) -> torch.Tensor:
+                 num_stages: int | None = None, heads_first: bool | None = None, split_min: int | None = None,
+                 window: int | None = None) -> torch.Tensor:
     """One query token per sequence: ``q`` [B, H, D] (heads contiguous) → [B, H, D]. A split covers at least
     ``split_min`` context tokens (rounded up to whole KV tiles), so shorter contexts use fewer splits.
+    ``window``: a sliding window (None: full attention).
 
     With ``num_splits`` > 1, ``counters`` (int32, at least B × KV heads, zero; left zero) count the finished
     splits of each (sequence, KV head), so that the last one merges the partial results in the same launch;
@@ -420,7 +433,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     grid = (num_kv_heads, batch, num_splits) if c.heads_first else (batch, num_kv_heads, num_splits)
     _decode_kernel[grid](
         q, k_cache, v_cache, block_tables, context_lens, out, part, lse, counters,
-        q.stride(0), out.stride(0), block_tables.stride(0), scale, num_splits,
+        q.stride(0), out.stride(0), block_tables.stride(0), scale, num_splits, window or 0,
         NUM_KV_HEADS=num_kv_heads, GROUP=group, GROUP_PAD=max(16, _pow2(group)), HEAD_DIM=head_dim,
         D_PAD=d_pad, BLOCK_SIZE=block_size, BLOCK_N=c.block_n, SPLIT_MIN=split_min, SPLIT=num_splits > 1,
         S_PAD=_pow2(num_splits), PRECISION=_dot_precision(q.dtype), HEADS_FIRST=c.heads_first,
@@ -441,11 +454,11 @@ def paged_decode_packed(qkv: torch.Tensor, positions: torch.Tensor, cos_cache: t
                         context_lens: torch.Tensor, scale: float, num_splits: int,
                         counters: torch.Tensor | None = None, num_warps: int | None = None,
                         heads_first: bool | None = None, prefetch: bool = True,
-                        block_n: int | None = None) -> torch.Tensor:
+                        block_n: int | None = None, window: int | None = None) -> torch.Tensor:
     """One query token per sequence, from the fused projection ``qkv`` [B, (H + 2 KVH) * D]: what
     ``qkv_prepare`` then ``paged_decode`` compute (per-head q/k RMSNorm when weights are given, rotary
     embedding, the new key and value stored at ``slot_mapping``, attention over the context including the
-    new token) in one launch → [B, H, D]."""
+    new token) in one launch → [B, H, D]. ``window``: a sliding window (None: full attention)."""
     batch = qkv.shape[0]
     if not packed_decode_supported(head_dim) or qkv.stride(1) != 1:
         raise ValueError("packed decode needs a power-of-two head size and a row-major projection")
@@ -460,7 +473,7 @@ def paged_decode_packed(qkv: torch.Tensor, positions: torch.Tensor, cos_cache: t
         qkv, positions, cos_cache, sin_cache, q_weight if has_norm else qkv, k_weight if has_norm else qkv,
         slot_mapping, k_cache, v_cache, block_tables, context_lens, out, part, lse, counters,
         qkv.stride(0), cos_cache.stride(0), out.stride(0), block_tables.stride(0), scale, eps, num_splits,
-        NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP=group, GROUP_PAD=max(16, _pow2(group)),
+        window or 0, NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP=group, GROUP_PAD=max(16, _pow2(group)),
         HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1], BLOCK_N=c.block_n, SPLIT_MIN=c.block_n,
         SPLIT=num_splits > 1, S_PAD=_pow2(num_splits), PRECISION=_dot_precision(qkv.dtype), HAS_NORM=has_norm,
         HEADS_FIRST=c.heads_first, PREFETCH=prefetch, num_warps=c.num_warps, num_stages=c.num_stages, PDL=pdl,
@@ -472,7 +485,7 @@ def paged_decode_packed(qkv: torch.Tensor, positions: torch.Tensor, cos_cache: t
 
 @triton.jit(do_not_specialize=["first_seq"])
 def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, lens_ptr, qstart_ptr, out_ptr,
-                    stride_qt, stride_ot, stride_table, scale, first_seq,
+                    stride_qt, stride_ot, stride_table, scale, first_seq, window,
                     NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
                     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     PRECISION: tl.constexpr):
@@ -500,10 +513,14 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, lens_ptr, qstar
     acc = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
     # Keys up to the last query row of this tile (causal); nothing for tiles past the chunk's end. Tiles of
     # keys at or before the tile's first query position need no causal mask: they run first, unmasked.
+    # With a sliding window, every tile from the one holding the first row's oldest key is masked, per row.
     hi = tl.where(m_block * BLOCK_M < q_len, tl.minimum(ctx, prefix + (m_block + 1) * BLOCK_M), 0)
     full = tl.minimum((prefix + m_block * BLOCK_M + 1) // BLOCK_N * BLOCK_N, hi)
+    lo = tl.where(window > 0, tl.maximum(prefix + m_block * BLOCK_M - window + 1, 0) // BLOCK_N * BLOCK_N, 0)
+    full = tl.where(window > 0, lo, full)
+    oldest = tl.where(window > 0, q_pos - window, -1)   # per row: keys at or before it are outside the window
     table = tables_ptr + seq.to(tl.int64) * stride_table
-    for n0 in range(0, full, BLOCK_N):
+    for n0 in range(lo, full, BLOCK_N):
         tok = n0 + tl.arange(0, BLOCK_N)
         k, v = _kv_tile(k_cache_ptr, v_cache_ptr, table, tok, hi, kvh, dims, dim_mask, NUM_KV_HEADS, HEAD_DIM,
                         BLOCK_SIZE)
@@ -514,7 +531,7 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, lens_ptr, qstar
         k, v = _kv_tile(k_cache_ptr, v_cache_ptr, table, tok, hi, kvh, dims, dim_mask, NUM_KV_HEADS, HEAD_DIM,
                         BLOCK_SIZE)   # float8 caches widen below
         s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION) * qk_scale
-        causal = (tok < hi)[None, :] & (tok[None, :] <= q_pos[:, None])
+        causal = (tok < hi)[None, :] & (tok[None, :] <= q_pos[:, None]) & (tok[None, :] > oldest[:, None])
         s = tl.where(causal, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -533,8 +550,10 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, lens_ptr, qstar
 def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                   context_lens: torch.Tensor, query_start: torch.Tensor, max_query_len: int, scale: float,
                   out: torch.Tensor | None = None, block_m: int | None = None, block_n: int | None = None,
-                  num_warps: int | None = None, num_stages: int | None = None, first_seq: int = 0) -> torch.Tensor:
-    """Chunks of any length in one launch, each over its cached prefix plus itself (causal).
+                  num_warps: int | None = None, num_stages: int | None = None, first_seq: int = 0,
+                  window: int | None = None) -> torch.Tensor:
+    """Chunks of any length in one launch, each over its cached prefix plus itself (causal; with ``window``,
+    each query over the last ``window`` positions only).
 
     ``q`` [T, H, D] holds sequence ``i``'s queries at ``query_start[i]:query_start[i+1]``; their keys and
     values must already be in the cache. Returns [T, H, D]; with ``first_seq`` only the rows of sequences
@@ -557,7 +576,7 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     grid = (triton.cdiv(max_query_len, block_m), num_heads, batch)
     _prefill_kernel[grid](
         q, k_cache, v_cache, block_tables, context_lens, query_start, out,
-        q.stride(0), out.stride(0), block_tables.stride(0), scale, first_seq,
+        q.stride(0), out.stride(0), block_tables.stride(0), scale, first_seq, window or 0,
         NUM_KV_HEADS=num_kv_heads, GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, D_PAD=d_pad,
         BLOCK_SIZE=k_cache.shape[1], BLOCK_M=block_m, BLOCK_N=block_n, PRECISION=_dot_precision(q.dtype),
         num_warps=num_warps or 4, num_stages=num_stages or (3 if d_pad <= 128 else 2))

@@ -128,7 +128,8 @@ def _build() -> None:
         return x.new_empty((x.shape[0], weights.shape[0] * 16))   # 16 output channels per record
 
     @torch.library.register_fake("pocketllm_cpu::decode_attention")
-    def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor, scale: float) -> torch.Tensor:
+    def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor, scale: float,
+          starts: torch.Tensor | None = None) -> torch.Tensor:
         return torch.empty_like(q, memory_format=torch.contiguous_format)
 
 
@@ -158,33 +159,36 @@ def attention_supported(head_dim: int, group: int) -> bool:
 
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor,
-                     scale: float) -> torch.Tensor:
-    """``q`` [R, KVH, G, D] float32 over ``k``/``v`` [R, L, KVH, D]: row r attends to its first ``lengths[r]``
-    positions; [R, KVH, G, D] float32."""
-    return torch.ops.pocketllm_cpu.decode_attention(q, k, v, lengths, scale)
+                     scale: float, starts: torch.Tensor | None = None) -> torch.Tensor:
+    """``q`` [R, KVH, G, D] float32 over ``k``/``v`` [R, L, KVH, D]: row r attends to its positions ``starts[r]``
+    (0 without ``starts``) to ``lengths[r] - 1``; [R, KVH, G, D] float32."""
+    return torch.ops.pocketllm_cpu.decode_attention(q, k, v, lengths, scale, starts)
 
 
 def decode_layers(hidden: torch.Tensor, weights: list[torch.Tensor], qkv_bias: list[torch.Tensor],
                   caches: list[torch.Tensor], slots: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                   rows: list[torch.Tensor], row_index: torch.Tensor | None, span_start: int, lengths: torch.Tensor,
                   heads: int, kv_heads: int, eps: float, scale: float, final_norm: torch.Tensor,
-                  final_eps: float) -> torch.Tensor:
+                  final_eps: float, windows: list[int] | None = None) -> torch.Tensor:
     """Every layer of a decode step (``decode_step.cpp``): ``hidden`` [R, H] float32 embeddings in, the final
     norm's output out. Stores each row's new K/V at ``slots`` of the per-layer ``caches`` (K, V, ... as
     ``[slots, KV heads, D]``) and, with dense ``rows`` (K, V, ... as ``[rows, tokens, KV heads, D]``), at
     ``row_index`` of those; row r attends to its first ``lengths[r]`` positions of its dense row, or (one row) of
-    the cache from slot ``span_start``."""
+    the cache from slot ``span_start``; a layer whose ``windows`` entry ``w`` is not 0 attends to the last ``w``
+    of those only."""
     return torch.ops.pocketllm_cpu.decode_layers(hidden, weights, qkv_bias, caches, slots, cos, sin, rows, row_index,
                                                  span_start, lengths, heads, kv_heads, eps, scale, final_norm,
-                                                 final_eps)
+                                                 final_eps, windows or [])
 
 
 def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor,
-                        scale: float) -> torch.Tensor:
+                        scale: float, starts: torch.Tensor | None = None) -> torch.Tensor:
     """``decode_attention`` in float64 torch ops (tests)."""
     keys, values = k.double().transpose(1, 2), v.double().transpose(1, 2)    # [R, KVH, L, D]
     scores = q.double() @ keys.transpose(-1, -2) * scale                     # [R, KVH, G, L]
     hidden = torch.arange(k.shape[1])[None, :] >= lengths[:, None]
+    if starts is not None:
+        hidden = hidden | (torch.arange(k.shape[1])[None, :] < starts[:, None])
     scores = scores.masked_fill(hidden[:, None, None, :], float("-inf"))
     return (scores.softmax(-1) @ values).float()
 

@@ -15,15 +15,18 @@ class Attention(nn.Module):
 
     ``k_cache``/``v_cache`` ([num_blocks, block_size, num_kv_heads, head_dim]) are bound by the model
     runner once it has sized the cache; ``backend`` is the PyTorch reference until the model runner binds the
-    one its step backend's metadata is built for.
+    one its step backend's metadata is built for. ``sliding_window`` (None: full attention) lets the query at
+    position ``p`` attend only the keys at positions ``p - sliding_window + 1 .. p``.
     """
 
-    def __init__(self, num_heads: int, head_dim: int, num_kv_heads: int, scale: float) -> None:
+    def __init__(self, num_heads: int, head_dim: int, num_kv_heads: int, scale: float,
+                 sliding_window: int | None = None) -> None:
         super().__init__()
         self.num_heads = num_heads
         self.head_dim = head_dim
         self.num_kv_heads = num_kv_heads
         self.scale = scale
+        self.sliding_window = sliding_window
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
         self.backend: AttentionBackend = TorchAttentionBackend()

@@ -82,9 +82,12 @@ class TorchAttentionBackend(AttentionBackend):
         k, v = self._context(layer, meta, i)
         q_len, ctx_len = end - start, k.shape[0]
         mask = None
-        if q_len > 1:
+        if q_len > 1 or layer.sliding_window is not None:
             rows = torch.arange(ctx_len - q_len, ctx_len, device=q.device)[:, None]
-            mask = torch.arange(ctx_len, device=q.device)[None, :] <= rows
+            cols = torch.arange(ctx_len, device=q.device)[None, :]
+            mask = cols <= rows
+            if layer.sliding_window is not None:
+                mask = mask & (cols > rows - layer.sliding_window)
         out = F.scaled_dot_product_attention(
             q[start:end].transpose(0, 1), k.transpose(0, 1).to(q.dtype), v.transpose(0, 1).to(q.dtype),
             attn_mask=mask, scale=layer.scale, enable_gqa=layer.num_heads != layer.num_kv_heads)
@@ -99,7 +102,11 @@ class TorchAttentionBackend(AttentionBackend):
         shape = (meta.num_seqs, num_blocks * meta.block_size, layer.num_kv_heads, layer.head_dim)
         k = layer.k_cache[blocks].reshape(shape)[:, :max_len].transpose(1, 2).to(q.dtype)
         v = layer.v_cache[blocks].reshape(shape)[:, :max_len].transpose(1, 2).to(q.dtype)
-        mask = (torch.arange(max_len, device=q.device)[None, :] < lens[:, None])[:, None, None, :]
+        cols = torch.arange(max_len, device=q.device)[None, :]
+        mask = cols < lens[:, None]
+        if layer.sliding_window is not None:
+            mask = mask & (cols >= lens[:, None] - layer.sliding_window)
+        mask = mask[:, None, None, :]
         out = F.scaled_dot_product_attention(
             q.unsqueeze(2), k, v, attn_mask=mask, scale=layer.scale,
             enable_gqa=layer.num_heads != layer.num_kv_heads)
@@ -133,7 +140,7 @@ class TritonAttentionBackend(AttentionBackend):
                 None if k_norm is None else k_norm.weight, q_norm.eps if q_norm is not None else 0.0, layer.num_heads,
                 layer.num_kv_heads, layer.head_dim, layer.k_cache, layer.v_cache, meta.slot_mapping,
                 meta.block_tables, meta.context_lens_gpu, layer.scale, meta.num_splits, meta.split_counters,
-                block_n=meta.decode_tile)
+                block_n=meta.decode_tile, window=layer.sliding_window)
             return out.view(qkv.shape[0], layer.num_heads * layer.head_dim)
         q = qkv_prepare(qkv, positions, rotary.cos_cache, rotary.sin_cache,
                         None if q_norm is None else q_norm.weight, None if k_norm is None else k_norm.weight,
@@ -148,14 +155,16 @@ class TritonAttentionBackend(AttentionBackend):
 
         if meta.is_decode_only:
             out = paged_decode(q, layer.k_cache, layer.v_cache, meta.block_tables, meta.context_lens_gpu,
-                               layer.scale, meta.num_splits, counters=meta.split_counters, block_n=meta.decode_tile)
+                               layer.scale, meta.num_splits, counters=meta.split_counters, block_n=meta.decode_tile,
+                               window=layer.sliding_window)
         else:
             out = torch.empty_like(q)
             lead = meta.num_decode_rows
             if lead:
                 paged_decode(q[:lead], layer.k_cache, layer.v_cache, meta.block_tables[:lead],
                              meta.context_lens_gpu[:lead], layer.scale, meta.num_splits, out=out[:lead],
-                             counters=meta.split_counters, block_n=meta.decode_tile)
+                             counters=meta.split_counters, block_n=meta.decode_tile, window=layer.sliding_window)
             paged_prefill(q, layer.k_cache, layer.v_cache, meta.block_tables, meta.context_lens_gpu,
-                          meta.query_start_gpu, meta.max_query_len, layer.scale, out=out, first_seq=lead)
+                          meta.query_start_gpu, meta.max_query_len, layer.scale, out=out, first_seq=lead,
+                          window=layer.sliding_window)
         return out.view(q.shape[0], layer.num_heads * layer.head_dim)

@@ -69,7 +69,9 @@ class RotaryPlan:
 class AttentionPlan:
     """Self-attention over the paged KV cache: ``num_heads`` query heads in groups over ``num_kv_heads``,
     optional per-head RMSNorms of queries and keys (before rotary), softmax scale ``scale``. ``cache`` holds
-    ``k_cache``/``v_cache`` ([blocks, block size, KV heads, head dim]) once the model runner binds them."""
+    ``k_cache``/``v_cache`` ([blocks, block size, KV heads, head dim]) once the model runner binds them.
+    ``sliding_window`` (None: full attention): the query at position ``p`` attends the keys at positions
+    ``p - sliding_window + 1 .. p`` only."""
 
     num_heads: int
     num_kv_heads: int
@@ -79,6 +81,7 @@ class AttentionPlan:
     q_norm: NormPlan | None
     k_norm: NormPlan | None
     cache: Attention = field(compare=False, repr=False)
+    sliding_window: int | None = None
 
     @property
     def shape(self) -> tuple[int, int, int, float, RotaryPlan, bool]:

@@ -42,7 +42,8 @@ def _norm(module: nn.Module | None) -> NormPlan | None:
 class SelfAttention(nn.Module):
     """QKV projection, optional per-head q/k RMSNorm, rotary embedding, paged attention, output projection."""
 
-    def __init__(self, config: Any, qkv_bias: bool, qk_norm: bool, rotary: RotaryEmbedding) -> None:
+    def __init__(self, config: Any, qkv_bias: bool, qk_norm: bool, rotary: RotaryEmbedding,
+                 sliding_window: int | None = None) -> None:
         super().__init__()
         head_dim = head_dim_of(config)
         self.qkv_proj = QKVParallelLinear(config.hidden_size, head_dim, config.num_attention_heads,
@@ -54,7 +55,7 @@ class SelfAttention(nn.Module):
         self.rotary_emb = rotary
         self.q_norm = RMSNorm(head_dim, config.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(head_dim, config.rms_norm_eps) if qk_norm else None
-        self.attn = Attention(self.num_heads, head_dim, self.num_kv_heads, head_dim ** -0.5)
+        self.attn = Attention(self.num_heads, head_dim, self.num_kv_heads, head_dim ** -0.5, sliding_window)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         return self.attend(positions, self.qkv_proj(hidden), meta)
@@ -66,7 +67,7 @@ class SelfAttention(nn.Module):
         if rotary is None or (self.q_norm is not None and (q_norm is None or k_norm is None)):
             return None
         return AttentionPlan(self.num_heads, self.num_kv_heads, self.head_dim, self.attn.scale, rotary, q_norm,
-                             k_norm, self.attn)
+                             k_norm, self.attn, self.attn.sliding_window)
 
     def attend(self, positions: torch.Tensor, qkv: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """Everything after the QKV projection."""
@@ -147,9 +148,10 @@ class PreNormBlock(nn.Module):
 class DecoderLayer(PreNormBlock):
     """Self-attention and feed-forward (the Llama / Qwen2 / Qwen3 layer)."""
 
-    def __init__(self, config: Any, mlp: nn.Module, qkv_bias: bool, qk_norm: bool, rotary: RotaryEmbedding) -> None:
+    def __init__(self, config: Any, mlp: nn.Module, qkv_bias: bool, qk_norm: bool, rotary: RotaryEmbedding,
+                 sliding_window: int | None = None) -> None:
         super().__init__()
-        self.self_attn = SelfAttention(config, qkv_bias, qk_norm, rotary)
+        self.self_attn = SelfAttention(config, qkv_bias, qk_norm, rotary, sliding_window)
         self.mlp = mlp
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -193,12 +195,18 @@ class CausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        self.sliding_windows = self.layer_windows(config)
         self.layers = nn.ModuleList(self.make_layer(config, i) for i in range(config.num_hidden_layers))
         self.norm = self.norm_class(config.hidden_size, config.rms_norm_eps)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if self.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+
+    def layer_windows(self, config: Any) -> list[int | None]:
+        """Each layer's sliding window (None: full attention), as transformers reads this family's config
+        (``models/windows.py``). Llama: none (transformers' Llama ignores a ``sliding_window`` entry)."""
+        return [None] * config.num_hidden_layers
 
     def make_layer(self, config: Any, layer_index: int) -> nn.Module:
         qkv_bias = getattr(config, "attention_bias", self.qkv_bias) or self.qkv_bias
@@ -207,7 +215,8 @@ class CausalLM(nn.Module):
             theta, scaling = rope_settings(config)
             # One table shared by every layer (a table a layer cost 20 ms each and 2 MB at 8,192 positions).
             self.rotary_emb = RotaryEmbedding(head_dim, head_dim, config.max_position_embeddings, theta, scaling)
-        return DecoderLayer(config, self.make_mlp(config, layer_index), qkv_bias, self.qk_norm, self.rotary_emb)
+        return DecoderLayer(config, self.make_mlp(config, layer_index), qkv_bias, self.qk_norm, self.rotary_emb,
+                            self.sliding_windows[layer_index])
 
     def make_mlp(self, config: Any, layer_index: int) -> nn.Module:
         return GatedMLP(config.hidden_size, config.intermediate_size)

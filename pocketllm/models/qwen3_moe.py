@@ -11,6 +11,7 @@ from pocketllm.layers.linear import ReplicatedLinear
 from pocketllm.layers.moe import FusedMoE
 from pocketllm.models.llama import GatedMLP
 from pocketllm.models.qwen3 import Qwen3ForCausalLM
+from pocketllm.models.windows import every_layer_if_enabled
 
 
 class SparseMoeBlock(nn.Module):
@@ -27,6 +28,9 @@ class SparseMoeBlock(nn.Module):
 
 
 class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
+    def layer_windows(self, config: Any) -> list[int | None]:
+        return every_layer_if_enabled(config)
+
     def make_mlp(self, config: Any, layer_index: int) -> nn.Module:
         sparse_step = getattr(config, "decoder_sparse_step", 1) or 1
         dense = layer_index in (getattr(config, "mlp_only_layers", None) or [])

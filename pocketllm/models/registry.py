@@ -6,6 +6,7 @@ from torch import nn
 
 from pocketllm.errors import UnsupportedFeatureError
 from pocketllm.models.llama import LlamaForCausalLM
+from pocketllm.models.mistral import MistralForCausalLM
 from pocketllm.models.qwen2 import Qwen2ForCausalLM
 from pocketllm.models.qwen3 import Qwen3ForCausalLM
 from pocketllm.models.qwen3_5 import Qwen3_5ForCausalLM
@@ -14,7 +15,7 @@ from pocketllm.models.qwen3_moe import Qwen3MoeForCausalLM
 
 MODELS: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
-    "MistralForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": MistralForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,

@@ -10,7 +10,8 @@ with about twenty ops each: one fused RMSNorm op, rotary embedding as ``x * cos 
 sign folded into ``sin``, the KV store as one ``index_copy_`` per cache, and attention over a view of the
 paged cache when the request's blocks are consecutive; several sequences attend over dense copies of their
 context kept from step to step (``cpu_kv_rows.py``), and a gather of their blocks is the fallback. The padding
-mask and the step's host metadata (slots, lengths, rotary rows) are built once per step, not per layer.
+mask and the step's host metadata (slots, lengths, rotary rows) are built once per step, not per layer; so
+are, per sliding window of the model, each row's first attended position (or its mask for torch's attention).
 """
 
 from __future__ import annotations
@@ -64,7 +65,9 @@ class DecodeBatch(NamedTuple):
     """A decode step's inputs, built once. The context is the cache rows ``span`` (one request whose blocks
     are consecutive), the dense rows (``dense_index``: each row's new-token index in them; ``dense_length``
     positions attended), or the gathered blocks ``index`` ([rows * blocks]); ``bias`` masks the padding for
-    torch's attention, ``lengths`` (positions each row attends to) for PocketLLM's (``cpu_native``)."""
+    torch's attention, ``lengths`` (positions each row attends to) for PocketLLM's (``cpu_native``). Layers with a
+    sliding window ``w`` attend from ``window_starts[w]`` (PocketLLM's attention) or under ``window_bias[w]``
+    (torch's)."""
 
     ids: torch.Tensor
     slots: torch.Tensor
@@ -76,18 +79,21 @@ class DecodeBatch(NamedTuple):
     dense_index: torch.Tensor | None = None
     dense_length: int = 0
     lengths: torch.Tensor | None = None
+    window_starts: dict[int, torch.Tensor] | None = None
+    window_bias: dict[int, torch.Tensor] | None = None
 
 
 class FusedLayers(NamedTuple):
     """What ``cpu_native.decode_layers`` takes of the model: six weights per layer (norm, QKV records, output
     records, norm, gate/up records, down records; norms in float32), the QKV biases (float32; empty when there
-    are none), the layers' shared norm eps, and the final norm."""
+    are none), the layers' shared norm eps, the final norm, and each layer's sliding window (0: none)."""
 
     weights: list[torch.Tensor]
     qkv_bias: list[torch.Tensor]
     eps: float
     final_norm: torch.Tensor
     final_eps: float
+    windows: list[int]
 
 
 def _fused_layers(plan: DecodePlan) -> FusedLayers | None:
@@ -110,7 +116,8 @@ def _fused_layers(plan: DecodePlan) -> FusedLayers | None:
     if len(eps) != 1 or len(biases) not in (0, len(plan.layers)):
         return None
     final = plan.final_norm
-    return FusedLayers(weights, biases, eps.pop(), final.weight.float().contiguous(), final.eps)
+    windows = [layer.attention.sliding_window or 0 for layer in plan.layers]
+    return FusedLayers(weights, biases, eps.pop(), final.weight.float().contiguous(), final.eps, windows)
 
 
 def _eager_layer(layer: LayerPlan) -> tuple:
@@ -142,6 +149,7 @@ class CpuDecodeStep:
         self.sin_signed = (first.rotary.sin * sign).to(rotary_dtype)
         self.embedding = plan.embedding
         self.layers = [_eager_layer(layer) for layer in plan.layers]
+        self.windows = sorted({layer.attention.sliding_window for layer in plan.layers} - {None})
         self.norm = (plan.final_norm.weight, plan.final_norm.eps)
         self.scale = first.scale
         self.first_attention = first.cache   # its cache (bound later by the runner) gives the KV dtype
@@ -167,6 +175,8 @@ class CpuDecodeStep:
         self._tracing = True   # dynamo may still compile a step (until ``compiled_all``)
         if compile_step and self.fused is not None:
             logger.info("CPU decode steps run as one C++ call (q4 weights); cpu_compile has nothing to compile")
+        elif compile_step and self.windows:
+            logger.info("CPU decode steps of a model with sliding windows run eagerly; cpu_compile is off")
         elif compile_step:
             self._compiled = torch.compile(self.run, dynamic=True, options={"cpp_wrapper": True})
 
@@ -228,11 +238,30 @@ class CpuDecodeStep:
                 cache_dtype = self.first_attention.k_cache.dtype
                 bias = torch.zeros(mask.shape, dtype=cache_dtype).masked_fill_(~mask, float("-inf"))
                 bias = bias[:, None, None, :]
+        starts, window_bias = self._windows(lengths, lengths[0] if span is not None else padded, native)
         pos = torch.tensor(positions)
         return DecodeBatch(torch.tensor(ids), torch.tensor(slots), self.cos[pos][:, None, :],
                            self.sin_signed[pos][:, None, :], span, index, bias, dense_index,
                            padded if dense_index is not None else 0,
-                           torch.tensor(lengths) if native else None)
+                           torch.tensor(lengths) if native else None, starts, window_bias)
+
+    def _windows(self, lengths: list[int], width: int, native: bool
+                 ) -> tuple[dict[int, torch.Tensor] | None, dict[int, torch.Tensor] | None]:
+        """Per sliding window ``w`` of the model: each row's first attended position (``max(0, length - w)``) for
+        PocketLLM's attention, or the mask of the ``width`` context positions as a bias for torch's."""
+        if not self.windows:
+            return None, None
+        ends = torch.tensor(lengths)
+        firsts = {w: (ends - w).clamp(min=0) for w in self.windows}
+        if native:
+            return firsts, None
+        cols = torch.arange(width)[None, :]
+        cache_dtype = self.first_attention.k_cache.dtype
+        biases = {}
+        for w, first in firsts.items():
+            mask = (cols >= first[:, None]) & (cols < ends[:, None])
+            biases[w] = torch.zeros(mask.shape, dtype=cache_dtype).masked_fill_(~mask, float("-inf"))[:, None, None]
+        return None, biases
 
     def native_attention(self) -> bool:
         """Whether steps attend through ``cpu_native.decode_attention`` (else torch's SDPA)."""
@@ -297,7 +326,8 @@ class CpuDecodeStep:
             hidden if hidden.dtype == torch.float32 else hidden.float(), fused.weights, fused.qkv_bias,
             self._flat_views, batch.slots, batch.cos.reshape(rows, -1), batch.sin.reshape(rows, -1),
             self.dense_rows.flat if dense else [], batch.dense_index, 0 if dense else batch.span[0], batch.lengths,
-            self.num_heads, self.num_kv_heads, fused.eps, self.scale, fused.final_norm, fused.final_eps)
+            self.num_heads, self.num_kv_heads, fused.eps, self.scale, fused.final_norm, fused.final_eps,
+            fused.windows)
 
     def compiled_all(self) -> None:
         """Start-up has compiled every kind of step (``EngineCore``): from now on a batch that matches none of
@@ -373,12 +403,14 @@ class CpuDecodeStep:
                 keys, values = attn.k_cache.index_select(0, index), attn.v_cache.index_select(0, index)
             keys = keys.view(rows, -1, kv_heads, dim)
             values = values.view(rows, -1, kv_heads, dim)
+        window = attn.sliding_window
         if batch.lengths is not None:   # PocketLLM's kernel: float32 queries, each row to its own length
             query = q.reshape(rows, kv_heads, heads // kv_heads, dim)
             out = cpu_native.decode_attention(query if query.dtype == torch.float32 else query.float(), keys, values,
-                                              batch.lengths, self.scale)
+                                              batch.lengths, self.scale,
+                                              None if window is None else batch.window_starts[window])
         else:
-            out = self._sdpa(q, keys, values, bias, rows)
+            out = self._sdpa(q, keys, values, bias if window is None else batch.window_bias[window], rows)
         out = out.reshape(rows, q_width)
         residual.add_(o_proj(out if out.dtype == qkv.dtype else out.to(qkv.dtype)))
         x = F.rms_norm(residual, norm2.shape, norm2, eps2)

@@ -2,7 +2,8 @@
 // AVX-512 float32 arithmetic. Built at run time with the other sources here by pocketllm/kernels/cpu_native.py.
 //
 // q [R, KVH, G, D] float32 (any strides, the last dimension contiguous): a KV head's G query heads; k, v [R, L, KVH, D] (any strides, the last dimension
-// contiguous): row r attends to its first lengths[r] positions. Out [R, KVH, G, D] float32.
+// contiguous): row r attends to its positions starts[r] .. lengths[r] - 1 (no starts: from 0). Out [R, KVH, G, D]
+// float32.
 // Work is split over (row, a range of positions), so that one row still keeps both cores busy; each range keeps,
 // per head, its softmax maximum, sum and unnormalised output, and a last pass merges the ranges of a head.
 
@@ -143,8 +144,8 @@ void attend_range(const float* q, int64_t q_step, const T* k, const T* v, int64_
 }
 
 template <typename T, int DV, int G>
-void attend_all(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const int64_t* lengths, float scale,
-                at::Tensor& out) {
+void attend_all(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const int64_t* lengths,
+                const int64_t* starts, float scale, at::Tensor& out) {
   constexpr int D = 16 * DV;
   const int64_t rows = q.size(0), heads = q.size(1), longest = k.size(1);
   // A task is a range of one row's positions over all its KV heads, so that the positions' K/V rows are read in
@@ -163,8 +164,9 @@ void attend_all(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, c
     std::vector<float> scores;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t r = task / splits, s = task % splits;
-      const int64_t length = lengths[r], chunk = (length + splits - 1) / splits;
-      const int64_t p0 = std::min(length, s * chunk), p1 = std::min(length, p0 + chunk);
+      const int64_t length = lengths[r], first = starts != nullptr ? starts[r] : 0;
+      const int64_t chunk = (length - first + splits - 1) / splits;
+      const int64_t p0 = std::min(length, first + s * chunk), p1 = std::min(length, p0 + chunk);
       for (int64_t h = 0; h < heads; ++h) {
         float* base = partials.data() + ((r * heads + h) * splits + s) * stride;
         Partial part{base, base + G, base + 2 * G};
@@ -202,46 +204,46 @@ void attend_all(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, c
 
 template <typename T, int DV>
 void by_group(int64_t group, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const int64_t* lengths,
-              float scale, at::Tensor& out) {
+              const int64_t* starts, float scale, at::Tensor& out) {
   switch (group) {
-    case 1: return attend_all<T, DV, 1>(q, k, v, lengths, scale, out);
-    case 2: return attend_all<T, DV, 2>(q, k, v, lengths, scale, out);
-    case 3: return attend_all<T, DV, 3>(q, k, v, lengths, scale, out);
-    case 4: return attend_all<T, DV, 4>(q, k, v, lengths, scale, out);
-    case 5: return attend_all<T, DV, 5>(q, k, v, lengths, scale, out);
-    case 6: return attend_all<T, DV, 6>(q, k, v, lengths, scale, out);
-    case 7: return attend_all<T, DV, 7>(q, k, v, lengths, scale, out);
-    default: return attend_all<T, DV, 8>(q, k, v, lengths, scale, out);
+    case 1: return attend_all<T, DV, 1>(q, k, v, lengths, starts, scale, out);
+    case 2: return attend_all<T, DV, 2>(q, k, v, lengths, starts, scale, out);
+    case 3: return attend_all<T, DV, 3>(q, k, v, lengths, starts, scale, out);
+    case 4: return attend_all<T, DV, 4>(q, k, v, lengths, starts, scale, out);
+    case 5: return attend_all<T, DV, 5>(q, k, v, lengths, starts, scale, out);
+    case 6: return attend_all<T, DV, 6>(q, k, v, lengths, starts, scale, out);
+    case 7: return attend_all<T, DV, 7>(q, k, v, lengths, starts, scale, out);
+    default: return attend_all<T, DV, 8>(q, k, v, lengths, starts, scale, out);
   }
 }
 
 template <typename T>
 void by_dim(int64_t dim, int64_t group, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-            const int64_t* lengths, float scale, at::Tensor& out) {
+            const int64_t* lengths, const int64_t* starts, float scale, at::Tensor& out) {
   switch (dim) {
-    case 16: return by_group<T, 1>(group, q, k, v, lengths, scale, out);
-    case 32: return by_group<T, 2>(group, q, k, v, lengths, scale, out);
-    case 64: return by_group<T, 4>(group, q, k, v, lengths, scale, out);
-    default: return by_group<T, 8>(group, q, k, v, lengths, scale, out);
+    case 16: return by_group<T, 1>(group, q, k, v, lengths, starts, scale, out);
+    case 32: return by_group<T, 2>(group, q, k, v, lengths, starts, scale, out);
+    case 64: return by_group<T, 4>(group, q, k, v, lengths, starts, scale, out);
+    default: return by_group<T, 8>(group, q, k, v, lengths, starts, scale, out);
   }
 }
 
 }  // namespace
 
-void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const int64_t* lengths, float scale,
-            at::Tensor& out) {
+void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const int64_t* lengths,
+            const int64_t* starts, float scale, at::Tensor& out) {
   const int64_t dim = q.size(3), group = q.size(2);
   if (k.scalar_type() == at::kBFloat16) {
-    by_dim<at::BFloat16>(dim, group, q, k, v, lengths, scale, out);
+    by_dim<at::BFloat16>(dim, group, q, k, v, lengths, starts, scale, out);
   } else {
-    by_dim<float>(dim, group, q, k, v, lengths, scale, out);
+    by_dim<float>(dim, group, q, k, v, lengths, starts, scale, out);
   }
 }
 
 namespace {
 
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& lengths,
-                            double scale) {
+                            double scale, const c10::optional<at::Tensor>& starts) {
   TORCH_CHECK(q.dim() == 4 && q.scalar_type() == at::kFloat, "decode_attention: q must be float32 [R, KVH, G, D]");
   TORCH_CHECK(k.dim() == 4 && v.dim() == 4 && k.sizes() == v.sizes() && k.scalar_type() == v.scalar_type(),
               "decode_attention: k and v must be [R, L, KVH, D] of one dtype");
@@ -259,8 +261,18 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
   const int64_t* lp = lc.data_ptr<int64_t>();
   for (int64_t r = 0; r < rows; ++r)
     TORCH_CHECK(lp[r] >= 1 && lp[r] <= k.size(1), "decode_attention: each length must be in [1, L]");
+  at::Tensor sc;
+  const int64_t* sp = nullptr;
+  if (starts.has_value()) {
+    TORCH_CHECK(starts->dim() == 1 && starts->size(0) == rows && starts->scalar_type() == at::kLong,
+                "decode_attention: starts must be int64 [R]");
+    sc = starts->contiguous();
+    sp = sc.data_ptr<int64_t>();
+    for (int64_t r = 0; r < rows; ++r)
+      TORCH_CHECK(sp[r] >= 0 && sp[r] < lp[r], "decode_attention: each start must be in [0, length)");
+  }
   at::Tensor out = at::empty(q.sizes(), q.options().memory_format(at::MemoryFormat::Contiguous));
-  attend(q, k, v, lp, static_cast<float>(scale), out);
+  attend(q, k, v, lp, sp, static_cast<float>(scale), out);
   return out;
 }
 
@@ -268,7 +280,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
 }  // namespace pocketllm_cpu
 
 TORCH_LIBRARY_FRAGMENT(pocketllm_cpu, m) {
-  m.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor lengths, float scale) -> Tensor");
+  m.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor lengths, float scale, Tensor? starts=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(pocketllm_cpu, CPU, m) {

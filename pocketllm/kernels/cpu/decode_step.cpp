@@ -15,6 +15,7 @@
 #include <cmath>
 #include <cstdint>
 #include <optional>
+#include <vector>
 
 #include "cpu_kernels.h"
 
@@ -96,7 +97,7 @@ at::Tensor decode_layers(const at::Tensor& hidden, at::TensorList weights, at::T
                          at::TensorList caches, const at::Tensor& slots, const at::Tensor& cos, const at::Tensor& sin,
                          at::TensorList rows_kv, const std::optional<at::Tensor>& row_index, int64_t span_start,
                          const at::Tensor& lengths, int64_t heads, int64_t kv_heads, double eps, double scale,
-                         const at::Tensor& final_norm, double final_eps) {
+                         const at::Tensor& final_norm, double final_eps, at::IntArrayRef windows) {
   const int64_t layers = static_cast<int64_t>(weights.size()) / kPerLayer;
   TORCH_CHECK(layers > 0 && static_cast<int64_t>(weights.size()) == layers * kPerLayer,
               "decode_layers: six weights per layer");
@@ -105,6 +106,8 @@ at::Tensor decode_layers(const at::Tensor& hidden, at::TensorList weights, at::T
               "decode_layers: dense K and V rows per layer, or none");
   TORCH_CHECK(qkv_bias.empty() || static_cast<int64_t>(qkv_bias.size()) == layers,
               "decode_layers: a QKV bias per layer, or none");
+  TORCH_CHECK(windows.empty() || static_cast<int64_t>(windows.size()) == layers,
+              "decode_layers: a sliding window per layer (0: none), or none");
   TORCH_CHECK(hidden.dim() == 2 && hidden.scalar_type() == at::kFloat, "decode_layers: hidden must be float32 [R, H]");
   const int64_t rows = hidden.size(0), width = hidden.size(1), dim = cos.size(1);
   TORCH_CHECK(heads % kv_heads == 0 && dim % 2 == 0 && width % kBlock == 0, "decode_layers: unsupported heads");
@@ -125,6 +128,7 @@ at::Tensor decode_layers(const at::Tensor& hidden, at::TensorList weights, at::T
   const int64_t* slot_p = slots_c.data_ptr<int64_t>();
   const int64_t* length_p = lengths_c.data_ptr<int64_t>();
   const int64_t longest = *std::max_element(length_p, length_p + rows);
+  std::vector<int64_t> starts(rows);   // a windowed layer's first attended position per row
   at::Tensor index_c;
   const int64_t* index_p = nullptr;
   if (!rows_kv.empty()) {
@@ -189,7 +193,11 @@ at::Tensor decode_layers(const at::Tensor& hidden, at::TensorList weights, at::T
       keys = k_cache.narrow(0, span_start, longest).view({1, longest, kv_heads, dim});
       values = v_cache.narrow(0, span_start, longest).view({1, longest, kv_heads, dim});
     }
-    attend(q, keys, values, length_p, static_cast<float>(scale), attended);
+    const int64_t window = windows.empty() ? 0 : windows[l];
+    if (window > 0) {
+      for (int64_t r = 0; r < rows; ++r) starts[r] = std::max<int64_t>(0, length_p[r] - window);
+    }
+    attend(q, keys, values, length_p, window > 0 ? starts.data() : nullptr, static_cast<float>(scale), attended);
     q4_matmul(attended.data_ptr<float>(), rows, w[2], proj_p, scratch_p);
     add_into(res_p, proj_p, rows * width);
     rms_norm_rows(res_p, rows, width, w[3].data_ptr<float>(), static_cast<float>(eps), x_p);
@@ -210,7 +218,7 @@ at::Tensor decode_layers(const at::Tensor& hidden, at::TensorList weights, at::T
 TORCH_LIBRARY_FRAGMENT(pocketllm_cpu, m) {
   m.def("decode_layers(Tensor hidden, Tensor[] weights, Tensor[] qkv_bias, Tensor(a!)[] caches, Tensor slots, "
         "Tensor cos, Tensor sin, Tensor(b!)[] rows, Tensor? row_index, int span_start, Tensor lengths, int heads, "
-        "int kv_heads, float eps, float scale, Tensor final_norm, float final_eps) -> Tensor");
+        "int kv_heads, float eps, float scale, Tensor final_norm, float final_eps, int[] windows=[]) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(pocketllm_cpu, CPU, m) {
