@@ -580,8 +580,10 @@ def test_seeded_sampling_on_cuda_same_alone_and_batched():
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_engine_bf16_diverges_only_at_near_ties(arch, kv):
     """Every bf16 CUDA token is the fp32 argmax, or within bf16 noise of it, along the bf16 path. A float8
-    KV cache (3 mantissa bits) moves logits further: measured on these random models up to 17% of the
-    largest logit, so its margin is 25%."""
+    KV cache (3 mantissa bits) moves logits further. The margins come from the distribution of the gap (as a
+    fraction of the largest |logit|) that ``scripts/fp8_gap.py`` measured on an H200 over 24 random prompts of
+    4-120 tokens and 24 new tokens each (576 tokens an architecture): bf16 cache p99 0.7%, largest 1.2% (llama)
+    and 1.3% (qwen3), so 5%; float8 cache (llama) p90 2.8%, p99 8.4%, largest 19.8%, so 25%."""
     _need_cuda()
     outputs = _greedy(arch, "cuda", "bfloat16", 24, kv_cache_dtype=kv)
     margin = 0.05 if kv == "auto" else 0.25
