@@ -145,3 +145,19 @@ def test_a_corrupt_kv_increment_resumes_cold_from_the_intact_prefix(tmp_path, ti
     assert store.load("s1")["text"].startswith(text + " and more")
     joined, parts = store.load_kv("s1")                            # the save rewrote the damaged increment
     assert parts == [0, 48] and joined.token_ids == store.load("s1")["token_ids"][:joined.num_tokens]
+
+
+def test_temporaries_of_interrupted_writes_are_removed_at_start(tmp_path) -> None:
+    """A write killed between writing and renaming leaves ``<file>.tmp-<pid>-<thread>``: the store removes those
+    of processes that are gone and keeps a live writer's."""
+    import subprocess
+    import sys
+
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead_pid = int(gone.stdout)
+    (tmp_path / f"s1.json.tmp-{dead_pid}-7").write_text("{")
+    (tmp_path / f"s1.kv.0.safetensors.tmp-{dead_pid}-7").write_bytes(b"\0")
+    live = tmp_path / f"s2.json.tmp-{os.getpid()}-7"
+    live.write_text("{")
+    SessionStore(str(tmp_path))
+    assert _files(tmp_path) == [live.name]

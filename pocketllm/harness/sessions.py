@@ -84,6 +84,16 @@ def _write_json(record: dict[str, Any]) -> Callable[[str], None]:
     return write
 
 
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:   # another user's process
+        return True
+    return True
+
+
 @dataclass
 class Session:
     """One conversation: chat ``messages`` or a growing ``text`` (the kind is fixed by its first turn).
@@ -149,6 +159,17 @@ class SessionStore:
     def __init__(self, directory: str) -> None:
         self.directory = os.path.abspath(directory)
         os.makedirs(self.directory, mode=DIR_MODE, exist_ok=True)
+        self._remove_orphan_temporaries()
+
+    def _remove_orphan_temporaries(self) -> None:
+        """Delete the temporary files of writes whose process is gone (``write_atomically`` names them
+        ``<file>.tmp-<pid>-<thread>``; a crash between writing and renaming leaves one behind)."""
+        for path in glob.glob(os.path.join(glob.escape(self.directory), "*.tmp-*-*")):
+            pid = os.path.basename(path).rsplit(".tmp-", 1)[1].split("-", 1)[0]
+            if not pid.isdigit() or _process_alive(int(pid)):
+                continue
+            logger.info("removing %s, left by an interrupted write", os.path.basename(path))
+            self._remove(path)
 
     def _json(self, sid: str) -> str:
         return os.path.join(self.directory, f"{sid}.json")
