@@ -47,7 +47,8 @@ def read(path) -> str:
 
 def two_nodes(tmp_path, command: list[str], drive=None) -> tuple[str, str, str]:
     """Start both launchers, let ``drive`` talk to rank 0 (its stdin and stdout pipes), wait for both to exit 0;
-    rank 0's stdout and both logs. A port taken between choosing and binding it is chosen again."""
+    what ``drive`` returned (without one: rank 0's stdout) and both logs. A port taken between choosing and
+    binding it is chosen again."""
     for attempt in range(3):
         logs = [tmp_path / f"node{rank}-{attempt}.log" for rank in (0, 1)]
         port = free_port()
@@ -56,9 +57,8 @@ def two_nodes(tmp_path, command: list[str], drive=None) -> tuple[str, str, str]:
                              stdout=subprocess.PIPE)
             node1 = launcher(1, port, command, log1)
             try:
-                out = drive(node0) if drive else ""
+                driven = drive(node0) if drive else None
                 rest, _ = node0.communicate(timeout=WAIT_S)
-                out += rest
                 node1.wait(timeout=WAIT_S)
             finally:
                 for proc in (node0, node1):
@@ -69,7 +69,7 @@ def two_nodes(tmp_path, command: list[str], drive=None) -> tuple[str, str, str]:
         if node0.returncode != 0 and any(e in text[0].lower() for e in BIND_ERRORS) and attempt < 2:
             continue
         assert (node0.returncode, node1.returncode) == (0, 0), f"node 0:\n{text[0]}\nnode 1:\n{text[1]}"
-        return out, text[0], text[1]
+        return rest if driven is None else driven, text[0], text[1]
     raise AssertionError("unreachable")
 
 
@@ -96,11 +96,11 @@ def pipe_session(proc: subprocess.Popen) -> str:
         if reply.get("id") != 1:
             continue
         assert "error" not in reply, reply
-        chunks.append(reply.get("text", ""))
+        chunks.append(reply.get("chunk", ""))
         if reply.get("done"):
             break
     proc.stdin.write(json.dumps({"op": "shutdown"}) + "\n")
-    proc.stdin.close()
+    proc.stdin.flush()   # (communicate then closes stdin)
     return "".join(chunks)
 
 
@@ -112,7 +112,8 @@ def test_pipe_on_two_launchers_matches_tp1(tiny_checkpoint, tmp_path) -> None:
         single = subprocess.Popen([sys.executable, "-m", "pocketllm", *pipe], stdin=subprocess.PIPE,
                                   stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env())
         expected = pipe_session(single)
-        assert single.wait(WAIT_S) == 0
+        single.communicate(timeout=WAIT_S)
+        assert single.returncode == 0
         assert expected
         out, _, _ = two_nodes(tmp_path, [*pipe, "--tensor-parallel-size", "2", "--no-tensor-parallel-supervisor"],
                               drive=pipe_session)
