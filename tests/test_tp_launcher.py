@@ -123,6 +123,16 @@ def test_pipe_on_two_launchers_matches_tp1(tiny_checkpoint, tmp_path) -> None:
     assert out == expected
 
 
+def test_bench_latency_on_two_launchers(tiny_checkpoint, tmp_path) -> None:
+    report = tmp_path / "latency.json"
+    command = ["bench", "latency", "--model", tiny_checkpoint("llama"), "--input-len", "8", "--output-len", "4",
+               "--num-iters", "1", "--warmup-iters", "0", "--output-json", str(report), *ENGINE,
+               "--tensor-parallel-size", "2", "--no-tensor-parallel-supervisor"]
+    out, _, log1 = two_nodes(tmp_path, command)
+    assert "TTFT" in out and "TTFT" not in log1
+    assert json.loads(report.read_text(encoding="utf-8"))
+
+
 @pytest.mark.parametrize(("variables", "flags", "message"), [
     ({}, ["--tensor-parallel-size", "2"], "RANK and WORLD_SIZE"),
     ({"RANK": "0", "WORLD_SIZE": "3"}, ["--tensor-parallel-size", "2"], "tensor_parallel_size is 2"),
