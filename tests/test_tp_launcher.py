@@ -144,7 +144,7 @@ def test_inconsistent_launcher_environment_is_one_line(monkeypatch, capsys, vari
         monkeypatch.delenv(name, raising=False)
     for name, value in variables.items():
         monkeypatch.setenv(name, value)
-    for command in (["run", "--prompt", "hi"], ["pipe"], ["bench", "latency"]):
+    for command in (["run", "--prompt", "hi"], ["chat"], ["serve"], ["pipe"], ["host"], ["bench", "latency"]):
         assert main([*command, *flags, "--no-tensor-parallel-supervisor"]) == 2
         err = capsys.readouterr().err
         assert message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
