@@ -1,6 +1,6 @@
 """A worker rank (rank > 0): load this rank's shard, then run the forward pass of every step rank 0 broadcasts
-until it says stop. Started by the library (``python -m pocketllm.backends.tp_worker ARGS_JSON``) or, under
-``pocketllm serve``, by the supervisor or an external launcher."""
+until it says stop. Started by the library (``python -m pocketllm.backends.tp_worker ARGS_JSON``), by
+``pocketllm serve``'s supervisor, or as any rank but 0 of a ``pocketllm`` command an external launcher started."""
 
 from __future__ import annotations
 

@@ -8,6 +8,7 @@ import importlib
 import logging
 
 from pocketllm.cli.engine_flags import add_engine_flags, engine_args_from
+from pocketllm.cli.launched_ranks import launched_rank
 
 
 def _common(parser: argparse.ArgumentParser, peer: bool) -> None:
@@ -51,7 +52,10 @@ def bench_command(args: argparse.Namespace) -> int:
         logging.getLogger("pocketllm").setLevel(logging.INFO)
         logging.getLogger("pocketllm.scheduler").setLevel(logging.WARNING)
     if args.bench_engine:
-        args.bench_module.run(args, engine_args_from(args))
+        engine_args = engine_args_from(args)
+        if (status := launched_rank(engine_args)) is not None:
+            return status
+        args.bench_module.run(args, engine_args)
     else:
         args.bench_module.run(args)
     return 0

@@ -17,6 +17,7 @@ from pocketllm.cli.engine_flags import (
     sampling_params_from,
 )
 from pocketllm.cli.exits import usage_error
+from pocketllm.cli.launched_ranks import launched_rank
 from pocketllm.harness.lifecycle import display_name, say
 from pocketllm.harness.line_input import read_line
 from pocketllm.sampling_params import SamplingParams
@@ -123,9 +124,11 @@ def _sampling(args: argparse.Namespace, llm: LLM) -> SamplingParams:
 
 
 def run_command(args: argparse.Namespace) -> int:
-    prompt = _prompt(args)
     sampling_params_from(args)   # a bad flag fails before the model loads
     engine_args = engine_args_from(args)
+    if (status := launched_rank(engine_args)) is not None:   # a worker rank: no prompt of its own
+        return status
+    prompt = _prompt(args)
     say(f"loading {display_name(engine_args.model)}")
     from pocketllm.api import LLM
 
@@ -149,6 +152,8 @@ def _chat_turn(llm: LLM, messages: list[dict[str, str]], params: SamplingParams)
 def chat_command(args: argparse.Namespace) -> int:
     sampling_params_from(args)   # a bad flag fails before the model loads
     engine_args = engine_args_from(args)
+    if (status := launched_rank(engine_args)) is not None:
+        return status
     say(f"loading {display_name(engine_args.model)}")
     from pocketllm.api import LLM
 

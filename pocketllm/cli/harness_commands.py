@@ -8,6 +8,7 @@ import secrets
 import sys
 
 from pocketllm.cli.exits import usage_error
+from pocketllm.cli.launched_ranks import launched_rank
 from pocketllm.cli.listen import http_url, listen_socket
 from pocketllm.config import EngineArgs, parse_field
 from pocketllm.harness.lifecycle import LOOPBACK, display_name, say
@@ -24,6 +25,11 @@ def _engine_flags(parser: argparse.ArgumentParser, max_seqs: int) -> None:
     parser.add_argument("--max-seqs", type=int, default=max_seqs,
                         help=f"Most requests decoding at once (default: {max_seqs}); more wait their turn.")
     parser.add_argument("--device", default=None, help="auto | cpu | cuda (default: auto).")
+    parser.add_argument("--tensor-parallel-size", type=int, default=None, metavar="N",
+                        help="Shard the model over N ranks (default: 1).")
+    parser.add_argument("--tensor-parallel-supervisor", action=argparse.BooleanOptionalAction, default=None,
+                        help="Start the ranks here (the default); off: an external launcher (torchrun) started "
+                             "them, rank 0 runs the command and the others serve its steps.")
     parser.add_argument("--verbose", action="store_true", help="Log scheduling and harness records at DEBUG.")
 
 
@@ -36,6 +42,9 @@ def _engine_args(args: argparse.Namespace) -> EngineArgs:
         given["model"] = args.model
     if args.device is not None:
         given["device"] = parse_field("device", args.device)
+    for name in ("tensor_parallel_size", "tensor_parallel_supervisor"):
+        if getattr(args, name) is not None:
+            given[name] = getattr(args, name)
     return EngineArgs.from_env(**given)
 
 
@@ -83,9 +92,12 @@ def _positive(command: str, name: str, value: int | None) -> None:
 def pipe_command(args: argparse.Namespace) -> int:
     _positive("pipe", "--ctx", args.ctx)
     _positive("pipe", "--max-seqs", args.max_seqs)
+    engine_args = _engine_args(args)
+    if (status := launched_rank(engine_args)) is not None:
+        return status
     from pocketllm.harness.pipe import run_pipe
 
-    return run_pipe(_engine_args(args))
+    return run_pipe(engine_args)
 
 
 def host_command(args: argparse.Namespace) -> int:
@@ -98,6 +110,8 @@ def host_command(args: argparse.Namespace) -> int:
     if args.web is not None and not os.path.isfile(os.path.join(args.web, "index.html")):
         usage_error("host", f"--web {args.web} has no index.html")
     engine_args = _engine_args(args)
+    if (status := launched_rank(engine_args)) is not None:   # rank 0 alone listens
+        return status
     token = args.token or os.environ.get(TOKEN_ENV)
     generated = not token
     if generated:

@@ -9,13 +9,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import os
 import signal
 import sys
 import threading
 
 from pocketllm.cli.engine_flags import add_engine_flags, engine_args_from
 from pocketllm.cli.exits import usage_error
+from pocketllm.cli.launched_ranks import launched_rank
 from pocketllm.cli.listen import http_url, listen_socket
 from pocketllm.harness.lifecycle import INTERRUPTED, display_name, say
 
@@ -52,22 +52,14 @@ def add_serve_parser(subparsers) -> None:
 def _tensor_parallel_role(args: argparse.Namespace, engine_args) -> int | None:
     """With tensor_parallel_size > 1: supervise the ranks (the default) or, as a rank a supervisor or launcher
     started, run a worker (rank > 0); the exit status, or None when this process is rank 0 and serves."""
-    if engine_args.tensor_parallel_size == 1:
-        return None
-    if engine_args.tensor_parallel_supervisor:
+    if engine_args.tensor_parallel_size > 1 and engine_args.tensor_parallel_supervisor:
         from pocketllm.distributed.supervisor import supervise
 
         listen_socket(args.host, args.port).close()   # a busy port fails here, before any rank starts
         rerun = getattr(args, "argv", sys.argv[1:])
         argv = [sys.executable, "-m", "pocketllm", *rerun, "--no-tensor-parallel-supervisor"]
         return supervise(argv, engine_args)
-    from pocketllm.distributed.group import RankInfo
-
-    if RankInfo.from_env(os.environ, engine_args.tensor_parallel_size).rank == 0:
-        return None
-    from pocketllm.backends.tp_worker import run_worker
-
-    return run_worker(engine_args)
+    return launched_rank(engine_args)
 
 
 def _access_log() -> None:

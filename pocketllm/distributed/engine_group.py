@@ -49,7 +49,7 @@ class EngineGroup:
             if info.rank != 0:
                 raise InvalidRequestError(
                     f"this process is rank {info.rank}: only rank 0 runs the engine; the other ranks run "
-                    "'pocketllm serve ... --no-tensor-parallel-supervisor' (which turns them into workers)",
+                    "the worker loop (run_worker; the pocketllm commands turn every rank but 0 into a worker)",
                     param="tensor_parallel_supervisor")
             watch_parent(info.parent_pid)
         self.info = info

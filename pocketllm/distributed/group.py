@@ -56,8 +56,14 @@ class RankInfo:
                 f"the environment says rank {rank} of {size} (TP_RANK {tp[0]}, TP_WORLD {tp[1]}); "
                 f"tensor_parallel_size is {world_size}: one tensor-parallel group spans every rank",
                 param="tensor_parallel_size")
-        return cls(rank, size, local_rank, env.get(INIT_METHOD_VAR, "env://"), env.get(RUN_DIR_VAR) or None,
-                   parent)
+        init_method = env.get(INIT_METHOD_VAR, "env://")
+        absent = [name for name in ("MASTER_ADDR", "MASTER_PORT") if init_method == "env://" and not env.get(name)]
+        if absent:
+            raise InvalidRequestError(
+                f"rank {rank} of {size} without the supervisor needs {' and '.join(absent)} in the environment "
+                "(set by torchrun or the launcher): where rank 0 meets the others",
+                param="tensor_parallel_supervisor")
+        return cls(rank, size, local_rank, init_method, env.get(RUN_DIR_VAR) or None, parent)
 
 
 def backend_for(device: torch.device) -> str:
