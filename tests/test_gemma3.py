@@ -1,12 +1,14 @@
-"""Gemma 3 (text): logits and loading against transformers (fp32, CPU); greedy parity over the scheduling
-regimes is in test_engine_parity.py."""
+"""Gemma 3 (text): logits and loading (safetensors, the multimodal checkpoint's text part, GGUF) against
+transformers (fp32, CPU); greedy parity over the scheduling regimes is in test_engine_parity.py."""
 
 from __future__ import annotations
 
 import json
 import math
 import os
+import shutil
 
+import numpy as np
 import pytest
 import torch
 from conftest import tiny_config
@@ -149,3 +151,97 @@ def test_the_checkpoint_directory_chat_template_is_used(tiny_checkpoint):
         with open(os.path.join(directory, "chat_template.jinja"), encoding="utf-8") as handle:
             saved = handle.read()
     assert load_checkpoint(directory).tokenizer.chat_template == saved
+
+
+def _gguf_name(name: str) -> str:
+    """llama.cpp's Gemma 3 tensor name for an HF parameter name."""
+    globals_ = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight"}
+    if name in globals_:
+        return globals_[name]
+    parts = {"input_layernorm": "attn_norm", "post_attention_layernorm": "post_attention_norm",
+             "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm",
+             "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+             "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
+             "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+             "mlp.down_proj": "ffn_down"}
+    _, _, layer, rest = name.split(".", 3)
+    module, suffix = rest.rsplit(".", 1)
+    return f"blk.{layer}.{parts[module]}.{suffix}"
+
+
+def _write_gemma3_gguf(path: str, config: dict, state: dict[str, torch.Tensor]) -> None:
+    """The checkpoint as llama.cpp's converter writes a Gemma 3 GGUF (F32): norms stored as ``1 + w``, no
+    output tensor (tied), the window, its pattern, both rotary bases and the soft-capping in the metadata."""
+    gguf = pytest.importorskip("gguf")
+    writer = gguf.GGUFWriter(path, "gemma3")
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(config["num_attention_heads"])
+    writer.add_head_count_kv(config["num_key_value_heads"])
+    writer.add_key_length(config["head_dim"])
+    writer.add_value_length(config["head_dim"])
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    rope = config["rope_parameters"]
+    writer.add_rope_freq_base(rope["full_attention"]["rope_theta"])
+    writer.add_rope_freq_base_swa(rope["sliding_attention"]["rope_theta"])
+    writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+    writer.add_rope_scaling_factor(rope["full_attention"]["factor"])
+    writer.add_sliding_window(config["sliding_window"])
+    writer.add_sliding_window_pattern([kind == "sliding_attention" for kind in config["layer_types"]])
+    writer.add_final_logit_softcapping(config["final_logit_softcapping"])
+    writer.add_tokenizer_model("llama")     # a SentencePiece vocabulary, as Gemma's
+    writer.add_token_list(["<unk>", "<bos>", "<eos>"] + [f"<tok{i}>" for i in range(3, config["vocab_size"])])
+    writer.add_token_scores([0.0] * config["vocab_size"])
+    writer.add_token_types([gguf.TokenType.NORMAL] * config["vocab_size"])
+    writer.add_bos_token_id(config["bos_token_id"])
+    writer.add_eos_token_id(config["eos_token_id"])
+    writer.add_unk_token_id(0)
+    for name, tensor in state.items():
+        if name == "lm_head.weight":
+            continue
+        array = tensor.float().numpy()
+        if name.endswith("norm.weight"):
+            array = array + np.float32(1.0)
+        writer.add_tensor(_gguf_name(name), array)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_gguf_equals_the_safetensors_checkpoint(tiny_checkpoint, hf_reference, tmp_path):
+    """A Gemma 3 GGUF written as llama.cpp writes one loads to the checkpoint's weights (norms unshifted) and
+    config, and answers as transformers answers the checkpoint. llama.cpp's attention scale for a model that is
+    not the 27B is head_dim ** -0.5, so the checkpoint here sets query_pre_attn_scalar = head_dim."""
+    from pocketllm.loaders.checkpoint import load_checkpoint
+
+    directory = str(tmp_path / "gemma3")
+    shutil.copytree(tiny_checkpoint("gemma3"), directory)
+    with open(os.path.join(directory, "config.json"), encoding="utf-8") as handle:
+        config = json.load(handle)
+    config["query_pre_attn_scalar"] = config["head_dim"]
+    with open(os.path.join(directory, "config.json"), "w", encoding="utf-8") as handle:
+        json.dump(config, handle)
+    state = load_file(os.path.join(directory, "model.safetensors"))
+    path = str(tmp_path / "gemma3.gguf")
+    _write_gemma3_gguf(path, config, state)
+
+    checkpoint = load_checkpoint(path)
+    ours, original = checkpoint.hf_config, load_checkpoint(directory).hf_config
+    assert ours.architectures == ["Gemma3ForCausalLM"] and ours.tie_word_embeddings
+    for key in ("layer_types", "sliding_window", "query_pre_attn_scalar", "final_logit_softcapping", "head_dim",
+                "hidden_size", "intermediate_size", "num_key_value_heads"):
+        assert getattr(ours, key) == getattr(original, key), key
+    for kind in ("sliding_attention", "full_attention"):
+        assert ours.rope_parameters[kind] == original.rope_parameters[kind], kind
+    weights = dict(checkpoint.iter_weights())
+    assert set(weights) == set(state) - {"lm_head.weight"}
+    for name, tensor in weights.items():
+        torch.testing.assert_close(tensor, state[name].float(), rtol=0, atol=1e-6)
+
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    with LLM(EngineArgs(model=path)) as llm:
+        outputs = llm.generate(_prompts(), params)
+    assert [o.token_ids for o in outputs] == hf_reference.greedy(directory, _prompts(), NEW_TOKENS)
