@@ -245,3 +245,13 @@ def test_gguf_equals_the_safetensors_checkpoint(tiny_checkpoint, hf_reference, t
     with LLM(EngineArgs(model=path)) as llm:
         outputs = llm.generate(_prompts(), params)
     assert [o.token_ids for o in outputs] == hf_reference.greedy(directory, _prompts(), NEW_TOKENS)
+
+
+@pytest.mark.parametrize("weight_format", ["int4", "int8", "bfloat16"])
+def test_cpu_weight_formats_run_the_reference_decode(weight_format, tiny_checkpoint):
+    """No CPU decode plan describes Gemma 3, so every CPU weight format decodes through the reference path."""
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    with LLM(EngineArgs(model=tiny_checkpoint("gemma3"), device="cpu", cpu_weight_format=weight_format)) as llm:
+        assert llm._client.backend.core.runner.cpu_decode is None
+        outputs = llm.generate(_prompts(), params)
+    assert [len(o.token_ids) for o in outputs] == [8, 8]
