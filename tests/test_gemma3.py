@@ -255,3 +255,19 @@ def test_cpu_weight_formats_run_the_reference_decode(weight_format, tiny_checkpo
         assert llm._client.backend.core.runner.cpu_decode is None
         outputs = llm.generate(_prompts(), params)
     assert [len(o.token_ids) for o in outputs] == [8, 8]
+
+
+def test_gemma3_27b_preset_builds_at_its_real_layer_shape():
+    """The dummy preset: five sliding layers then a full one, the 27B attention scale, two rotary bases."""
+    from pocketllm.loaders.checkpoint import load_checkpoint
+    from pocketllm.models.gemma3 import Gemma3ForCausalLM
+
+    config = load_checkpoint("gemma3-27b", "dummy").hf_config
+    assert config.layer_types[:6] == ["sliding_attention"] * 5 + ["full_attention"]
+    config.num_hidden_layers, config.layer_types = 6, config.layer_types[:6]
+    with torch.device("meta"):
+        model = Gemma3ForCausalLM(config)
+    assert model.sliding_windows == [1024] * 5 + [None]
+    assert model.layers[0].self_attn.attn.scale == pytest.approx(168 ** -0.5)
+    assert model.layers[0].self_attn.rotary_emb.base == 10000.0
+    assert model.layers[5].self_attn.rotary_emb.scaling["factor"] == 8.0
