@@ -152,6 +152,18 @@ _TINY_QWEN3_5: dict[str, Any] = {
     "layer_types": ["linear_attention"] * 3 + ["full_attention"], "linear_num_key_heads": 2,
     "linear_num_value_heads": 4, "linear_key_head_dim": 16, "linear_value_head_dim": 16, "linear_conv_kernel_dim": 4,
 }
+# Gemma 3 text: sliding and full layers alternating (an 8-token window with its own rotary base), linear rope
+# scaling on the full layers, query_pre_attn_scalar != head_dim and soft-capped logits.
+TINY_CONFIGS["gemma3"] = {
+    **{key: value for key, value in _TINY_COMMON.items() if key != "rope_theta"}, "model_type": "gemma3_text",
+    "tie_word_embeddings": True, "num_hidden_layers": 4, "sliding_window": 8,
+    "layer_types": ["sliding_attention", "full_attention"] * 2, "query_pre_attn_scalar": 24,
+    "final_logit_softcapping": 3.0, "hidden_activation": "gelu_pytorch_tanh",
+    "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+                        "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}},
+}
+# Models whose RMSNorm weights are stored around zero (``1 + weight``): the fixture makes them non-trivial.
+OFFSET_NORM_ARCHS = (*TINY_HYBRID_ARCHS, "gemma3")
 TINY_CONFIGS["qwen3_5_text"] = {**_TINY_QWEN3_5, "model_type": "qwen3_5_text"}
 TINY_CONFIGS["qwen3_5_moe_text"] = {
     **_TINY_QWEN3_5, "model_type": "qwen3_5_moe_text", "num_experts": 4, "num_experts_per_tok": 2,
@@ -200,11 +212,12 @@ def build_tiny_checkpoint(directory: str, arch: str, hf_tokenizer: Any) -> None:
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(tiny_config(arch), dtype=torch.float32)
-    if arch in TINY_HYBRID_ARCHS:
+    if arch in OFFSET_NORM_ARCHS:
         with torch.no_grad():  # RMSNorm weights are stored around zero there: make them non-trivial
             for name, param in model.named_parameters():
                 if name.endswith("norm.weight"):
                     param.add_(torch.randn_like(param) * 0.2)
+    if arch in TINY_HYBRID_ARCHS:
         with open(QWEN3_5_TEMPLATE, encoding="utf-8") as handle:
             hf_tokenizer = copy.copy(hf_tokenizer)
             hf_tokenizer.chat_template = handle.read()

@@ -18,6 +18,7 @@ from pocketllm.protocol.chat_template import _compile
 
 ROOT = Path(__file__).resolve().parents[1]
 QWEN35_TEMPLATE = ROOT / "tests" / "fixtures" / "chat_templates" / "qwen3_5.jinja"
+GEMMA3_TEMPLATE = ROOT / "tests" / "fixtures" / "chat_templates" / "gemma3.jinja"
 
 WEATHER_TOOL = {
     "type": "function",
@@ -219,6 +220,24 @@ def test_smollm2_matches_transformers(qwen2_tokenizer, smollm2_template, name, a
     got = render_chat_template(smollm2_template, messages, add_generation_prompt=add_generation_prompt)
     assert got == expected
     assert got.endswith("<|im_start|>assistant\n") == add_generation_prompt
+
+
+@pytest.mark.parametrize("name", sorted(PLAIN_CONVERSATIONS))
+@pytest.mark.parametrize("add_generation_prompt", [True, False])
+def test_gemma3_matches_transformers(qwen2_tokenizer, name, add_generation_prompt):
+    """Gemma 3's template (the system prompt folded into the first user turn, ``model`` turns, bos first)."""
+    template = GEMMA3_TEMPLATE.read_text(encoding="utf-8")
+    messages = PLAIN_CONVERSATIONS[name]
+    expected = _reference(qwen2_tokenizer, template, messages, add_generation_prompt=add_generation_prompt)
+    assert _ours(qwen2_tokenizer, template, messages, add_generation_prompt=add_generation_prompt) == expected
+    assert expected.endswith("<start_of_turn>model\n") == add_generation_prompt
+
+
+def test_gemma3_refuses_roles_that_do_not_alternate():
+    template = GEMMA3_TEMPLATE.read_text(encoding="utf-8")
+    with pytest.raises(InvalidRequestError, match="must alternate") as info:
+        render_chat_template(template, [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}])
+    assert info.value.param == "messages"
 
 
 def test_smollm2_known_prompt(smollm2_template):

@@ -9,7 +9,7 @@ import torch
 
 from pocketllm import LLM, EngineArgs, SamplingParams
 
-ARCHS = ["llama", "qwen2", "qwen3", "qwen3_moe", "mistral", "qwen2_swa"]
+ARCHS = ["llama", "qwen2", "qwen3", "qwen3_moe", "mistral", "qwen2_swa", "gemma3"]
 PROMPT_LENGTHS = (5, 17, 33, 9)
 NEW_TOKENS = 32
 

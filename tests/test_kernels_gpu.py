@@ -12,7 +12,7 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import TINY_HYBRID_ARCHS, tiny_config
+from conftest import OFFSET_NORM_ARCHS, TINY_HYBRID_ARCHS, tiny_config
 
 pytestmark = pytest.mark.gpu
 
@@ -472,7 +472,7 @@ def _tiny_model(arch: str):
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(tiny_config(arch), dtype=torch.float32).eval()
     model.config.architectures = [type(model).__name__]
-    if arch in TINY_HYBRID_ARCHS:
+    if arch in OFFSET_NORM_ARCHS:
         with torch.no_grad():  # RMSNorm weights are stored around zero there: make them non-trivial
             for name, param in model.named_parameters():
                 if name.endswith("norm.weight"):
@@ -533,8 +533,9 @@ REGIMES = {
 }
 
 
-# mistral and qwen2_swa: sliding windows (every layer; the second layer only) shorter than the prompts
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "qwen3_moe", "mistral", "qwen2_swa"])
+# mistral, qwen2_swa and gemma3: sliding windows (every layer; the second layer only; every other layer) shorter
+# than the prompts
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "qwen3_moe", "mistral", "qwen2_swa", "gemma3"])
 @pytest.mark.parametrize("regime", list(REGIMES))
 def test_engine_fp32_cuda_equals_cpu(arch, regime):
     _need_cuda()

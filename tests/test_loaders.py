@@ -517,6 +517,7 @@ PRESET_FACTS = {
     "qwen3-0.6b": ("Qwen3ForCausalLM", 1024, 28, 16, 8, 128, 3072, 151936),
     "qwen3-8b": ("Qwen3ForCausalLM", 4096, 36, 32, 8, 128, 12288, 151936),
     "llama3-8b": ("LlamaForCausalLM", 4096, 32, 32, 8, 128, 14336, 128256),
+    "gemma3-27b": ("Gemma3ForCausalLM", 5376, 62, 32, 16, 128, 21504, 262208),
 }
 
 

@@ -70,6 +70,20 @@ PRESETS["qwen3.5-35b-a3b"] = {
     "num_experts": 256, "num_experts_per_tok": 8, "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512,
 }
 
+# Gemma 3 27B: the text part of the published gemma-3-27b config (five sliding layers of 1,024 tokens, then one
+# full-attention layer; linear rope scaling by 8 on the full layers only).
+PRESETS["gemma3-27b"] = {
+    "model_type": "gemma3_text", "architectures": ["Gemma3ForCausalLM"], "vocab_size": 262208,
+    "hidden_size": 5376, "intermediate_size": 21504, "num_hidden_layers": 62, "num_attention_heads": 32,
+    "num_key_value_heads": 16, "head_dim": 128, "query_pre_attn_scalar": 168, "sliding_window": 1024,
+    "sliding_window_pattern": 6, "hidden_activation": "gelu_pytorch_tanh", "max_position_embeddings": 131072,
+    "rms_norm_eps": 1e-6, "attention_bias": False, "tie_word_embeddings": True, "final_logit_softcapping": None,
+    "attn_logit_softcapping": None, "bos_token_id": 2, "eos_token_id": [1, 106], "pad_token_id": 0,
+    "dtype": "bfloat16",
+    "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                        "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0}},
+}
+
 
 def preset_names() -> list[str]:
     """Names accepted with ``load_format="dummy"``."""

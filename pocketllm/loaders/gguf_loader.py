@@ -7,7 +7,12 @@ Facts this module relies on (llama.cpp's converter conventions):
   per head from HF's rotate-half layout to interleaved pairs; qwen2/qwen3/qwen3moe are stored unpermuted;
 - Llama-3-style rope scaling is stored as a ``rope_freqs.weight`` tensor of per-frequency divisors, not as
   metadata; we recover the llama3 rope parameters from it (and check the recovery reproduces it);
-- Qwen3-MoE experts are stacked ``[experts, out, in]`` tensors and llama.cpp normalises the top-k weights.
+- Qwen3-MoE experts are stacked ``[experts, out, in]`` tensors and llama.cpp normalises the top-k weights;
+- Gemma 3 stores every RMSNorm weight as ``1 + w`` (the HF weight plus one), unpermuted q/k, no ``output``
+  tensor (tied), and names its norms ``attn_norm`` / ``post_attention_norm`` / ``ffn_norm`` (the
+  pre-feedforward norm) / ``post_ffw_norm``. llama.cpp fixes what the metadata does not say: every sixth layer
+  attends fully, the sliding layers' rotary base is 10,000 unscaled, and the attention scale is
+  ``(hidden / heads) ** -0.5`` for the 62-layer (27B) model, ``head_dim ** -0.5`` otherwise.
 """
 
 from __future__ import annotations
@@ -31,7 +36,18 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {
     "qwen2": ("qwen2", "Qwen2ForCausalLM"),
     "qwen3": ("qwen3", "Qwen3ForCausalLM"),
     "qwen3moe": ("qwen3_moe", "Qwen3MoeForCausalLM"),
+    "gemma3": ("gemma3_text", "Gemma3ForCausalLM"),
 }
+# Layer parts an architecture names differently from the Llama layout.
+_ARCH_LAYER_NAMES: dict[str, dict[str, str]] = {
+    "gemma3": {"post_attention_norm": "post_attention_layernorm", "ffn_norm": "pre_feedforward_layernorm",
+               "post_ffw_norm": "post_feedforward_layernorm"},
+}
+# Architectures whose norm weights llama.cpp stores as ``1 + w``.
+_SHIFTED_NORMS = ("gemma3",)
+_GEMMA3_SLIDING_PATTERN = 6        # llama.cpp: layers 6k + 5 attend fully
+_GEMMA3_LOCAL_THETA = 10000.0
+_GEMMA3_27B_LAYERS = 62
 
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -113,15 +129,16 @@ def unpermute_rope_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
     return np.ascontiguousarray(grouped.swapaxes(1, 2)).reshape(weight.shape)
 
 
-def hf_name(gguf_name: str) -> tuple[str, str | None]:
-    """``(hf_name, part)`` for a GGUF tensor name; ``part`` is the GGUF layer part (``attn_q``...)."""
+def hf_name(gguf_name: str, arch: str = "llama") -> tuple[str, str | None]:
+    """``(hf_name, part)`` for a GGUF tensor name of ``arch``; ``part`` is the GGUF layer part (``attn_q``...)."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name], None
     match = _LAYER_TENSOR.match(gguf_name)
     if match:
         layer, part, suffix = match.groups()
-        if part in _LAYER_NAMES:
-            return f"model.layers.{layer}.{_LAYER_NAMES[part]}.{suffix}", part
+        names = {**_LAYER_NAMES, **_ARCH_LAYER_NAMES.get(arch, {})}
+        if part in names:
+            return f"model.layers.{layer}.{names[part]}.{suffix}", part
         if part in _EXPERT_NAMES and suffix == "weight":
             return f"model.layers.{layer}.mlp.experts.{{}}.{_EXPERT_NAMES[part]}.weight", part
     raise CheckpointError(f"GGUF tensor {gguf_name!r} has no known Hugging Face name")
@@ -251,9 +268,43 @@ def build_config(reader: GGUFFile) -> ModelConfig:
     if arch == "qwen3moe":
         params.update(_moe_params(reader, arch))
     scaling = _rope_scaling(reader, arch, theta, head_dim)
-    if scaling is not None:
+    if arch == "gemma3":
+        params.update(_gemma3_params(reader, arch, params, scaling))
+    elif scaling is not None:
         params["rope_scaling"] = scaling
     return ModelConfig(model_type, **params)
+
+
+def _gemma3_params(reader: GGUFFile, arch: str, params: dict[str, Any],
+                   scaling: dict[str, Any] | None) -> dict[str, Any]:
+    """Gemma 3's layer types, per-type rotary, attention scale and soft-capping, as llama.cpp reads them."""
+    count = params["num_hidden_layers"]
+    window = metadata(reader, f"{arch}.attention.sliding_window", None)
+    pattern = metadata(reader, f"{arch}.attention.sliding_window_pattern", _GEMMA3_SLIDING_PATTERN)
+    if isinstance(pattern, list):          # one flag a layer, true where the layer slides
+        if len(pattern) != count:
+            raise CheckpointError(f"GGUF sliding_window_pattern names {len(pattern)} layers, the model has {count}")
+        sliding = [bool(flag) for flag in pattern]
+    else:
+        sliding = [(i + 1) % int(pattern) != 0 for i in range(count)]
+    if not window:
+        sliding = [False] * count
+    layer_types = ["sliding_attention" if flag else "full_attention" for flag in sliding]
+    local_theta = float(metadata(reader, f"{arch}.rope.freq_base_swa", _GEMMA3_LOCAL_THETA))
+    full_rope = {"rope_type": "default", **(scaling or {}), "rope_theta": params["rope_theta"]}
+    if count == _GEMMA3_27B_LAYERS:
+        scalar = params["hidden_size"] // params["num_attention_heads"]
+    else:
+        scalar = params["head_dim"]
+    extra: dict[str, Any] = {
+        "layer_types": layer_types, "sliding_window": int(window) if window else None,
+        "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": local_theta},
+                            "full_attention": full_rope},
+        "query_pre_attn_scalar": scalar, "hidden_activation": "gelu_pytorch_tanh",
+        "final_logit_softcapping": metadata(reader, f"{arch}.final_logit_softcapping", None),
+        "attn_logit_softcapping": metadata(reader, f"{arch}.attn_logit_softcapping", None),
+    }
+    return extra
 
 
 class GGUFWeights:
@@ -272,18 +323,20 @@ class GGUFWeights:
     def check(self) -> None:
         """Fail early on tensors we cannot name or dequantise."""
         for tensor in self._tensors():
-            hf_name(tensor.name)
+            hf_name(tensor.name, self.arch)
             check_type(tensor)
 
     def count(self) -> int:
         """Number of HF tensors this file yields (stacked experts count once per expert)."""
         total = 0
         for tensor in self._tensors():
-            _, part = hf_name(tensor.name)
+            _, part = hf_name(tensor.name, self.arch)
             total += tensor.shape[0] if part in _EXPERT_NAMES else 1
         return total
 
-    def _fix_layout(self, array: np.ndarray, part: str | None) -> np.ndarray:
+    def _fix_layout(self, array: np.ndarray, name: str, part: str | None) -> np.ndarray:
+        if self.arch in _SHIFTED_NORMS and name.endswith("norm.weight"):
+            return array - np.float32(1.0)
         if self.arch == "llama" and part == "attn_q":
             return unpermute_rope_rows(array, self.num_heads)
         if self.arch == "llama" and part == "attn_k":
@@ -292,8 +345,8 @@ class GGUFWeights:
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         for tensor in self._tensors():
-            name, part = hf_name(tensor.name)
-            array = self._fix_layout(dequantize(tensor), part)
+            name, part = hf_name(tensor.name, self.arch)
+            array = self._fix_layout(dequantize(tensor), name, part)
             if part in _EXPERT_NAMES:
                 for expert in range(array.shape[0]):
                     yield name.format(expert), torch.from_numpy(array[expert])

@@ -30,7 +30,8 @@ def load_hf_config(directory: str) -> Any:
 
 # Multimodal checkpoints served text-only (model_type → the text model's architecture). Their weights
 # keep the multimodal names; the model's ``checkpoint_name`` skips the vision tower.
-TEXT_ONLY_MODEL_TYPES = {"qwen3_5": "Qwen3_5ForCausalLM", "qwen3_5_moe": "Qwen3_5MoeForCausalLM"}
+TEXT_ONLY_MODEL_TYPES = {"qwen3_5": "Qwen3_5ForCausalLM", "qwen3_5_moe": "Qwen3_5MoeForCausalLM",
+                         "gemma3": "Gemma3ForCausalLM"}
 
 
 def text_part(config: Any) -> Any:

@@ -17,7 +17,7 @@ class ModelConfig:
     def __init__(self, model_type: str, **params: Any) -> None:
         theta = params.pop("rope_theta", 10000.0)
         scaling = params.pop("rope_scaling", None) or {"rope_type": "default"}
-        params["rope_parameters"] = {**scaling, "rope_theta": theta}
+        params.setdefault("rope_parameters", {**scaling, "rope_theta": theta})
         object.__setattr__(self, "_params", {"model_type": model_type, **params})
 
     def __getattr__(self, name: str) -> Any:

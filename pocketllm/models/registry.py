@@ -5,6 +5,7 @@ from __future__ import annotations
 from torch import nn
 
 from pocketllm.errors import UnsupportedFeatureError
+from pocketllm.models.gemma3 import Gemma3ForCausalLM
 from pocketllm.models.llama import LlamaForCausalLM
 from pocketllm.models.mistral import MistralForCausalLM
 from pocketllm.models.qwen2 import Qwen2ForCausalLM
@@ -23,6 +24,8 @@ MODELS: dict[str, type[nn.Module]] = {
     # Qwen3_5(Moe)ForConditionalGeneration checkpoints under these names).
     "Qwen3_5ForCausalLM": Qwen3_5ForCausalLM,
     "Qwen3_5MoeForCausalLM": Qwen3_5MoeForCausalLM,
+    # Gemma 3 text (the loader hands us the text part of Gemma3ForConditionalGeneration checkpoints too).
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
 }
 
 

@@ -47,7 +47,16 @@ def by_layer_type(config: Any) -> list[int | None]:
     if types is None:
         first = getattr(config, "max_window_layers", DEFAULT_MAX_WINDOW_LAYERS)
         types = [SLIDING if window is not None and i >= first else FULL for i in range(count)]
-    types = list(types)
+    return _windows_of_types(list(types), window, count)
+
+
+def every_named_layer(config: Any) -> list[int | None]:
+    """Gemma 3: the ``layer_types`` entries named ``sliding_attention`` slide over ``sliding_window``."""
+    return _windows_of_types(list(config.layer_types), checked_window(config), config.num_hidden_layers)
+
+
+def _windows_of_types(types: list[str], window: int | None, count: int) -> list[int | None]:
+    """Each layer's window from its ``layer_types`` entry, the names and count checked."""
     if len(types) != count:
         raise CheckpointError(f"layer_types names {len(types)} layers, the config has {count}")
     unknown = sorted(set(types) - {SLIDING, FULL})
@@ -55,5 +64,5 @@ def by_layer_type(config: Any) -> list[int | None]:
         raise UnsupportedFeatureError(f"layer_types {unknown} are not supported (only {FULL!r}, {SLIDING!r})")
     if SLIDING in types and window is None:
         raise CheckpointError(f"layer_types has {SLIDING!r} layers but the config sets no sliding_window "
-                              "(use_sliding_window is false or sliding_window is unset)")
+                              "(or use_sliding_window is false)")
     return [window if kind == SLIDING else None for kind in types]
