@@ -102,6 +102,32 @@ def test_prefix_cache_hits_and_agrees(tiny_checkpoint):
     assert results[False][1] == 0
 
 
+def test_requests_of_one_prompt_queued_together_compute_it_once(tiny_checkpoint):
+    """Eight requests of one 70-token prompt queued before a step (``n`` choices): the first computes the
+    prompt's full blocks, the others wait for them and take them from the cache; the tokens are those computed
+    without the cache."""
+    from pocketllm.engine.engine_core import EngineCore
+    from pocketllm.loaders import hf_loader
+
+    directory = tiny_checkpoint("llama")
+    prompt = (_prompts()[2] * 3)[:70]
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    results = {}
+    for caching in (True, False):
+        core = EngineCore(EngineArgs(model=directory, device="cpu", num_kv_blocks=256, block_size=16,
+                                     enable_prefix_caching=caching),
+                          hf_loader.load_hf_config(directory),
+                          hf_loader.SafetensorsWeights(hf_loader.safetensors_files(directory)), frozenset())
+        requests = [core.add_request(f"r{i}", prompt, params) for i in range(8)]
+        while core.has_work():
+            core.step()
+        results[caching] = [r.output_token_ids for r in requests], [r.num_cached_tokens for r in requests]
+    tokens, cached = results[True]
+    assert tokens == results[False][0]
+    assert cached == [0] + [64] * 7, cached   # 4 full blocks of 16, computed once
+    assert results[False][1] == [0] * 8
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_prefix_cache_hit_matches_transformers(arch, tiny_checkpoint, hf_reference):
     """A prompt whose first blocks come from the prefix cache is answered as transformers answers it."""

@@ -108,10 +108,15 @@ class Scheduler:
             chunks.append(ScheduledChunk.of(request, n))
             scheduled.add(request.request_id)
             budget -= n
+        in_flight = self._blocks_in_flight() if self.waiting and self.blocks.enable_prefix_caching else set()
+        deferred: list[Request] = []
         while self.waiting and budget > 0 and len(self.running) < self.limits.max_num_seqs:
             request = self.waiting[0]
             if request.num_pending_tokens:
                 break   # preempted while its last step ran: its token arrives with that step's results
+            if in_flight and not request.block_table and self._next_block_in_flight(request, in_flight):
+                deferred.append(self.waiting.popleft())
+                continue
             cached = self.blocks.find_cached_prefix(request) if not request.block_table else []
             computed = len(cached) * self.blocks.block_size
             n = self._chunk_size(request.num_tokens - computed, budget, not chunks)
@@ -131,9 +136,40 @@ class Scheduler:
             chunks.append(ScheduledChunk.of(request, n))
             scheduled.add(request.request_id)
             budget -= n
+            if self.waiting and self.blocks.enable_prefix_caching:
+                in_flight.update(self._uncached_keys(request))
             logger.debug("admitted %s: %d prompt tokens, %d from prefix cache, chunk %d",
                          request.request_id, request.num_tokens, computed, n)
+        self.waiting.extendleft(reversed(deferred))
         return chunks
+
+    def _uncached_keys(self, request: Request) -> set:
+        """Prefix-cache keys of the request's full blocks of known tokens that are not registered yet."""
+        full = request.num_tokens // self.blocks.block_size
+        if request.num_hashed_blocks >= full:
+            return set()
+        return {key for key, _ in self.blocks.chain_keys(request.all_token_ids, full, request.num_hashed_blocks,
+                                                         request.last_block_hash)}
+
+    def _blocks_in_flight(self) -> set:
+        """Keys of the blocks running requests are still computing (their prompts' blocks not yet cached)."""
+        keys: set = set()
+        for request in self.running:
+            keys.update(self._uncached_keys(request))
+        return keys
+
+    def _next_block_in_flight(self, request: Request, in_flight: set) -> bool:
+        """Whether the first block of the request's prompt that the cache lacks is one a running request is
+        computing: then the request waits a step or more and takes it from the cache (``n`` choices of one prompt
+        compute it once), instead of computing the same block alongside."""
+        tokens = request.all_token_ids
+        usable = (len(tokens) - 1) // self.blocks.block_size   # as ``find_cached_prefix`` counts them
+        cached = self.blocks.cached_blocks(tokens, usable)
+        if len(cached) >= usable:
+            return False
+        parent = self.blocks.blocks[cached[-1]].hash if cached else 0
+        key, _ = next(self.blocks.chain_keys(tokens, len(cached) + 1, len(cached), parent))
+        return key in in_flight
 
     def _ends_with_pending(self, request: Request) -> bool:
         """The pending token reaches the request's token or context limit, so nothing more runs for it."""
