@@ -13,7 +13,7 @@ import threading
 import time
 from typing import Any
 
-from server_utils import LISTENING, OutputLines
+from server_utils import OutputLines
 
 TIMEOUT = 120.0
 FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
@@ -157,10 +157,8 @@ class HostProcess:
 
     @property
     def port(self) -> int:
-        """The port the host bound (waits for its ``listening on`` line, printed before the model loads)."""
-        if self._port is None:
-            self._port = int(self.output.wait_for(LISTENING).group(1))
-        return self._port
+        """The port the host bound (the one asked for, else the one it printed)."""
+        return self._port if self._port is not None else self.output.listening_port()
 
     @property
     def url(self) -> str:
@@ -168,7 +166,7 @@ class HostProcess:
 
     def wait_listening(self) -> None:
         """Until the host prints that it listens (its socket is bound and listening by then)."""
-        self.output.wait_for(LISTENING)
+        self.output.listening_port()
 
     def connect(self, auth: bool = True) -> Conn:
         conn = Conn(self.url)

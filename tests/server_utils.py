@@ -58,6 +58,11 @@ class OutputLines:
             assert match is not None
             return match
 
+    def listening_port(self) -> int:
+        """The port of the process's ``listening on`` line (printed once its socket listens, before the model
+        loads)."""
+        return int(self.wait_for(LISTENING).group(1))
+
 
 class ServerProcess:
     """``pocketllm serve --port 0`` in a subprocess; ``port`` and ``url`` are those it printed."""
@@ -69,14 +74,11 @@ class ServerProcess:
             [sys.executable, "-m", "pocketllm", "serve", "--port", "0", *args],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
         self.output = OutputLines(self.proc, self.proc.stdout)
-        self._port: int | None = None
 
     @property
     def port(self) -> int:
-        """The port the server bound (waits for its ``listening on`` line, printed before the model loads)."""
-        if self._port is None:
-            self._port = int(self.output.wait_for(LISTENING).group(1))
-        return self._port
+        """The port the server bound."""
+        return self.output.listening_port()
 
     @property
     def url(self) -> str:
