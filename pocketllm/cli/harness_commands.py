@@ -9,7 +9,7 @@ import sys
 
 from pocketllm.cli.exits import usage_error
 from pocketllm.cli.launched_ranks import launched_rank
-from pocketllm.cli.listen import http_url, listen_socket
+from pocketllm.cli.listen import add_exposure_flags, http_url, listen_socket
 from pocketllm.config import EngineArgs, parse_field
 from pocketllm.harness.lifecycle import LOOPBACK, display_name, say
 
@@ -68,12 +68,8 @@ def add_harness_parsers(subparsers) -> None:
                            "resume warm.")
     host.add_argument("--web", default=None, metavar="DIR",
                       help="Serve this directory as the web client instead of the built-in one.")
-    host.add_argument("--allowed-hosts", action="append", default=None, metavar="NAMES",
-                      help="Host header names answered besides loopback ones, e.g. a tunnel's name "
-                           "(comma-separated, repeatable; '*': any).")
-    host.add_argument("--allowed-origins", action="append", default=None, metavar="ORIGINS",
-                      help="Web origins whose pages may open a WebSocket besides the host's own "
-                           "(comma-separated, repeatable; '*': any).")
+    add_exposure_flags(host, "Host header names answered besides loopback ones, e.g. a tunnel's name",
+                       "Web origins whose pages may open a WebSocket besides the host's own")
     host.set_defaults(handler=host_command)
 
     connect = subparsers.add_parser("connect", help="Hold a conversation in the terminal with a running host.")

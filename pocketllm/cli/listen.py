@@ -1,8 +1,9 @@
-"""The listening socket of ``serve`` and ``host``, bound before anything slow runs: a busy port is one line
-and an exit at once, not a traceback after the model has loaded."""
+"""The listening socket of ``serve`` and ``host``, bound before anything slow runs (a busy port is one line
+and an exit at once, not a traceback after the model has loaded), and their flags for who may reach it."""
 
 from __future__ import annotations
 
+import argparse
 import errno
 import socket
 
@@ -33,3 +34,12 @@ def http_url(sock: socket.socket, host: str) -> str:
     """``http://HOST:PORT`` of a listening socket (the port it got, when 0 was asked)."""
     port = sock.getsockname()[1]
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+def add_exposure_flags(parser: argparse.ArgumentParser, hosts_help: str, origins_help: str) -> None:
+    """``--allowed-hosts`` and ``--allowed-origins`` (comma-separated, repeatable; '*': any), each help text
+    saying what the command answers besides its loopback names and its own origin."""
+    parser.add_argument("--allowed-hosts", action="append", default=None, metavar="NAMES",
+                        help=f"{hosts_help} (comma-separated, repeatable; '*': any).")
+    parser.add_argument("--allowed-origins", action="append", default=None, metavar="ORIGINS",
+                        help=f"{origins_help} (comma-separated, repeatable; '*': any).")

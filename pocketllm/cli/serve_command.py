@@ -16,7 +16,7 @@ import threading
 from pocketllm.cli.engine_flags import add_engine_flags, engine_args_from
 from pocketllm.cli.exits import usage_error
 from pocketllm.cli.launched_ranks import launched_rank
-from pocketllm.cli.listen import http_url, listen_socket
+from pocketllm.cli.listen import add_exposure_flags, http_url, listen_socket
 from pocketllm.harness.lifecycle import INTERRUPTED, display_name, say
 
 logger = logging.getLogger("pocketllm.server")
@@ -37,12 +37,9 @@ def add_serve_parser(subparsers) -> None:
                         help="On SIGTERM/SIGINT, seconds in-flight requests may finish before being cancelled.")
     parser.add_argument("--max-request-bytes", type=int, default=None, metavar="N",
                         help="Refuse request bodies larger than N bytes with a 413 (default: 8 MiB).")
-    parser.add_argument("--allowed-hosts", action="append", default=None, metavar="NAMES",
-                        help="Host header names answered besides loopback ones (comma-separated, repeatable; "
-                             "'*': any). Bound to loopback without --api-key, other names are refused.")
-    parser.add_argument("--allowed-origins", action="append", default=None, metavar="ORIGINS",
-                        help="Browser origins (e.g. http://localhost:3000) allowed besides the server's own "
-                             "(comma-separated, repeatable; '*': any).")
+    add_exposure_flags(parser, "Host header names answered besides loopback ones; bound to loopback without "
+                               "--api-key, other names are refused",
+                       "Browser origins (e.g. http://localhost:3000) allowed besides the server's own")
     parser.add_argument("--access-log", action="store_true", help="Log one line per request on stderr.")
     parser.add_argument("--verbose", action="store_true", help="Log scheduling decisions at DEBUG.")
     add_engine_flags(parser)
