@@ -32,7 +32,7 @@ def run_worker(args: EngineArgs, env: Mapping[str, str] | None = None) -> int:
     watch_parent(info.parent_pid)
     init_group(info, resolve_device(args.device), args.tensor_parallel_startup_timeout)
     try:
-        checkpoint = load_checkpoint(args.model or default_model_path(), args.load_format)
+        checkpoint = load_checkpoint(args.model or default_model_path(), args.load_format, with_tokenizer=False)
         dummy = args.load_format == "dummy" or checkpoint.format == "dummy"
         weights = None if dummy else iter(checkpoint.weight_source)
         # The same construction as rank 0 (weights, recurrent-state pool, KV cache sizing agreed with rank 0);

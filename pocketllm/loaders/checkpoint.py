@@ -148,22 +148,23 @@ def _gguf_tokenizer(reader: Any, path: str) -> Tokenizer | None:
     return Tokenizer.from_gguf(path)
 
 
-def _load_gguf(path: str, model: str, with_weights: bool = True) -> Checkpoint:
+def _load_gguf(path: str, model: str, with_weights: bool = True, with_tokenizer: bool = True) -> Checkpoint:
     reader = gguf_loader.open_gguf(path)
     config = gguf_loader.build_config(reader)
     weights = gguf_loader.GGUFWeights(reader, config) if with_weights else NoWeights()
+    tokenizer = _in_background(lambda: _gguf_tokenizer(reader, path)) if with_tokenizer else _done(None)
     return Checkpoint(path=model, format="gguf" if with_weights else "dummy", hf_config=config,
-                      generation_config={}, tokenizer_loading=_in_background(lambda: _gguf_tokenizer(reader, path)),
-                      weight_source=weights,
+                      generation_config={}, tokenizer_loading=tokenizer, weight_source=weights,
                       weight_type=gguf_loader.linear_weight_type(reader) if with_weights else None)
 
 
-def _load_safetensors(directory: str) -> Checkpoint:
+def _load_safetensors(directory: str, with_tokenizer: bool = True) -> Checkpoint:
     config = hf_loader.load_hf_config(directory)
     weights = hf_loader.SafetensorsWeights(hf_loader.safetensors_files(directory))
     return Checkpoint(path=directory, format="safetensors", hf_config=config,
                       generation_config=hf_loader.read_generation_config(directory),
-                      tokenizer_loading=_done(_hf_tokenizer(directory)), weight_source=weights)
+                      tokenizer_loading=_done(_hf_tokenizer(directory) if with_tokenizer else None),
+                      weight_source=weights)
 
 
 def _load_dummy(model: str) -> Checkpoint:
@@ -182,8 +183,9 @@ def _load_dummy(model: str) -> Checkpoint:
                           f"a directory with config.json or a .gguf file; got {model!r}")
 
 
-def load_checkpoint(model: str, load_format: str = "auto") -> Checkpoint:
-    """Locate and open a checkpoint; weights are read only when ``iter_weights`` is iterated."""
+def load_checkpoint(model: str, load_format: str = "auto", with_tokenizer: bool = True) -> Checkpoint:
+    """Locate and open a checkpoint; weights are read only when ``iter_weights`` is iterated. Without
+    ``with_tokenizer`` (a tensor-parallel worker rank) a GGUF or safetensors checkpoint loads no tokenizer."""
     if load_format not in LOAD_FORMATS:
         raise InvalidRequestError(
             f"load_format must be one of {', '.join(LOAD_FORMATS)}; got {load_format!r}", param="load_format")
@@ -195,5 +197,5 @@ def load_checkpoint(model: str, load_format: str = "auto") -> Checkpoint:
         raise CheckpointError(f"checkpoint {model!r} does not exist{hint}")
     kind = _detect_format(model, load_format)
     if kind == "gguf":
-        return _load_gguf(_gguf_file(model), model)
-    return _load_safetensors(model)
+        return _load_gguf(_gguf_file(model), model, with_tokenizer=with_tokenizer)
+    return _load_safetensors(model, with_tokenizer)
