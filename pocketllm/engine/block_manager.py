@@ -69,14 +69,26 @@ class BlockManager:
             found.append(block_id)
         return found
 
-    def find_cached_prefix(self, request: Request) -> list[int]:
+    def usable_blocks(self, request: Request) -> int:
+        """How many of the request's full blocks a cache hit may cover (one token is always left to compute)."""
+        return (request.num_tokens - 1) // self.block_size
+
+    def cached_prefix(self, request: Request) -> list[int]:
         """Blocks holding the longest cached prefix of the request (always leaving one token to compute)."""
         if not self.enable_prefix_caching:
             return []
-        tokens = request.all_token_ids
-        found = self.cached_blocks(tokens, (len(tokens) - 1) // self.block_size)
-        self.prefix_queries += len(tokens)
-        self.prefix_hits += len(found) * self.block_size
+        return self.cached_blocks(request.all_token_ids, self.usable_blocks(request))
+
+    def record_lookup(self, request: Request, found: list[int]) -> None:
+        """Count one prefix-cache lookup of the request that found ``found`` (the hit-rate metrics)."""
+        if self.enable_prefix_caching:
+            self.prefix_queries += request.num_tokens
+            self.prefix_hits += len(found) * self.block_size
+
+    def find_cached_prefix(self, request: Request) -> list[int]:
+        """``cached_prefix``, counted as a lookup."""
+        found = self.cached_prefix(request)
+        self.record_lookup(request, found)
         return found
 
     def can_allocate(self, request: Request, num_new_tokens: int, cached: list[int] = ()) -> bool:

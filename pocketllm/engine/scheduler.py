@@ -114,10 +114,12 @@ class Scheduler:
             request = self.waiting[0]
             if request.num_pending_tokens:
                 break   # preempted while its last step ran: its token arrives with that step's results
-            if in_flight and not request.block_table and self._next_block_in_flight(request, in_flight):
+            cached = self.blocks.cached_prefix(request) if not request.block_table else []
+            if in_flight and not request.block_table and self._next_block_in_flight(request, cached, in_flight):
                 deferred.append(self.waiting.popleft())
                 continue
-            cached = self.blocks.find_cached_prefix(request) if not request.block_table else []
+            if not request.block_table:
+                self.blocks.record_lookup(request, cached)
             computed = len(cached) * self.blocks.block_size
             n = self._chunk_size(request.num_tokens - computed, budget, not chunks)
             if n == 0 or not self.blocks.can_allocate(request, computed + n - request.num_computed_tokens,
@@ -158,17 +160,14 @@ class Scheduler:
             keys.update(self._uncached_keys(request))
         return keys
 
-    def _next_block_in_flight(self, request: Request, in_flight: set) -> bool:
-        """Whether the first block of the request's prompt that the cache lacks is one a running request is
-        computing: then the request waits a step or more and takes it from the cache (``n`` choices of one prompt
-        compute it once), instead of computing the same block alongside."""
-        tokens = request.all_token_ids
-        usable = (len(tokens) - 1) // self.blocks.block_size   # as ``find_cached_prefix`` counts them
-        cached = self.blocks.cached_blocks(tokens, usable)
-        if len(cached) >= usable:
+    def _next_block_in_flight(self, request: Request, cached: list[int], in_flight: set) -> bool:
+        """Whether the first block of the request's prompt that the cache lacks (after ``cached``) is one a running
+        request is computing: then the request waits a step or more and takes it from the cache (``n`` choices of
+        one prompt compute it once), instead of computing the same block alongside."""
+        if len(cached) >= self.blocks.usable_blocks(request):
             return False
         parent = self.blocks.blocks[cached[-1]].hash if cached else 0
-        key, _ = next(self.blocks.chain_keys(tokens, len(cached) + 1, len(cached), parent))
+        key, _ = next(self.blocks.chain_keys(request.all_token_ids, len(cached) + 1, len(cached), parent))
         return key in in_flight
 
     def _ends_with_pending(self, request: Request) -> bool:
