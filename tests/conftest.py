@@ -198,6 +198,21 @@ def smollm2_hf_tokenizer(smollm2_gguf: str) -> Any:
     return PreTrainedTokenizerFast.from_pretrained(directory, gguf_file=name, local_files_only=True)
 
 
+def write_checkpoint(out_dir: str, config: dict, weights: dict[str, torch.Tensor], files_from: str) -> None:
+    """An HF checkpoint directory: ``config``, ``weights`` as one safetensors file, and every other file of
+    ``files_from`` (tokenizer, chat template) copied."""
+    from safetensors.torch import save_file
+
+    os.makedirs(out_dir, exist_ok=True)
+    save_file(weights, os.path.join(out_dir, "model.safetensors"))
+    with open(os.path.join(out_dir, "config.json"), "w", encoding="utf-8") as handle:
+        json.dump(config, handle)
+    for name in os.listdir(files_from):
+        if name not in ("config.json", "model.safetensors"):
+            with open(os.path.join(files_from, name), "rb") as src, open(os.path.join(out_dir, name), "wb") as dst:
+                dst.write(src.read())
+
+
 def tiny_config(arch: str) -> Any:
     """The transformers config of a tiny test model."""
     from transformers import AutoConfig

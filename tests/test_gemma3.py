@@ -11,8 +11,8 @@ import shutil
 import numpy as np
 import pytest
 import torch
-from conftest import tiny_config
-from safetensors.torch import load_file, save_file
+from conftest import tiny_config, write_checkpoint
+from safetensors.torch import load_file
 
 from pocketllm import LLM, EngineArgs, SamplingParams
 from pocketllm.errors import UnsupportedFeatureError
@@ -116,14 +116,7 @@ def _as_conditional_generation(text_dir: str, out_dir: str, prefix: str) -> None
     vision = "vision_tower." if prefix.startswith("language_model") else "model.vision_tower."
     weights[vision + "vision_model.embeddings.patch_embedding.weight"] = torch.zeros(16, 3, 16, 16)
     weights[vision.replace("vision_tower", "multi_modal_projector") + "mm_input_projection_weight"] = torch.zeros(4, 4)
-    os.makedirs(out_dir, exist_ok=True)
-    save_file(weights, os.path.join(out_dir, "model.safetensors"))
-    with open(os.path.join(out_dir, "config.json"), "w", encoding="utf-8") as handle:
-        json.dump(config, handle)
-    for name in os.listdir(text_dir):
-        if name not in ("config.json", "model.safetensors"):
-            with open(os.path.join(text_dir, name), "rb") as src, open(os.path.join(out_dir, name), "wb") as dst:
-                dst.write(src.read())
+    write_checkpoint(out_dir, config, weights, text_dir)
 
 
 @pytest.mark.parametrize("prefix", ["model.language_model.", "language_model.model."])

@@ -12,8 +12,8 @@ import os
 
 import pytest
 import torch
-from conftest import QWEN3_5_TEMPLATE, TINY_HYBRID_ARCHS
-from safetensors.torch import load_file, save_file
+from conftest import QWEN3_5_TEMPLATE, TINY_HYBRID_ARCHS, write_checkpoint
+from safetensors.torch import load_file
 
 from pocketllm import LLM, EngineArgs, SamplingParams
 from pocketllm.layers.gated_delta import (
@@ -229,14 +229,7 @@ def _as_conditional_generation(text_dir: str, out_dir: str, model_type: str, fus
         weights[f"model.language_model.{prefix}.down_proj"] = torch.stack([by_expert[e]["down_proj"] for e in order])
     weights["model.visual.patch_embed.proj.weight"] = torch.zeros(16, 3, 2, 16, 16)
     weights["mtp.fc.weight"] = torch.zeros(4, 4)
-    os.makedirs(out_dir, exist_ok=True)
-    save_file(weights, os.path.join(out_dir, "model.safetensors"))
-    with open(os.path.join(out_dir, "config.json"), "w", encoding="utf-8") as handle:
-        json.dump(config, handle)
-    for name in os.listdir(text_dir):
-        if name not in ("config.json", "model.safetensors"):
-            with open(os.path.join(text_dir, name), "rb") as src, open(os.path.join(out_dir, name), "wb") as dst:
-                dst.write(src.read())
+    write_checkpoint(out_dir, config, weights, text_dir)
 
 
 @pytest.mark.parametrize("arch, model_type", [("qwen3_5_text", "qwen3_5"), ("qwen3_5_moe_text", "qwen3_5_moe")])
