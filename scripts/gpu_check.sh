@@ -21,9 +21,17 @@ for stage in $stages; do
       if [ -z "$files" ]; then echo "no gpu-marked tests were collected" | tee -a "$OUT/bench.log"; exit 1; fi
       echo "gpu test files: $(echo $files)" | tee -a "$OUT/bench.log"
       gpus=$(nvidia-smi -L | wc -l)
+      # Kernel compilation is CPU-bound: with pytest-xdist (carried as wheels in build/wheels) each GPU gets
+      # several workers, which compile in parallel.
+      workers=""
+      if ls build/wheels/pytest_xdist-*.whl > /dev/null 2>&1; then
+        $PY -m pip install -q --no-deps --target build/pydeps build/wheels/*.whl > /dev/null 2>&1
+        export PYTHONPATH=$PYTHONPATH:$PWD/build/pydeps
+        workers="-n ${TEST_WORKERS_PER_GPU:-6}"
+      fi
       for ((i = 0; i < gpus; i++)); do
         CUDA_VISIBLE_DEVICES=$i POCKETLLM_TEST_SHARD=$i/$gpus timeout ${TESTS_TIMEOUT:-480} $PY -m pytest -m gpu \
-          $files -q -rfs -p no:cacheprovider > "$OUT/tests-$i.log" 2>&1 &
+          $files $workers -q -rfs -p no:cacheprovider > "$OUT/tests-$i.log" 2>&1 &
       done
       wait
       for ((i = 0; i < gpus; i++)); do
