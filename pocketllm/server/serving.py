@@ -324,24 +324,31 @@ class OpenAIServing:
                          "logprobs": None, "finish_reason": None}]}
                     yield sse({**first, "usage": None} if job.include_usage else first)
             while open_choices:
-                timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
                 try:
-                    choice, event = await asyncio.wait_for(events.get(), timeout)
+                    if deadline is None:
+                        ready = [await events.get()]
+                    else:
+                        ready = [await asyncio.wait_for(events.get(), max(0.0, deadline - time.monotonic()))]
                 except asyncio.TimeoutError:
                     timed_out = True
                     self.cancel(job.request_id, "deadline")
                     deadline = None
                     continue
-                if event is None:
-                    open_choices -= 1
-                    continue
-                if isinstance(event, Exception):
-                    yield sse({"error": {"message": str(event), "type": "server_error", "param": None,
-                                         "code": None}})
-                    continue
-                chunk = self._stream_chunk(job, choice, event)
-                if chunk is not None:
-                    yield sse(chunk)
+                while not events.empty():   # what else has arrived goes out in the same write
+                    ready.append(events.get_nowait())
+                frames = []
+                for choice, event in ready:
+                    if event is None:
+                        open_choices -= 1
+                    elif isinstance(event, Exception):
+                        frames.append(sse({"error": {"message": str(event), "type": "server_error",
+                                                     "param": None, "code": None}}))
+                    else:
+                        chunk = self._stream_chunk(job, choice, event)
+                        if chunk is not None:
+                            frames.append(sse(chunk))
+                if frames:
+                    yield "".join(frames)
             ran_its_course = True
             if timed_out:
                 yield sse({"error": {"message": f"the request did not finish within {self.request_timeout} s",
@@ -378,7 +385,9 @@ class OpenAIServing:
             job.finished.append(event.output)
         if job.want_logprobs and event.logprobs:
             choice.pending_logprobs.extend(event.logprobs)
-        if not event.text and not event.reasoning_content and not event.finished:
+        # No text yet: held back (a stop string may begin here). Without a tokenizer there is never text, and
+        # each token gets its (empty) chunk.
+        if not (event.text or event.reasoning_content or event.finished) and self.llm.tokenizer is not None:
             return None
         logprobs = self._stream_logprobs(job, choice, event) if job.want_logprobs else None
         reason = event.finish_reason if event.finished else None
