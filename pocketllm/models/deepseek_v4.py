@@ -56,6 +56,7 @@ reference does not compute, or that we do not, are refused at load by name.
 from __future__ import annotations
 
 import math
+import re
 from typing import Any
 
 import torch
@@ -75,6 +76,23 @@ SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily
 HASH_MOE, MOE = "hash_moe", "moe"
 SCORING = {"sqrtsoftplus": lambda x: F.softplus(x).sqrt(), "sigmoid": torch.sigmoid}
 SKIPPED_PREFIXES = ("mtp.", "model.mtp.")
+# DeepSeek's checkpoint names → transformers' module names (ours), in order; each leaves the latter unchanged.
+# Per-expert w1 / w3 / w2 become gate / up / down projections, which the loader stacks into the FusedMoE.
+UPSTREAM_RENAMES = tuple((re.compile(pattern), replacement) for pattern, replacement in (
+    (r"^embed\.", "embed_tokens."), (r"^head\.", "lm_head."), (r"^hc_head_(fn|base|scale)$", r"hc_head.hc_\1"),
+    (r"\.attn_norm\.", ".input_layernorm."), (r"\.ffn_norm\.", ".post_attention_layernorm."),
+    (r"\.hc_(attn|ffn)_(fn|base|scale)$", r".\1_hc.\2"),
+    (r"\.attn\.indexer\.compressor\.", ".attn.compressor.indexer."),
+    (r"\.attn\.indexer\.wq_b\.", ".attn.compressor.indexer.q_b_proj."),
+    (r"\.attn\.indexer\.weights_proj\.", ".attn.compressor.indexer.scorer.weights_proj."),
+    (r"\.attn\.", ".self_attn."), (r"\.ffn\.", ".mlp."), (r"\.attn_sink$", ".sinks"),
+    (r"\.wq_a\.", ".q_a_proj."), (r"\.q_norm\.", ".q_a_norm."), (r"\.wq_b\.", ".q_b_proj."),
+    (r"\.wkv\.", ".kv_proj."), (r"\.wgate\.", ".gate_proj."), (r"\.wo_a\.", ".o_a_proj."),
+    (r"\.wo_b\.", ".o_b_proj."), (r"\.ape$", ".position_bias"), (r"\.gate\.bias$", ".gate.e_score_correction_bias"),
+    (r"\.(shared_experts|experts\.\d+)\.w1\.", r".\1.gate_proj."),
+    (r"\.(shared_experts|experts\.\d+)\.w3\.", r".\1.up_proj."),
+    (r"\.(shared_experts|experts\.\d+)\.w2\.", r".\1.down_proj."),
+))
 
 
 # ----------------------------------------------------------------------------------------------- config checks
@@ -660,10 +678,15 @@ class DeepseekV4ForCausalLM(nn.Module):
         return self.lm_head(hidden)
 
     def checkpoint_name(self, name: str) -> str | None:
-        """Our parameter name for a transformers checkpoint entry; None for the MTP layers (not run)."""
+        """Our parameter name for a checkpoint entry, in DeepSeek's own names (what published checkpoints and
+        transformers' ``save_pretrained`` write) or transformers' module names; None for the MTP layers."""
         if name.startswith(SKIPPED_PREFIXES):
             return None
         name = name.removeprefix("model.")
+        for pattern, replacement in UPSTREAM_RENAMES:
+            name = pattern.sub(replacement, name)
+        if ".self_attn." in name:
+            name = re.sub(r"\.norm\.weight$", ".kv_norm.weight", name)
         # Routed experts stored stacked (one tensor per layer), as FusedMoE holds them.
         if name.endswith(".mlp.experts.gate_up_proj"):
             return name.removesuffix("gate_up_proj") + "w13"
