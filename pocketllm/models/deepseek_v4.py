@@ -112,7 +112,7 @@ def check_supported(config: Any) -> None:
 
     if tp_size() != 1:
         refuse("tensor parallelism")
-    if torch.empty(0).device.type != "cpu":
+    if torch.empty(0).device.type not in ("cpu", "meta"):   # meta: shape-only construction
         refuse("a non-CPU device (the model runs on the PyTorch reference path on CPU)")
     if getattr(config, "quantization_config", None):
         refuse("quantization_config (quantized checkpoints)")
