@@ -240,3 +240,26 @@ def test_mtp_layers_are_skipped_at_load(tiny_checkpoint, references, tmp_path):
     with LLM(EngineArgs(model=directory, **KV)) as llm:
         outputs = llm.generate(_prompts()[:2], params)
     assert [o.token_ids for o in outputs] == references()[:2]
+
+
+def test_transformers_module_names_load_too(tiny_checkpoint, hf_reference, tmp_path):
+    """A checkpoint in transformers' module names (``self_attn.*``, experts stacked) loads to the same logits
+    as the one in DeepSeek's names that ``save_pretrained`` writes."""
+    from pocketllm.loaders.checkpoint import load_checkpoint
+    from pocketllm.models.deepseek_v4 import DeepseekV4ForCausalLM
+    from pocketllm.models.weights import load_weights
+
+    source = tiny_checkpoint(ARCH)
+    assert "model.layers.0.attn.wq_a.weight" in load_file(os.path.join(source, "model.safetensors"))
+    weights = {name: tensor.contiguous() for name, tensor in hf_reference.model(source).state_dict().items()}
+    assert "model.layers.1.mlp.experts.gate_up_proj" in weights and "model.layers.1.self_attn.sinks" in weights
+    with open(os.path.join(source, "config.json"), encoding="utf-8") as handle:
+        config = json.load(handle)
+    directory = str(tmp_path / "module-names")
+    write_checkpoint(directory, config, weights, source)
+    checkpoint = load_checkpoint(directory)
+    model = DeepseekV4ForCausalLM(checkpoint.hf_config)
+    load_weights(model, iter(checkpoint.weight_source))
+    ids = _prompts()[2]
+    expected = hf_reference.logits(source, ids, all_positions=True)
+    torch.testing.assert_close(_run_in_chunks(model, ids, 16), expected, rtol=0, atol=1e-4)
