@@ -25,14 +25,17 @@ from pocketllm.errors import UnsupportedFeatureError
 ARCH = "deepseek_v4"
 NEW_TOKENS = 32
 TOP = 10
-KV = {"num_kv_blocks": 256}   # the default CPU cache would cost more than the test itself
+# The model runs on the CPU reference path (a CUDA device is refused); the default CPU cache would cost more
+# than the test itself.
+CPU = {"device": "cpu"}
+KV = {**CPU, "num_kv_blocks": 256}
 REGIMES = {
     "default": KV,
     "prefill-budget-16": {**KV, "max_num_batched_tokens": 16},
     "prefill-budget-5": {**KV, "max_num_batched_tokens": 5},
     "no-chunking": {**KV, "enable_chunked_prefill": False},
-    "preemption": {"num_kv_blocks": 30, "block_size": 4, "max_num_batched_tokens": 24},
-    "async-preemption": {"num_kv_blocks": 30, "block_size": 4, "max_num_batched_tokens": 24,
+    "preemption": {**CPU, "num_kv_blocks": 30, "block_size": 4, "max_num_batched_tokens": 24},
+    "async-preemption": {**CPU, "num_kv_blocks": 30, "block_size": 4, "max_num_batched_tokens": 24,
                          "async_scheduling": "on"},
 }
 
