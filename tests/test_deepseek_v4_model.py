@@ -3,9 +3,9 @@ and heavily compressed layers, hash-routed and score-routed experts, hyper-conne
 reference (fp32, CPU) — logits, greedy tokens under the scheduling regimes, and chats through our encoder.
 
 Tolerances: our model computes the same float32 arithmetic in another order (einsum over gathered paged rows
-rather than batched matmuls; a chunk at a time where transformers runs the prompt whole), which moves logits by a
-few 1e-5 (measured ≤ 2e-5 on logits up to ~9); 1e-4 bounds that with margin while any real error (a wrong mask, a lost state) moves
-them by 1e-2 or more.
+rather than batched matmuls; a chunk at a time where transformers runs the prompt whole), which moves logits by
+about 1e-5 (measured ≤ 2e-5 on logits up to ~9); 1e-4 bounds that with margin, while a real error (a wrong
+mask, a lost state) moves them by 1e-2 or more.
 """
 
 from __future__ import annotations
