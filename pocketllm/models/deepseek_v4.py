@@ -57,7 +57,7 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.nn.functional as F
@@ -107,7 +107,7 @@ def _layer_types(config: Any) -> list[str]:
 
 def check_supported(config: Any) -> None:
     """Refuse, by name, a config feature this model does not compute as the config asks."""
-    def refuse(feature: str) -> None:
+    def refuse(feature: str) -> NoReturn:
         raise UnsupportedFeatureError(f"{feature} is not supported for DeepSeek-V4")
 
     if tp_size() != 1:
