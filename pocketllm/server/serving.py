@@ -17,6 +17,7 @@ from pocketllm.outputs import RequestOutput, TokenEvent, TokenLogprob
 from pocketllm.protocol.chat_output import ChatOutputSpec
 from pocketllm.protocol.openai_fields import ParsedRequest
 from pocketllm.protocol.structured_output import is_forced_tool_choice, parse_forced_tool_calls
+from pocketllm.protocol.tool_call_deltas import tool_call_deltas
 from pocketllm.request_builder import EngineRequest
 from pocketllm.sampling_params import SamplingParams
 from pocketllm.server.metrics import ServerMetrics
@@ -46,6 +47,8 @@ class _Choice:
     pending_logprobs: list[TokenLogprob] = field(default_factory=list)
     sent_logprobs: int = 0
     sent_offset: int = 0
+    # A forced tool call on a stream: the answer, held back until it parses as calls or is released as content.
+    held: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -298,6 +301,12 @@ class OpenAIServing:
 
     async def stream(self, job: _Job) -> AsyncIterator[str]:
         """SSE chunks of every choice, interleaved as tokens arrive, then ``[DONE]``."""
+        async for chunk in self.stream_chunks(job):
+            yield sse(chunk)
+
+    async def stream_chunks(self, job: _Job) -> AsyncIterator[dict | str]:
+        """The stream's chunks (an ``{"error": ...}`` object for a failed choice or a missed deadline), then
+        ``"[DONE]"``; the job ends when the iterator is closed or exhausted."""
         events: asyncio.Queue = asyncio.Queue()
 
         async def pump(choice: _Choice) -> None:
@@ -322,7 +331,7 @@ class OpenAIServing:
                     first = {**self._envelope(job, chunk=True), "choices": [
                         {"index": choice.index, "delta": {"role": "assistant", "content": ""},
                          "logprobs": None, "finish_reason": None}]}
-                    yield sse({**first, "usage": None} if job.include_usage else first)
+                    yield {**first, "usage": None} if job.include_usage else first
             while open_choices:
                 timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
                 try:
@@ -336,20 +345,18 @@ class OpenAIServing:
                     open_choices -= 1
                     continue
                 if isinstance(event, Exception):
-                    yield sse({"error": {"message": str(event), "type": "server_error", "param": None,
-                                         "code": None}})
+                    yield {"error": {"message": str(event), "type": "server_error", "param": None,
+                                     "code": None}}
                     continue
-                chunk = self._stream_chunk(job, choice, event)
-                if chunk is not None:
-                    yield sse(chunk)
+                for chunk in self._event_chunks(job, choice, event):
+                    yield chunk
             ran_its_course = True
             if timed_out:
-                yield sse({"error": {"message": f"the request did not finish within {self.request_timeout} s",
-                                     "type": "timeout", "param": None, "code": 504}})
+                yield {"error": {"message": f"the request did not finish within {self.request_timeout} s",
+                                 "type": "timeout", "param": None, "code": 504}}
             if job.include_usage:
-                yield sse({**self._envelope(job, chunk=True), "choices": [],
-                           "usage": self._usage(job, job.finished)})
-            yield sse("[DONE]")
+                yield {**self._envelope(job, chunk=True), "choices": [], "usage": self._usage(job, job.finished)}
+            yield "[DONE]"
         finally:
             for task in tasks:
                 task.cancel()
@@ -372,25 +379,50 @@ class OpenAIServing:
         choice.sent_offset += sum(len(e.token) for e in entries)
         return shaped
 
-    def _stream_chunk(self, job: _Job, choice: _Choice, event: TokenEvent) -> dict | None:
+    def _event_chunks(self, job: _Job, choice: _Choice, event: TokenEvent) -> list[dict]:
+        """The chunks one engine event makes: its text (held back on a forced tool call until the answer
+        parses), and on the last event the parsed calls in OpenAI's streamed form, then the finish."""
         if event.output is not None:
             self._record(job, event.output)
             job.finished.append(event.output)
         if job.want_logprobs and event.logprobs:
             choice.pending_logprobs.extend(event.logprobs)
-        if not event.text and not event.reasoning_content and not event.finished:
-            return None
-        logprobs = self._stream_logprobs(job, choice, event) if job.want_logprobs else None
-        reason = event.finish_reason if event.finished else None
+        text, calls = event.text, None
         if job.endpoint == "chat":
-            delta: dict[str, Any] = {"content": event.text} if event.text else {}
-            if event.reasoning_content:
-                delta["reasoning_content"] = event.reasoning_content
+            if job.forced_tool_calls:
+                choice.held.append(text)
+                text = ""
+                if event.finished:
+                    output = event.output
+                    calls = (parse_forced_tool_calls(output.text)
+                             if output is not None and output.finish_reason == "stop" else None)
+                    if calls is None:
+                        text = "".join(choice.held)
             if event.tool_calls:
-                delta["tool_calls"] = [{"index": i, **call.to_openai()} for i, call in enumerate(event.tool_calls)]
-            body = {"index": choice.index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
-        else:
-            body = {"index": choice.index, "text": event.text, "logprobs": logprobs, "finish_reason": reason}
+                calls = [call.to_openai() for call in event.tool_calls]
+        if not text and not event.reasoning_content and not event.finished:
+            return []
+        logprobs = self._stream_logprobs(job, choice, event) if job.want_logprobs else None
+        reason = ("tool_calls" if calls else event.finish_reason) if event.finished else None
+        if job.endpoint != "chat":
+            body = {"index": choice.index, "text": text, "logprobs": logprobs, "finish_reason": reason}
+            return [self._chunk(job, body)]
+        delta: dict[str, Any] = {"content": text} if text else {}
+        if event.reasoning_content:
+            delta["reasoning_content"] = event.reasoning_content
+        if not calls:
+            return [self._chunk(job, {"index": choice.index, "delta": delta, "logprobs": logprobs,
+                                      "finish_reason": reason})]
+        bodies = [{"index": choice.index, "delta": {"tool_calls": [entry]}, "logprobs": None, "finish_reason": None}
+                  for entry in tool_call_deltas(calls)]
+        if delta:
+            bodies.insert(0, {"index": choice.index, "delta": delta, "logprobs": None, "finish_reason": None})
+        bodies[0]["logprobs"] = logprobs
+        bodies.append({"index": choice.index, "delta": {}, "logprobs": None, "finish_reason": reason})
+        return [self._chunk(job, body) for body in bodies]
+
+    def _chunk(self, job: _Job, body: dict) -> dict:
+        """One streamed chunk holding one choice's ``body``."""
         chunk = {**self._envelope(job, chunk=True), "choices": [body]}
         if job.include_usage:
             chunk["usage"] = None
