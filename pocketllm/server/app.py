@@ -20,10 +20,12 @@ from pocketllm.api import AsyncLLM
 from pocketllm.config import EngineArgs
 from pocketllm.errors import InvalidRequestError, PocketLLMError, UnsupportedFeatureError
 from pocketllm.protocol.openai_fields import parse_chat_request, parse_completion_request
+from pocketllm.protocol.responses_request import parse_responses_request
 from pocketllm.server.errors import JSONResponse, error_response
 from pocketllm.server.exposure import ExposurePolicy
 from pocketllm.server.guards import DEFAULT_MAX_REQUEST_BYTES, BodyLimitMiddleware, ExposureMiddleware
 from pocketllm.server.metrics import ServerMetrics
+from pocketllm.server.responses import ResponsesServing
 from pocketllm.server.serving import OpenAIServing, RequestFailed
 
 logger = logging.getLogger("pocketllm.server")
@@ -226,6 +228,26 @@ def build_app(config: ServerConfig) -> FastAPI:
                 return StreamingResponse(serving.stream(job), media_type="text/event-stream",
                                          headers={"Cache-Control": "no-cache", "X-Request-Id": job.request_id})
             return JSONResponse(await serving.complete(parsed, prefix, request.is_disconnected))
+        except (InvalidRequestError, UnsupportedFeatureError) as exc:
+            return error_response(400, str(exc), getattr(exc, "param", None))
+        except RequestFailed as exc:
+            return error_response(exc.status, exc.message)
+        except PocketLLMError as exc:
+            return error_response(500, str(exc))
+
+    @app.post("/v1/responses")
+    async def responses(request: Request) -> Response:
+        problem = _unavailable()
+        if problem is not None:
+            return problem
+        serving = ResponsesServing(state.serving)
+        try:
+            parsed = parse_responses_request(await _body(request), state.llm.engine_caps())
+            if parsed.chat.stream:
+                job = await serving.prepare_stream(parsed)
+                return StreamingResponse(serving.stream(job, parsed), media_type="text/event-stream",
+                                         headers={"Cache-Control": "no-cache", "X-Request-Id": job.request_id})
+            return JSONResponse(await serving.create(parsed, request.is_disconnected))
         except (InvalidRequestError, UnsupportedFeatureError) as exc:
             return error_response(400, str(exc), getattr(exc, "param", None))
         except RequestFailed as exc:

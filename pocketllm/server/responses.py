@@ -1,0 +1,62 @@
+"""``POST /v1/responses`` over the chat path: one chat request per response, its result retold as a response."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from pocketllm.errors import InvalidRequestError
+from pocketllm.protocol.responses_request import ResponsesRequest, chat_param
+from pocketllm.server.response_events import ResponseEventWriter, sse_event
+from pocketllm.server.response_objects import completed_response
+from pocketllm.server.serving import OpenAIServing
+
+PREFIX = "resp"
+
+
+class ResponsesServing:
+    """Serves Responses requests through ``OpenAIServing``'s chat path (no state is kept between requests)."""
+
+    def __init__(self, serving: OpenAIServing) -> None:
+        self.serving = serving
+
+    async def create(self, request: ResponsesRequest, disconnected: Callable[[], Any]) -> dict[str, Any]:
+        """The whole response."""
+        with _responses_params():
+            completion = await self.serving.complete(request.chat, PREFIX, disconnected)
+        return completed_response(completion, request, completion["id"], self.serving.model_name)
+
+    async def prepare_stream(self, request: ResponsesRequest) -> Any:
+        """Validate and register a streamed response before it starts (so errors are a 400); its chat stream
+        ends with a usage chunk, which the last event carries."""
+        with _responses_params():
+            return await self.serving.prepare_stream(dataclasses.replace(request.chat, include_usage=True), PREFIX)
+
+    async def stream(self, job: Any, request: ResponsesRequest) -> AsyncIterator[str]:
+        """The typed events of the response, as server-sent events."""
+        writer = ResponseEventWriter(request, job.request_id, self.serving.model_name)
+        for event in writer.start():
+            yield sse_event(event)
+        chunks = self.serving.stream_chunks(job)
+        try:
+            async for chunk in chunks:
+                if chunk == "[DONE]":
+                    continue
+                for event in writer.chunk(chunk):
+                    yield sse_event(event)
+            for event in writer.finish():
+                yield sse_event(event)
+        finally:
+            await chunks.aclose()
+
+
+@contextmanager
+def _responses_params() -> Iterator[None]:
+    """Renames the ``param`` of a chat-path refusal to the Responses field it came from."""
+    try:
+        yield
+    except InvalidRequestError as exc:
+        exc.param = chat_param(exc.param)
+        raise
