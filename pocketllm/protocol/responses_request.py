@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pocketllm.errors import InvalidRequestError
+from pocketllm.protocol.chat_request import REASONING_EFFORTS
 from pocketllm.protocol.openai_fields import (
     CHAT,
     RESPONSES,
@@ -59,8 +60,9 @@ class ResponsesRequest:
 
 
 def _bad_input(value: Any, index: int | None, problem: str, advice: str) -> InvalidRequestError:
-    where = f"input[{index}]" if index is not None else "input"
-    return InvalidRequestError(f'"{where}" = {_show(value)} is not valid here: {problem}. {advice}.', param="input")
+    where = f" (item {index})" if index is not None else ""
+    return InvalidRequestError(f'"input"{where} holds {_show(value)}, which is not valid here: {problem}. {advice}.',
+                               param="input")
 
 
 def _text_of(content: Any, index: int, what: str) -> str:
@@ -125,7 +127,7 @@ def _messages(value: Any, instructions: str | None) -> list[dict[str, Any]]:
             name, arguments, call_id = item.get("name"), item.get("arguments"), item.get("call_id")
             if not all(isinstance(v, str) and v for v in (name, call_id)) or not isinstance(arguments, str):
                 raise _bad_input(item, index, 'a function_call item needs "call_id", "name" and "arguments" strings',
-                                 "Replay the function_call item as the response returned it")
+                                 "Send the function_call item back as the response returned it")
             last = messages[-1] if messages else None
             turn = last if last is not None and last["role"] == "assistant" and reasoning is None else assistant()
             turn.setdefault("tool_calls", []).append(
@@ -217,7 +219,10 @@ def _reasoning_effort(value: Any) -> str | None:
         if key not in ("effort", "summary", "generate_summary") and item is not None:
             raise _unsupported("reasoning", value, f'"{key}" is not a reasoning option this server acts on',
                                'Send "effort" only')
-    return reasoning.get("effort")
+    effort = reasoning.get("effort")
+    if effort is not None and effort not in REASONING_EFFORTS:
+        raise _invalid("reasoning", value, f'an object whose "effort" is one of {", ".join(REASONING_EFFORTS)}')
+    return effort
 
 
 def parse_responses_request(body: Mapping[str, Any], caps: Any = None) -> ResponsesRequest:
