@@ -98,8 +98,7 @@ class ResponseEventWriter:
                        self._event("response.content_part.done", **where, content_index=0, part=part)]
             done = objects.reasoning_item(item["id"], self.text, status)
         else:
-            events.append(self._event("response.function_call_arguments.done", **where, name=item["name"],
-                                      arguments=self.text))
+            events.append(self._event("response.function_call_arguments.done", **where, arguments=self.text))
             done = {**item, "arguments": self.text, "status": "completed"}
         events.append(self._event("response.output_item.done", output_index=where["output_index"], item=done))
         self.output.append(done)

@@ -81,7 +81,7 @@ def response_body(response_id: str, created: float, model: str, request: Respons
         "instructions": echo.get("instructions"), "max_output_tokens": echo.get("max_output_tokens"),
         "metadata": echo.get("metadata") or {}, "parallel_tool_calls": echo["parallel_tool_calls"],
         "previous_response_id": None, "reasoning": echo.get("reasoning") or {"effort": None, "summary": None},
-        "store": False, "temperature": echo.get("temperature"), "top_p": echo.get("top_p"),
+        "temperature": echo.get("temperature"), "top_p": echo.get("top_p"),
         "text": {"format": text.get("format") or {"type": "text"}},
         "tool_choice": echo["tool_choice"], "tools": echo["tools"], "truncation": "disabled",
         "usage": usage_, "user": echo.get("user"),
