@@ -274,6 +274,7 @@ def test_reasoning_becomes_a_reasoning_item(r1):
     ({"text": {"verbosity": "low"}}, "text"),
     ({"reasoning": {"summary": "auto"}}, "reasoning"),
     ({"reasoning": {"effort": "extreme"}}, "reasoning"),
+    ({"reasoning": {"effort": "low"}}, "reasoning"),   # this checkpoint's template takes no effort
     ({"max_output_tokens": 0}, "max_output_tokens"),
     ({"temperature": 3}, "temperature"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input"),

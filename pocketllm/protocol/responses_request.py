@@ -36,7 +36,7 @@ from pocketllm.protocol.openai_fields import (
     _whole,
 )
 
-__all__ = ["ResponsesRequest", "chat_param", "parse_responses_request"]
+__all__ = ["ResponsesRequest", "chat_param", "parse_responses_request", "responses_error"]
 
 _MESSAGE_ROLES = ("user", "system", "developer", "assistant")
 _TEXT_PARTS = ("input_text", "output_text", "text")
@@ -49,6 +49,14 @@ _CHAT_PARAMS = {"response_format": "text", "reasoning_effort": "reasoning", "mes
 def chat_param(param: str | None) -> str | None:
     """The Responses field that a chat-path error's ``param`` stands for."""
     return _CHAT_PARAMS.get(param, param) if param is not None else None
+
+
+def responses_error(exc: InvalidRequestError) -> InvalidRequestError:
+    """A chat-path refusal restated for ``/v1/responses``: its ``param`` is the Responses field it came from."""
+    param = chat_param(exc.param)
+    if param == exc.param:
+        return exc
+    return InvalidRequestError(f'{exc.message} (on /v1/responses this is "{param}")', param=param)
 
 
 @dataclass(frozen=True)
@@ -262,7 +270,7 @@ def parse_responses_request(body: Mapping[str, Any], caps: Any = None) -> Respon
     try:
         options = _chat_options(chat_fields, caps)
     except InvalidRequestError as exc:
-        raise InvalidRequestError(str(exc), param=chat_param(exc.param)) from None
+        raise responses_error(exc) from None
     _check_caps(body, sampling, 1, caps)
     chat = ParsedRequest(endpoint=CHAT, messages=messages, prompts=None, sampling=sampling, n=1, stream=stream,
                          want_logprobs=False, chat_options=options, request_id=None, drop_thinking=None)

@@ -8,7 +8,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from pocketllm.errors import InvalidRequestError
-from pocketllm.protocol.responses_request import ResponsesRequest, chat_param
+from pocketllm.protocol.responses_request import ResponsesRequest, responses_error
 from pocketllm.server.response_events import ResponseEventWriter, sse_event
 from pocketllm.server.response_objects import completed_response
 from pocketllm.server.serving import OpenAIServing
@@ -58,5 +58,4 @@ def _responses_params() -> Iterator[None]:
     try:
         yield
     except InvalidRequestError as exc:
-        exc.param = chat_param(exc.param)
-        raise
+        raise responses_error(exc) from None
