@@ -236,3 +236,49 @@ def test_prose_before_an_auto_call_streams_as_content(server):
     assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks) == whole["message"]["content"]
     assert whole["message"]["content"] == "Let me check."
     assert _named_calls(_check_streamed_form(chunks)) == _named_calls(whole["message"]["tool_calls"])
+
+
+# ----------------------------------------------------------------------------------------------------
+# The default model: the case, a real forced call streamed
+# ----------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def default_server(smollm2_gguf):
+    from server_utils import ServerProcess
+
+    proc = ServerProcess("--served-model-name", "smollm2")
+    try:
+        proc.wait_ready()
+        yield proc
+    finally:
+        proc.stop()
+
+
+def test_default_model_streamed_forced_call_equals_the_whole_one(default_server):
+    from langchain_core.messages import HumanMessage
+    from langchain_openai import ChatOpenAI
+    from openai import OpenAI
+
+    api = OpenAI(base_url=default_server.url + "/v1", api_key="unused", max_retries=0)
+    ask = [{"role": "user", "content": "What is the weather like in Paris today?"}]
+    # One call (parallel_tool_calls false): left to itself the model repeats the call until the budget ends.
+    body = {"model": "smollm2", "messages": ask, "tools": TOOLS, "temperature": 0, "max_tokens": 64,
+            "parallel_tool_calls": False}
+    for tool_choice in FORCED_CHOICES:
+        whole = api.chat.completions.create(**body, tool_choice=tool_choice).choices[0]
+        assert whole.finish_reason == "tool_calls", whole.message.content
+        with api.chat.completions.stream(**body, tool_choice=tool_choice) as stream:
+            final = stream.get_final_completion().choices[0]
+        assert final.finish_reason == "tool_calls" and final.message.tool_calls
+        assert [(c.function.name, json.loads(c.function.arguments)) for c in final.message.tool_calls] == [
+            (c.function.name, json.loads(c.function.arguments)) for c in whole.message.tool_calls]
+    chat = ChatOpenAI(model="smollm2", base_url=default_server.url + "/v1", api_key="unused", temperature=0,
+                      max_tokens=64, max_retries=0).bind_tools(TOOLS, tool_choice="any", parallel_tool_calls=False)
+    question = [HumanMessage(ask[0]["content"])]
+    reply = chat.invoke(question)
+    merged = None
+    for chunk in chat.stream(question):
+        merged = chunk if merged is None else merged + chunk
+    assert reply.tool_calls and [(c["name"], c["args"]) for c in merged.tool_calls] == [
+        (c["name"], c["args"]) for c in reply.tool_calls]
