@@ -20,7 +20,7 @@ from pocketllm.api import AsyncLLM
 from pocketllm.config import EngineArgs
 from pocketllm.errors import InvalidRequestError, PocketLLMError, UnsupportedFeatureError
 from pocketllm.protocol.openai_fields import parse_chat_request, parse_completion_request
-from pocketllm.protocol.responses_request import parse_responses_request
+from pocketllm.protocol.responses_request import ResponsesRequest, parse_responses_request
 from pocketllm.server.errors import JSONResponse, error_response
 from pocketllm.server.exposure import ExposurePolicy
 from pocketllm.server.guards import DEFAULT_MAX_REQUEST_BYTES, BodyLimitMiddleware, ExposureMiddleware
@@ -211,6 +211,15 @@ def build_app(config: ServerConfig) -> FastAPI:
             raise InvalidRequestError("the request body must be a JSON object")
         return body
 
+    async def _respond(request: Request, parsed: ResponsesRequest) -> Response:
+        """A /v1/responses answer: the whole response, or its stream of typed events."""
+        responses = ResponsesServing(state.serving)
+        if parsed.chat.stream:
+            job = await responses.prepare_stream(parsed)
+            return StreamingResponse(responses.stream(job, parsed), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Request-Id": job.request_id})
+        return JSONResponse(await responses.create(parsed, request.is_disconnected))
+
     async def _serve(request: Request, endpoint: str) -> Response:
         problem = _unavailable()
         if problem is not None:
@@ -219,6 +228,8 @@ def build_app(config: ServerConfig) -> FastAPI:
         try:
             body = await _body(request)
             caps = state.llm.engine_caps()
+            if endpoint == "responses":
+                return await _respond(request, parse_responses_request(body, caps))
             if endpoint == "chat":
                 parsed, prefix = parse_chat_request(body, caps), "chatcmpl"
             else:
@@ -237,23 +248,7 @@ def build_app(config: ServerConfig) -> FastAPI:
 
     @app.post("/v1/responses")
     async def responses(request: Request) -> Response:
-        problem = _unavailable()
-        if problem is not None:
-            return problem
-        serving = ResponsesServing(state.serving)
-        try:
-            parsed = parse_responses_request(await _body(request), state.llm.engine_caps())
-            if parsed.chat.stream:
-                job = await serving.prepare_stream(parsed)
-                return StreamingResponse(serving.stream(job, parsed), media_type="text/event-stream",
-                                         headers={"Cache-Control": "no-cache", "X-Request-Id": job.request_id})
-            return JSONResponse(await serving.create(parsed, request.is_disconnected))
-        except (InvalidRequestError, UnsupportedFeatureError) as exc:
-            return error_response(400, str(exc), getattr(exc, "param", None))
-        except RequestFailed as exc:
-            return error_response(exc.status, exc.message)
-        except PocketLLMError as exc:
-            return error_response(500, str(exc))
+        return await _serve(request, "responses")
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
