@@ -287,7 +287,8 @@ def test_refused_fields_name_themselves(qwen, fields, param):
     client, _ = qwen
     with pytest.raises(BadRequestError) as info:
         openai_client(client).responses.create(model="tiny", input="hi", extra_body=fields)
-    error = info.value.body
+    error = info.value.body   # the OpenAI error shape
+    assert set(error) == {"message", "type", "param", "code"}
     assert info.value.status_code == 400 and error["param"] == param and error["type"] == "invalid_request_error"
     assert param in error["message"] or param == "input"
 
@@ -363,3 +364,20 @@ def test_default_model_answers_through_responses(default_server):
     assert "".join(deltas) == final.output_text == response.output_text
     assert httpx.post(default_server.url + "/v1/responses", json={"input": "hi", "bogus": 1}).json()["error"][
         "param"] == "bogus"
+
+
+def test_a_forced_call_cut_by_the_budget_streams_as_text_at_the_end(qwen):
+    client, backend = qwen
+    backend.script = FORCED
+    budget = len(backend.tokenizer.encode(FORCED, add_special_tokens=False)) - 2
+    body = {"input": QUESTION, "tools": [WEATHER], "tool_choice": "required", "max_output_tokens": budget}
+    whole = _post(client, **body)
+    events = _events(client, **body)
+    assert not any(e["type"].startswith("response.function_call") for e in events)
+    deltas = [e["delta"] for e in events if e["type"] == "response.output_text.delta"]
+    assert len(deltas) == 1 and FORCED.startswith(deltas[0]), "held back, then sent whole"
+    assert events[-1]["type"] == "response.incomplete"
+    assert events[-1]["response"]["incomplete_details"] == whole["incomplete_details"] == {
+        "reason": "max_output_tokens"}
+    assert [i["type"] for i in whole["output"]] == ["message"] and whole["output"][0]["status"] == "incomplete"
+    assert whole["output"][0]["content"][0]["text"] == deltas[0]
