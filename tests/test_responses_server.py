@@ -9,6 +9,7 @@ grammar. The default model answers a real question through the Responses API and
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import httpx
@@ -381,3 +382,30 @@ def test_a_forced_call_cut_by_the_budget_streams_as_text_at_the_end(qwen):
         "reason": "max_output_tokens"}
     assert [i["type"] for i in whole["output"]] == ["message"] and whole["output"][0]["status"] == "incomplete"
     assert whole["output"][0]["content"][0]["text"] == deltas[0]
+
+
+def test_a_stream_closed_early_ends_its_request(qwen):
+    client, backend = qwen
+    backend.script = "word " * 800   # longer than the context: runs until the budget unless cancelled
+    serving = client.app.state.pocketllm.serving
+    before = _disconnects(client)
+    with client.stream("POST", "/v1/responses", json={"input": QUESTION, "stream": True}) as response:
+        lines = response.iter_lines()
+        first = next(line for line in lines if line.startswith("data: "))
+        assert json.loads(first[len("data: "):])["type"] == "response.created"
+        request_id = response.headers["X-Request-Id"]
+        assert request_id in serving.jobs
+    deadline = time.monotonic() + 30
+    while request_id in serving.jobs:   # the job ends once the app sees the stream closed
+        assert time.monotonic() < deadline, "the closed stream's request is still registered"
+        time.sleep(0.01)
+    assert client.delete(f"/v1/requests/{request_id}").status_code == 404
+    assert _disconnects(client) == before + 1, "the request was cancelled, not run to its end"
+
+
+def _disconnects(client) -> float:
+    """``pocketllm:request_aborted_total{reason="client_disconnect"}``."""
+    for line in client.get("/metrics").text.splitlines():
+        if line.startswith("pocketllm:request_aborted_total") and 'reason="client_disconnect"' in line:
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0

@@ -11,7 +11,7 @@ from pocketllm.errors import InvalidRequestError
 from pocketllm.protocol.responses_request import ResponsesRequest, responses_error
 from pocketllm.server.response_events import ResponseEventWriter, sse_event
 from pocketllm.server.response_objects import completed_response
-from pocketllm.server.serving import OpenAIServing
+from pocketllm.server.serving import Job, OpenAIServing
 
 PREFIX = "resp"
 
@@ -28,23 +28,26 @@ class ResponsesServing:
             completion = await self.serving.complete(request.chat, PREFIX, disconnected)
         return completed_response(completion, request, completion["id"], self.serving.model_name)
 
-    async def prepare_stream(self, request: ResponsesRequest) -> Any:
+    async def prepare_stream(self, request: ResponsesRequest) -> Job:
         """Validate and register a streamed response before it starts (so errors are a 400); its chat stream
         ends with a usage chunk, which the last event carries."""
         with _responses_params():
             return await self.serving.prepare_stream(dataclasses.replace(request.chat, include_usage=True), PREFIX)
 
-    async def stream(self, job: Any, request: ResponsesRequest) -> AsyncIterator[str]:
+    async def stream(self, job: Job, request: ResponsesRequest) -> AsyncIterator[str]:
         """The typed events of the response, as server-sent events."""
         writer = ResponseEventWriter(request, job.request_id, self.serving.model_name)
-        for event in writer.start():
-            yield sse_event(event)
         chunks = self.serving.stream_chunks(job)
+        started = False
         try:
+            # The chat stream is entered before the first event goes out, so that closing this stream (a client
+            # that goes away) always closes it, which cancels the request and unregisters the job.
             async for chunk in chunks:
-                if chunk == "[DONE]":
-                    continue
-                for event in writer.chunk(chunk):
+                events = [] if started else writer.start()
+                started = True
+                if chunk != "[DONE]":
+                    events += writer.chunk(chunk)
+                for event in events:
                     yield sse_event(event)
             for event in writer.finish():
                 yield sse_event(event)

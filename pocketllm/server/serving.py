@@ -52,7 +52,7 @@ class _Choice:
 
 
 @dataclass
-class _Job:
+class Job:
     """A request being served: its id, choices and when it started."""
 
     request_id: str
@@ -94,7 +94,7 @@ class OpenAIServing:
         self.model_name = model_name
         self.metrics = metrics
         self.request_timeout = request_timeout
-        self.jobs: dict[str, _Job] = {}
+        self.jobs: dict[str, Job] = {}
 
     # --- building --------------------------------------------------------------------------------
     def _requests(self, parsed: ParsedRequest) -> list[EngineRequest]:
@@ -116,7 +116,7 @@ class OpenAIServing:
             return params
         return dataclasses.replace(params, seed=(params.seed + choice * SEED_STRIDE) % (1 << 63))
 
-    async def _job(self, parsed: ParsedRequest, prefix: str) -> _Job:
+    async def _job(self, parsed: ParsedRequest, prefix: str) -> Job:
         """The request's choices, its prompts encoded in a worker thread (the chat template and the tokenizer
         run off the event loop, so a long prompt stalls no other stream); registered under its id."""
         request_id = parsed.request_id or f"{prefix}-{uuid.uuid4().hex}"
@@ -131,7 +131,7 @@ class OpenAIServing:
                 index = p * parsed.n + i
                 choices.append(_Choice(index, f"{request_id}-{index}", request.prompt_ids,
                                        self._choice_params(request.params, i)))
-        job = _Job(request_id, parsed.endpoint, choices, parsed.want_logprobs)
+        job = Job(request_id, parsed.endpoint, choices, parsed.want_logprobs)
         job.forced_tool_calls = is_forced_tool_choice(parsed.chat_options.get("tool_choice"))
         job.prompt_tokens = sum(len(r.prompt_ids) for r in requests)
         job.chat_output = requests[0].chat_output if parsed.endpoint == "chat" else None
@@ -149,7 +149,7 @@ class OpenAIServing:
         self._cancel_choices(job)
         return True
 
-    def _cancel_choices(self, job: _Job) -> None:
+    def _cancel_choices(self, job: Job) -> None:
         for choice in job.choices:
             self.llm.cancel(choice.engine_id)
 
@@ -157,7 +157,7 @@ class OpenAIServing:
         for request_id in list(self.jobs):
             self.cancel(request_id, "shutdown")
 
-    def _end(self, job: _Job) -> None:
+    def _end(self, job: Job) -> None:
         """Unregister a job; count it if it was aborted."""
         self.jobs.pop(job.request_id, None)
         if job.aborted is not None:
@@ -187,7 +187,7 @@ class OpenAIServing:
             "text_offset": offsets,
         }
 
-    def _logprobs(self, job: _Job, choice: _Choice, entries: list[TokenLogprob] | None,
+    def _logprobs(self, job: Job, choice: _Choice, entries: list[TokenLogprob] | None,
                   text_offset: int = 0) -> dict | None:
         if not job.want_logprobs or entries is None:
             return None
@@ -195,17 +195,17 @@ class OpenAIServing:
             return self._chat_logprobs(entries)
         return self._completion_logprobs(entries, choice.params.logprobs or 0, text_offset)
 
-    def _usage(self, job: _Job, outputs: list[RequestOutput]) -> dict:
+    def _usage(self, job: Job, outputs: list[RequestOutput]) -> dict:
         completion = sum(o.usage.completion_tokens for o in outputs)
         return {"prompt_tokens": job.prompt_tokens, "completion_tokens": completion,
                 "total_tokens": job.prompt_tokens + completion}
 
-    def _envelope(self, job: _Job, chunk: bool) -> dict:
+    def _envelope(self, job: Job, chunk: bool) -> dict:
         kind = ("chat.completion.chunk" if chunk else "chat.completion") if job.endpoint == "chat" \
             else "text_completion"
         return {"id": job.request_id, "object": kind, "created": job.created, "model": self.model_name}
 
-    def _forced_tool_call_body(self, job: _Job, choice: _Choice, output: RequestOutput) -> dict | None:
+    def _forced_tool_call_body(self, job: Job, choice: _Choice, output: RequestOutput) -> dict | None:
         """A forced tool_choice's answer as tool_calls; None (plain content) when it does not parse."""
         calls = parse_forced_tool_calls(output.text) if output.finish_reason == "stop" else None
         if calls is None:
@@ -216,7 +216,7 @@ class OpenAIServing:
         return {"index": choice.index, "message": message,
                 "logprobs": self._logprobs(job, choice, output.logprobs), "finish_reason": "tool_calls"}
 
-    def _choice_body(self, job: _Job, choice: _Choice, output: RequestOutput) -> dict:
+    def _choice_body(self, job: Job, choice: _Choice, output: RequestOutput) -> dict:
         if job.forced_tool_calls:
             forced = self._forced_tool_call_body(job, choice, output)
             if forced is not None:
@@ -241,7 +241,7 @@ class OpenAIServing:
         return message
 
     # --- running ---------------------------------------------------------------------------------
-    def _record(self, job: _Job, output: RequestOutput) -> None:
+    def _record(self, job: Job, output: RequestOutput) -> None:
         self.metrics.observe(output, time.monotonic() - job.started)
 
     async def complete(self, parsed: ParsedRequest, prefix: str,
@@ -288,23 +288,23 @@ class OpenAIServing:
         finally:
             self._end(job)
 
-    async def _watch_disconnect(self, job: _Job, disconnected: Callable[[], Any]) -> None:
+    async def _watch_disconnect(self, job: Job, disconnected: Callable[[], Any]) -> None:
         while True:
             await asyncio.sleep(0.05)
             if await disconnected():
                 self.cancel(job.request_id, "client_disconnect")
                 return
 
-    async def prepare_stream(self, parsed: ParsedRequest, prefix: str) -> _Job:
+    async def prepare_stream(self, parsed: ParsedRequest, prefix: str) -> Job:
         """Validate and register a streaming request before the response starts (so errors are a 400)."""
         return await self._job(parsed, prefix)
 
-    async def stream(self, job: _Job) -> AsyncIterator[str]:
+    async def stream(self, job: Job) -> AsyncIterator[str]:
         """SSE chunks of every choice, interleaved as tokens arrive, then ``[DONE]``."""
         async for chunk in self.stream_chunks(job):
             yield sse(chunk)
 
-    async def stream_chunks(self, job: _Job) -> AsyncIterator[dict | str]:
+    async def stream_chunks(self, job: Job) -> AsyncIterator[dict | str]:
         """The stream's chunks (an ``{"error": ...}`` object for a failed choice or a missed deadline), then
         ``"[DONE]"``; the job ends when the iterator is closed or exhausted."""
         events: asyncio.Queue = asyncio.Queue()
@@ -365,7 +365,7 @@ class OpenAIServing:
             self._cancel_choices(job)
             self._end(job)
 
-    def _stream_logprobs(self, job: _Job, choice: _Choice, event: TokenEvent) -> dict | None:
+    def _stream_logprobs(self, job: Job, choice: _Choice, event: TokenEvent) -> dict | None:
         """The log-probabilities of the tokens whose text this chunk sends: those held with earlier, empty
         steps too; on the last chunk, whatever of the final output's entries was not sent (a matched stop
         string drops the tokens after it, as in a non-streamed response). A chunk carries its own step's token
@@ -379,7 +379,7 @@ class OpenAIServing:
         choice.sent_offset += sum(len(e.token) for e in entries)
         return shaped
 
-    def _event_chunks(self, job: _Job, choice: _Choice, event: TokenEvent) -> list[dict]:
+    def _event_chunks(self, job: Job, choice: _Choice, event: TokenEvent) -> list[dict]:
         """The chunks one engine event makes: its text (held back on a forced tool call until the answer
         parses), and on the last event the parsed calls in OpenAI's streamed form, then the finish."""
         if event.output is not None:
@@ -421,7 +421,7 @@ class OpenAIServing:
         bodies.append({"index": choice.index, "delta": {}, "logprobs": None, "finish_reason": reason})
         return [self._chunk(job, body) for body in bodies]
 
-    def _chunk(self, job: _Job, body: dict) -> dict:
+    def _chunk(self, job: Job, body: dict) -> dict:
         """One streamed chunk holding one choice's ``body``."""
         chunk = {**self._envelope(job, chunk=True), "choices": [body]}
         if job.include_usage:
