@@ -1,7 +1,8 @@
-"""The OpenAI request-field policy of ``/v1/chat/completions`` and ``/v1/completions``, and its parser.
+"""The OpenAI request-field policy of ``/v1/chat/completions``, ``/v1/completions`` and ``/v1/responses``, and the
+parsers of the first two (``responses_request`` parses the third).
 
 A request field is accepted only when the server acts on it. ``FIELD_POLICY`` is the one table that says,
-for every documented OpenAI field of both endpoints (and PocketLLM's own extensions), which of three groups
+for every documented OpenAI field of the endpoints (and PocketLLM's own extensions), which of three groups
 it falls in:
 
 - ``implemented``: acted on; the value is validated (type and range) and handed to the engine.
@@ -34,6 +35,7 @@ __all__ = [
     "CHAT",
     "COMPLETIONS",
     "FIELD_POLICY",
+    "RESPONSES",
     "IMPLEMENTED",
     "INERT",
     "MAX_N",
@@ -46,6 +48,7 @@ __all__ = [
 
 CHAT = "chat"
 COMPLETIONS = "completions"
+RESPONSES = "responses"
 IMPLEMENTED = "implemented"
 REFUSED_AT_VALUE = "refused_at_value"
 INERT = "inert"
@@ -55,7 +58,7 @@ MAX_STOP = 64                 # stop strings a request may send
 MAX_STOP_CHARS = 1024         # characters in one stop string
 MAX_JSON_DEPTH = 64           # nesting of a request body's values
 _ANY_VOCAB = 2**31            # token ids are below this when the engine does not declare its vocabulary
-_PATHS = {CHAT: "/v1/chat/completions", COMPLETIONS: "/v1/completions"}
+_PATHS = {CHAT: "/v1/chat/completions", COMPLETIONS: "/v1/completions", RESPONSES: "/v1/responses"}
 _TEMPLATE_RESERVED = ("messages", "tools", "add_generation_prompt", "special_tokens", "documents")
 _ROLES = ("system", "developer", "user", "assistant", "tool")
 _MAX_REQUEST_ID = 256
@@ -201,9 +204,96 @@ _COMPLETIONS_ONLY: dict[str, FieldRule] = {
         'Send the count as "logprobs" and omit "top_logprobs"'),
 }
 
+# /v1/responses: the conversation is "input" (plus "instructions"), run through the chat path.
+_RESPONSES: dict[str, FieldRule] = {
+    "input": _impl("a string (one user message) or a list of items: messages (text content parts), function_call "
+                   "and function_call_output items, reasoning items; rendered by the checkpoint's chat template"),
+    "instructions": _impl("a system message put before the input"),
+    "tools": _impl("function tools in the Responses shape ({type, name, description, parameters, strict}); calls "
+                   "parsed back as function_call items"),
+    "tool_choice": _impl('auto, none, required or {"type": "function", "name": ...}, as on chat (a forced call is '
+                         "constrained by a grammar)"),
+    "parallel_tool_calls": _impl("true is inert; false holds a forced call to one call (refused with auto)"),
+    "text": _impl('{"format": ...}: text, json_object or json_schema ({name, schema, strict}), constrained by a '
+                  "grammar as chat's response_format; verbosity is refused"),
+    "reasoning": _impl("effort, mapped to the template's own spelling as chat's reasoning_effort; summaries are "
+                       "refused"),
+    "max_output_tokens": _impl("the generation budget in tokens; absent means the rest of the context"),
+    "temperature": _impl("sampling temperature in 0..2; 0 is greedy"),
+    "top_p": _impl("nucleus sampling mass in (0, 1]"),
+    "stream": _impl("server-sent typed events (response.created ... response.completed), each with a "
+                    "sequence_number"),
+    "store": _refused(
+        "store the response for later retrieval", (None, False),
+        "this server keeps no responses: nothing could be retrieved or continued later",
+        'Send "store": false (or omit it) and pass the conversation in "input"'),
+    "previous_response_id": _refused(
+        "continue from a stored response", (None,),
+        "this server stores no responses, so there is no earlier response to continue from",
+        'Omit "previous_response_id" and send the earlier turns (with their output items) in "input"'),
+    "conversation": _refused(
+        "a stored conversation to add to", (None,),
+        "this server stores no conversations",
+        'Omit "conversation" and send the earlier turns in "input"'),
+    "background": _refused(
+        "run the response in the background", (None, False),
+        "responses run while the request is open; there is no stored response to poll",
+        'Send "background": false or omit it'),
+    "background_options": _refused(
+        "options of a background response", (None,),
+        "responses never run in the background here",
+        'Omit "background_options"'),
+    "include": _refused(
+        "extra output data to include", (None, []),
+        "none of the optional output data (log probabilities, encrypted reasoning, tool sources) is produced",
+        'Send "include": [] or omit it'),
+    "top_logprobs": _refused(
+        "alternatives per position in the output's log probabilities", (None, 0),
+        "the Responses output carries no log probabilities here",
+        'Send "top_logprobs": 0 or omit it; /v1/chat/completions returns log probabilities'),
+    "prompt": _refused(
+        "a stored prompt template", (None,),
+        "this server stores no prompt templates",
+        'Omit "prompt" and send the text in "instructions" and "input"'),
+    "truncation": _refused(
+        "drop early input items that do not fit the context", (None, "disabled"),
+        "input that does not fit the context is refused, never cut",
+        'Send "truncation": "disabled" or omit it, and shorten the input'),
+    "context_management": _refused(
+        "server-side compaction of the context", (None, []),
+        "the context is never compacted here",
+        'Omit "context_management" or send []'),
+    "moderation": _refused(
+        "moderation of the input and output", (None,),
+        "no moderation model runs on the input or the output, so nothing would be scored or blocked",
+        'Omit "moderation" or send null'),
+    "stream_options": _refused(
+        "streaming options", (None, {}, {"include_obfuscation": False}),
+        "a stream carries no obfuscation padding",
+        'Send "include_obfuscation": false or omit it'),
+    "access_programs": _refused(
+        "domain-specific access programs", (None,),
+        "this server has no access programs",
+        'Omit "access_programs"'),
+    "image": _refused(
+        "request-level image options", (None,),
+        "this server reads and writes text only",
+        'Omit "image"'),
+    "model": _inert("the server serves one model and echoes its configured name"),
+    "user": _inert("end-user identifier; cannot change the text"),
+    "metadata": _inert("caller tags, echoed in the response; cannot change the text"),
+    "service_tier": _inert("processing tier; one tier here, and it cannot change the text"),
+    "safety_identifier": _inert("end-user identifier for abuse detection; cannot change the text"),
+    "prompt_cache_key": _inert("prompt-cache bucketing hint; prefix caching is automatic"),
+    "prompt_cache_retention": _inert("prompt-cache lifetime; cannot change the text"),
+    "prompt_cache_options": _inert("prompt-cache breakpoints and lifetime; cannot change the text"),
+    "max_tool_calls": _inert("a bound on built-in tool calls; no built-in tool runs here"),
+}
+
 FIELD_POLICY: dict[str, dict[str, FieldRule]] = {
     CHAT: dict(sorted({**_SHARED, **_CHAT_ONLY}.items())),
     COMPLETIONS: dict(sorted({**_SHARED, **_COMPLETIONS_ONLY}.items())),
+    RESPONSES: dict(sorted(_RESPONSES.items())),
 }
 
 
@@ -313,10 +403,14 @@ def _object(field: str, value: Any) -> Mapping[str, Any]:
     return value
 
 
+def _count(field: str, value: Any) -> int:
+    return _whole(field, value, 0, None, "a whole number >= 0")
+
+
 _INERT_TYPES: dict[str, Any] = {
     "model": _string, "user": _string, "store": _boolean, "metadata": _object, "service_tier": _string,
     "prompt_cache_key": _string, "prompt_cache_retention": _string, "prompt_cache_options": _object,
-    "safety_identifier": _string,
+    "safety_identifier": _string, "max_tool_calls": _count,
 }
 
 
@@ -405,8 +499,8 @@ def _check_known(body: Mapping[str, Any], endpoint: str) -> None:
     for name in body:
         if name in table:
             continue
-        other = COMPLETIONS if endpoint == CHAT else CHAT
-        hint = f' ("{name}" is a field of {_PATHS[other]})' if name in FIELD_POLICY[other] else ""
+        others = [_PATHS[other] for other in FIELD_POLICY if other != endpoint and name in FIELD_POLICY[other]]
+        hint = f' ("{name}" is a field of {" and ".join(others)})' if others else ""
         shown = name if isinstance(name, str) else repr(name)
         raise InvalidRequestError(
             f'"{shown}" is not a request field of {_PATHS[endpoint]} that this server knows{hint}, so it '
@@ -418,7 +512,7 @@ def _check_refused_rows(fields: Mapping[str, Any], endpoint: str) -> None:
         rule = FIELD_POLICY[endpoint][name]
         if rule.kind == INERT:
             _INERT_TYPES[name](name, value)
-        elif rule.kind == REFUSED_AT_VALUE and name != "stream_options":
+        elif rule.kind == REFUSED_AT_VALUE and (name != "stream_options" or endpoint == RESPONSES):
             if not any(_json_equal(value, ok) for ok in rule.neutral):
                 raise _unsupported(name, value, rule.reason, rule.advice)
 
