@@ -20,20 +20,20 @@ from pocketllm.protocol.openai_fields import (
     CHAT,
     RESPONSES,
     ParsedRequest,
-    _body,
-    _chat_options,
-    _check_caps,
-    _check_known,
-    _check_refused_rows,
-    _invalid,
-    _is_list,
-    _object,
-    _present,
-    _sampling,
-    _show,
-    _unsupported,
-    _vocab_size,
-    _whole,
+    body_mapping,
+    chat_options_of,
+    check_caps,
+    check_known_fields,
+    check_refused_rows,
+    invalid_field,
+    is_list,
+    object_field,
+    present_fields,
+    sampling_fields,
+    show_value,
+    unsupported_field,
+    vocab_size_of,
+    whole_number,
 )
 
 __all__ = ["ResponsesRequest", "chat_param", "parse_responses_request", "responses_error"]
@@ -69,15 +69,15 @@ class ResponsesRequest:
 
 def _bad_input(value: Any, index: int | None, problem: str, advice: str) -> InvalidRequestError:
     where = f" (item {index})" if index is not None else ""
-    return InvalidRequestError(f'"input"{where} holds {_show(value)}, which is not valid here: {problem}. {advice}.',
-                               param="input")
+    return InvalidRequestError(
+        f'"input"{where} holds {show_value(value)}, which is not valid here: {problem}. {advice}.', param="input")
 
 
 def _text_of(content: Any, index: int, what: str) -> str:
     """The text of a message's content: a string, or a list of text parts."""
     if isinstance(content, str):
         return content
-    if not _is_list(content):
+    if not is_list(content):
         raise _bad_input(content, index, f"the {what} must be a string or a list of content parts",
                          'Send the content as a string or as [{"type": "input_text", "text": ...}]')
     texts = []
@@ -92,7 +92,7 @@ def _text_of(content: Any, index: int, what: str) -> str:
 
 def _reasoning_text(item: Mapping[str, Any], index: int) -> str:
     parts = item.get("content") or item.get("summary") or []
-    if not _is_list(parts) or not all(isinstance(p, Mapping) and isinstance(p.get("text"), str) for p in parts):
+    if not is_list(parts) or not all(isinstance(p, Mapping) and isinstance(p.get("text"), str) for p in parts):
         raise _bad_input(item, index, "a reasoning item's content must be a list of text parts",
                          'Replay the reasoning item as returned, with "content": [{"type": "reasoning_text", ...}]')
     return "".join(p["text"] for p in parts)
@@ -105,8 +105,8 @@ def _messages(value: Any, instructions: str | None) -> list[dict[str, Any]]:
         messages.append({"role": "system", "content": instructions})
     if isinstance(value, str):
         return [*messages, {"role": "user", "content": value}]
-    if not _is_list(value) or not value:
-        raise _invalid("input", value, "a string or a non-empty array of input items")
+    if not is_list(value) or not value:
+        raise invalid_field("input", value, "a string or a non-empty array of input items")
     reasoning: str | None = None   # a replayed reasoning item, for the assistant turn after it
 
     def assistant() -> dict[str, Any]:
@@ -150,28 +150,29 @@ def _messages(value: Any, instructions: str | None) -> list[dict[str, Any]]:
         elif kind == "reasoning":
             reasoning = _reasoning_text(item, index)
         else:
-            raise _bad_input(item, index, f"items of type {_show(kind)} are not read by this server",
+            raise _bad_input(item, index, f"items of type {show_value(kind)} are not read by this server",
                              "Send message, function_call, function_call_output and reasoning items only")
     if not any(m["role"] != "system" for m in messages):
-        raise _invalid("input", value, "input holding at least one message or item besides instructions")
+        raise invalid_field("input", value, "input holding at least one message or item besides instructions")
     return messages
 
 
 def _tools(value: Any) -> list[dict[str, Any]]:
     """Flat Responses function tools as chat tools."""
-    if not _is_list(value):
-        raise _invalid("tools", value, "an array of tool objects")
+    if not is_list(value):
+        raise invalid_field("tools", value, "an array of tool objects")
     tools = []
     for tool in value:
         if not isinstance(tool, Mapping) or tool.get("type") != "function":
-            raise _unsupported("tools", value, f"the tool {_show(tool)} is not a function tool; this server runs "
-                               "no built-in tools", 'Send function tools only: {"type": "function", "name": ...}')
+            raise unsupported_field("tools", value,
+                                    f"the tool {show_value(tool)} is not a function tool; this server runs "
+                                    "no built-in tools", 'Send function tools only: {"type": "function", "name": ...}')
         name = tool.get("name")
         extra = sorted(k for k, v in tool.items() if k not in _TOOL_KEYS and v is not None)
         if not isinstance(name, str) or not name or extra:
             problem = f"it carries {', '.join(map(repr, extra))}, which this server does not act on" if extra \
                 else 'it has no "name"'
-            raise _unsupported("tools", value, f"the tool {_show(tool)} cannot be used: {problem}",
+            raise unsupported_field("tools", value, f"the tool {show_value(tool)} cannot be used: {problem}",
                                'Send {"type": "function", "name", "description", "parameters", "strict"}')
         function = {"name": name}
         for key in ("description", "parameters"):
@@ -186,23 +187,24 @@ def _tool_choice(value: Any) -> Any:
         return value
     if isinstance(value, Mapping) and value.get("type") == "function" and set(value) <= {"type", "name"}:
         return {"type": "function", "function": {"name": value.get("name")}}
-    raise _unsupported("tool_choice", value, "only auto, none, required and a named function are acted on",
+    raise unsupported_field("tool_choice", value, "only auto, none, required and a named function are acted on",
                        'Send "auto", "none", "required" or {"type": "function", "name": ...}')
 
 
 def _text_format(value: Any) -> dict[str, Any] | None:
     """``text``'s format as chat's ``response_format`` (None for plain text)."""
-    text = _object("text", value)
+    text = object_field("text", value)
     for key, item in text.items():
         if key == "verbosity" and item is not None:
-            raise _unsupported("text", value, "the answer's length is not steered by a verbosity level",
+            raise unsupported_field("text", value, "the answer's length is not steered by a verbosity level",
                                'Omit "verbosity"; bound the length with "max_output_tokens"')
         if key not in ("format", "verbosity"):
-            raise _unsupported("text", value, f'"{key}" is not a text option this server knows', 'Send "format" only')
+            raise unsupported_field("text", value, f'"{key}" is not a text option this server knows',
+                                    'Send "format" only')
     fmt = text.get("format")
     if fmt is None:
         return None
-    fmt = _object("text", fmt)
+    fmt = object_field("text", fmt)
     kind = fmt.get("type")
     if kind == "text":
         return None
@@ -210,47 +212,48 @@ def _text_format(value: Any) -> dict[str, Any] | None:
         return {"type": "json_object"}
     if kind == "json_schema":
         if not isinstance(fmt.get("schema"), Mapping):
-            raise _invalid("text", value, 'a format with a "schema" object when its type is json_schema')
+            raise invalid_field("text", value, 'a format with a "schema" object when its type is json_schema')
         spec = {"name": fmt.get("name") or "response", "schema": fmt["schema"]}
         if fmt.get("strict") is not None:
             spec["strict"] = fmt["strict"]
         return {"type": "json_schema", "json_schema": spec}
-    raise _invalid("text", value, 'an object whose format type is "text", "json_object" or "json_schema"')
+    raise invalid_field("text", value, 'an object whose format type is "text", "json_object" or "json_schema"')
 
 
 def _reasoning_effort(value: Any) -> str | None:
-    reasoning = _object("reasoning", value)
+    reasoning = object_field("reasoning", value)
     for key, item in reasoning.items():
         if key in ("summary", "generate_summary") and item is not None:
-            raise _unsupported("reasoning", value, "no summary is written: the model's reasoning is returned whole "
-                               "as a reasoning item", f'Omit "{key}"')
+            raise unsupported_field("reasoning", value,
+                                    "no summary is written: the model's reasoning is returned whole "
+                                    "as a reasoning item", f'Omit "{key}"')
         if key not in ("effort", "summary", "generate_summary") and item is not None:
-            raise _unsupported("reasoning", value, f'"{key}" is not a reasoning option this server acts on',
+            raise unsupported_field("reasoning", value, f'"{key}" is not a reasoning option this server acts on',
                                'Send "effort" only')
     effort = reasoning.get("effort")
     if effort is not None and effort not in REASONING_EFFORTS:
-        raise _invalid("reasoning", value, f'an object whose "effort" is one of {", ".join(REASONING_EFFORTS)}')
+        raise invalid_field("reasoning", value, f'an object whose "effort" is one of {", ".join(REASONING_EFFORTS)}')
     return effort
 
 
 def parse_responses_request(body: Mapping[str, Any], caps: Any = None) -> ResponsesRequest:
     """Validate a ``/v1/responses`` body against the policy table and ``caps``; the chat request it runs as."""
-    body = _body(body)
-    _check_known(body, RESPONSES)
-    fields = _present(body)
+    body = body_mapping(body)
+    check_known_fields(body, RESPONSES)
+    fields = present_fields(body)
     if "input" not in fields:
         raise InvalidRequestError('"input" is required: send a string or an array of input items.', param="input")
-    _check_refused_rows(fields, RESPONSES)
+    check_refused_rows(fields, RESPONSES)
     instructions = fields.get("instructions")
     if instructions is not None and not isinstance(instructions, str):
-        raise _invalid("instructions", instructions, "a string")
+        raise invalid_field("instructions", instructions, "a string")
     messages = _messages(fields["input"], instructions)
     stream = fields.get("stream", False)
     if not isinstance(stream, bool):
-        raise _invalid("stream", stream, "true or false")
-    sampling = _sampling({k: fields[k] for k in ("temperature", "top_p") if k in fields}, _vocab_size(caps))
+        raise invalid_field("stream", stream, "true or false")
+    sampling = sampling_fields({k: fields[k] for k in ("temperature", "top_p") if k in fields}, vocab_size_of(caps))
     if "max_output_tokens" in fields:
-        sampling["max_tokens"] = _whole("max_output_tokens", fields["max_output_tokens"], 1, None,
+        sampling["max_tokens"] = whole_number("max_output_tokens", fields["max_output_tokens"], 1, None,
                                         "a whole number of tokens, at least 1")
     chat_fields: dict[str, Any] = {}
     if "tools" in fields:
@@ -268,10 +271,10 @@ def parse_responses_request(body: Mapping[str, Any], caps: Any = None) -> Respon
         if effort is not None:
             chat_fields["reasoning_effort"] = effort
     try:
-        options = _chat_options(chat_fields, caps)
+        options = chat_options_of(chat_fields, caps)
     except InvalidRequestError as exc:
         raise responses_error(exc) from None
-    _check_caps(body, sampling, 1, caps)
+    check_caps(body, sampling, 1, caps)
     chat = ParsedRequest(endpoint=CHAT, messages=messages, prompts=None, sampling=sampling, n=1, stream=stream,
                          want_logprobs=False, chat_options=options, request_id=None, drop_thinking=None)
     echo = {name: fields.get(name) for name in ("instructions", "max_output_tokens", "metadata", "temperature",
