@@ -66,7 +66,7 @@ def greedy(args: EngineArgs) -> tuple[list[list[int]], list[int]]:
     return [o.token_ids for o in outputs], pids
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen3_moe"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen3_moe", "qwen3_5_text", "qwen3_5_moe_text"])
 def test_tp2_matches_tp1_greedy(tiny_checkpoint, arch: str) -> None:
     path = tiny_checkpoint(arch)
     single, _ = greedy(engine_args(path, 1))
