@@ -351,3 +351,34 @@ def test_host_on_two_launchers_matches_tp1(tiny_checkpoint, tmp_path, monkeypatc
                       drive=host_session)
     assert nodes.result == expected
     assert "listening on" not in nodes.log1
+
+
+HOLDER = """
+import sys, time
+from pocketllm.distributed.supervisor import HeldSignals
+HeldSignals(1, float(sys.argv[1])).install()
+print("held", flush=True)
+time.sleep(120)
+"""
+
+
+@pytest.mark.parametrize(("grace", "signals", "said"), [
+    ("0.5", [signal.SIGTERM], "rank 0 did not stop the group within 0.5 s; leaving"),
+    ("120", [signal.SIGINT, signal.SIGTERM], "rank 1: a second signal (SIGTERM): leaving now"),
+])
+def test_a_held_signal_ends_the_worker_after_the_grace_or_a_second_signal(grace, signals, said) -> None:
+    proc = subprocess.Popen([sys.executable, "-c", HOLDER, grace], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env())
+    try:
+        assert proc.stdout.readline() == "held\n"
+        for number in signals:
+            proc.send_signal(number)
+            line = proc.stderr.readline()
+            assert line.startswith("pocketllm: rank 1: "), line
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 1
+    assert said in line + err

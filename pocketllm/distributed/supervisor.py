@@ -180,19 +180,31 @@ class HeldSignals:
         threading.Thread(target=self._watch, args=(read_end,), name="pocketllm-held-signals", daemon=True).start()
 
     def _watch(self, fd: int) -> None:
-        received = os.read(fd, 16)
-        self.received = signal.Signals(received[0])
-        name = self.received.name
-        if len(received) == 1:
-            self.report(f"rank {self.rank}: {name}: serving rank 0's last steps until it stops the group (a second "
-                        f"signal, or {self.grace:g} s without its stop, leaves at once)")
-            ready, _, _ = select.select([fd], [], [], self.grace)
-            if not ready:
+        held = self._wait(fd, None)
+        self.received = held[0]
+        if len(held) == 1:
+            self.report(f"rank {self.rank}: {held[0].name}: serving rank 0's last steps until it stops the group (a "
+                        f"second signal, or {self.grace:g} s without its stop, leaves at once)")
+            more = self._wait(fd, self.grace)
+            if not more:
                 self.report(f"rank {self.rank}: rank 0 did not stop the group within {self.grace:g} s; leaving")
                 os._exit(1)
-            name = signal.Signals(os.read(fd, 16)[0]).name
-        self.report(f"rank {self.rank}: {name} again: leaving now")
+            held += more
+        self.report(f"rank {self.rank}: a second signal ({held[1].name}): leaving now")
         os._exit(1)
+
+    @staticmethod
+    def _wait(fd: int, timeout: float | None) -> list[signal.Signals]:
+        """The held signals read from the wakeup descriptor; [] when ``timeout`` seconds pass first."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            ready, _, _ = select.select([fd], [], [], left)
+            if not ready:
+                return []
+            held = [signal.Signals(n) for n in os.read(fd, 64) if n in (signal.SIGINT, signal.SIGTERM)]
+            if held:
+                return held
 
     def stopped(self) -> None:
         """The worker loop ended: rank 0 stopped the group."""
