@@ -186,6 +186,17 @@ def test_bench_latency_on_two_launchers(tiny_checkpoint, tmp_path) -> None:
     assert json.loads(report.read_text(encoding="utf-8"))
 
 
+def test_bench_throughput_on_two_launchers(tiny_checkpoint, tmp_path) -> None:
+    report = tmp_path / "throughput.json"
+    command = ["bench", "throughput", "--model", tiny_checkpoint("llama"), "--num-requests", "4", "--min-len", "4",
+               "--max-len", "8", "--warmup-requests", "0", "--output-json", str(report), *ENGINE,
+               "--tensor-parallel-size", "2", "--no-tensor-parallel-supervisor"]
+    out, _, log1, _ = two_nodes(tmp_path, command)
+    assert "pocketllm: 4 requests" in out and "requests" not in log1
+    result = json.loads(report.read_text(encoding="utf-8"))
+    assert result["pocketllm"]["num_requests"] == 4 and result["engine_args"]["tensor_parallel_size"] == 2
+
+
 @pytest.mark.parametrize(("variables", "flags", "message"), [
     ({}, ["--tensor-parallel-size", "2"], "RANK and WORLD_SIZE"),
     ({"RANK": "0", "WORLD_SIZE": "3"}, ["--tensor-parallel-size", "2"], "tensor_parallel_size is 2"),
