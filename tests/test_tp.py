@@ -89,6 +89,18 @@ def test_tp2_dummy_weights_and_replicated_kv_head_match_tp1(tmp_path) -> None:
     assert sharded == single
 
 
+def test_tp2_dummy_weights_of_a_hybrid_match_tp1(tmp_path) -> None:
+    """Qwen3.5-MoE with random weights: the fused DeltaNet input projection, its conv and per-head vectors, and
+    the experts each get this rank's shard of one rank's draw."""
+    config = tiny_config("qwen3_5_moe_text")
+    config.vocab_size = 4096
+    config.architectures = ["Qwen3_5MoeForCausalLM"]
+    config.save_pretrained(tmp_path)
+    single, _ = greedy(engine_args(str(tmp_path), 1, load_format="dummy"))
+    sharded, _ = greedy(engine_args(str(tmp_path), 2, load_format="dummy"))
+    assert sharded == single
+
+
 def test_worker_crash_fails_requests_and_is_reaped(tiny_checkpoint) -> None:
     llm = LLM(engine_args(tiny_checkpoint("llama"), 2))
     try:
