@@ -1,6 +1,7 @@
 """Multi-node through an external launcher on CPU (gloo): two ``torchrun`` launchers ("two nodes" on one host)
-run the same ``pocketllm`` command line; rank 0 runs the command, rank 1 becomes a worker by itself, and the
-answer is TP=1's."""
+run the same ``pocketllm`` command line (run, chat, serve, pipe, host, bench); rank 0 runs the command, rank 1
+becomes a worker by itself, and the answer is TP=1's. A signal to both launchers lets rank 0 drain (rank 1
+holds it until rank 0 stops the group)."""
 
 from __future__ import annotations
 
