@@ -254,6 +254,36 @@ def listening_url(proc: subprocess.Popen, log_path) -> str:
     raise TimeoutError(f"no 'listening on' line:\n{read(log_path)}")
 
 
+def rank_pid(launcher: subprocess.Popen) -> int:
+    """The one rank a launcher (``--nproc-per-node 1``) started: its child process."""
+    children = []
+    for task in os.listdir(f"/proc/{launcher.pid}/task"):
+        with open(f"/proc/{launcher.pid}/task/{task}/children", encoding="ascii") as handle:
+            children += [int(pid) for pid in handle.read().split()]
+    assert len(children) == 1, children
+    return children[0]
+
+
+def listening_ports(pid: int) -> set[int]:
+    """The TCP ports process ``pid`` listens on (Linux: its socket inodes in /proc/net/tcp*, state 0A)."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[len("socket:["):-1])
+    ports = set()
+    for table in ("tcp", "tcp6"):
+        with open(f"/proc/{pid}/net/{table}", encoding="ascii") as handle:
+            for row in list(handle)[1:]:
+                fields = row.split()
+                if fields[3] == "0A" and fields[9] in inodes:
+                    ports.add(int(fields[1].rsplit(":", 1)[1], 16))
+    return ports
+
+
 def serve_session(proc: subprocess.Popen, log_path, on_first_chunk=None) -> tuple[str, str, str | None]:
     """An 8-token completion, then a streamed 120-token one (``on_first_chunk`` runs once it streams): both
     texts and the stream's finish reason."""
@@ -304,11 +334,21 @@ def test_serve_on_two_launchers_matches_tp1_and_drains_on_a_signal(tiny_checkpoi
     command = ["serve", "--port", "0", "--model", tiny_checkpoint("llama"), *ENGINE, "--shutdown-timeout", "60",
                "--tensor-parallel-size", "2", "--no-tensor-parallel-supervisor"]
 
+    listening: list[set[int]] = []
+
+    def on_first_chunk(launchers: tuple[subprocess.Popen, ...]) -> None:
+        listening[:] = [listening_ports(rank_pid(proc)) for proc in launchers]
+        for proc in launchers:
+            proc.send_signal(stop)
+
     def drive(node0: subprocess.Popen, log_path, launchers: tuple[subprocess.Popen, ...]) -> tuple:
-        return serve_session(node0, log_path, lambda: [proc.send_signal(stop) for proc in launchers])
+        return serve_session(node0, log_path, lambda: on_first_chunk(launchers))
 
     nodes = two_nodes(tmp_path, command, drive=drive, signalled=True)
     short, long, finish = nodes.result
+    http = int(re.search(r"listening on http://127\.0\.0\.1:(\d+)", nodes.log0).group(1))
+    # Rank 1 listens only where rank 0 does besides HTTP: the collectives' sockets (one a process group).
+    assert http in listening[0] and http not in listening[1] and len(listening[1]) == len(listening[0]) - 1
     assert (short, long, finish) == served_tp1 and finish == "length"
     assert "listening on" not in nodes.log1 and "listening on" in nodes.log0
     assert "shutting down: draining" in nodes.log0
