@@ -66,7 +66,7 @@ def greedy(args: EngineArgs) -> tuple[list[list[int]], list[int]]:
     return [o.token_ids for o in outputs], pids
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen3_moe"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen3_moe", "qwen3_5_text", "qwen3_5_moe_text"])
 def test_tp2_matches_tp1_greedy(tiny_checkpoint, arch: str) -> None:
     path = tiny_checkpoint(arch)
     single, _ = greedy(engine_args(path, 1))
@@ -83,6 +83,18 @@ def test_tp2_dummy_weights_and_replicated_kv_head_match_tp1(tmp_path) -> None:
     config.num_key_value_heads = 1
     config.vocab_size = 4096
     config.architectures = ["Qwen3MoeForCausalLM"]
+    config.save_pretrained(tmp_path)
+    single, _ = greedy(engine_args(str(tmp_path), 1, load_format="dummy"))
+    sharded, _ = greedy(engine_args(str(tmp_path), 2, load_format="dummy"))
+    assert sharded == single
+
+
+def test_tp2_dummy_weights_of_a_hybrid_match_tp1(tmp_path) -> None:
+    """Qwen3.5-MoE with random weights: the fused DeltaNet input projection, its conv and per-head vectors, and
+    the experts each get this rank's shard of one rank's draw."""
+    config = tiny_config("qwen3_5_moe_text")
+    config.vocab_size = 4096
+    config.architectures = ["Qwen3_5MoeForCausalLM"]
     config.save_pretrained(tmp_path)
     single, _ = greedy(engine_args(str(tmp_path), 1, load_format="dummy"))
     sharded, _ = greedy(engine_args(str(tmp_path), 2, load_format="dummy"))
@@ -160,3 +172,33 @@ def test_tp2_nccl_matches_tp1_on_cuda(tmp_path, arch: str) -> None:
     two = engine_args(model, 2).replace(device="cuda", num_kv_blocks=64)
     expected, _ = greedy(one)
     assert greedy(two)[0] == expected
+
+
+@pytest.mark.parametrize(("arch", "changes", "field"), [
+    ("llama", {"num_attention_heads": 6, "num_key_value_heads": 3}, "num_key_value_heads=3"),
+    ("llama", {"num_attention_heads": 3, "num_key_value_heads": 1}, "num_attention_heads=3"),
+    ("qwen3_moe", {"moe_intermediate_size": 33}, "moe_intermediate_size=33"),
+    ("qwen3_5_text", {"linear_num_key_heads": 1, "linear_num_value_heads": 2}, "linear_num_key_heads=1"),
+    ("qwen3_5_text", {"num_attention_heads": 1, "num_key_value_heads": 1}, "num_attention_heads=1"),
+])
+def test_shapes_that_do_not_split_over_two_ranks_are_refused(monkeypatch, arch, changes, field) -> None:
+    """Built as rank 0 of two (the group faked): heads or expert widths that two ranks cannot share evenly are
+    refused by name, never floored."""
+    import torch
+
+    from pocketllm import distributed
+    from pocketllm.errors import UnsupportedFeatureError
+    from pocketllm.models.registry import model_class
+
+    config = tiny_config(arch)
+    for name, value in changes.items():
+        setattr(config, name, value)
+    config.architectures = [{"llama": "LlamaForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+                             "qwen3_5_text": "Qwen3_5ForCausalLM"}[arch]]
+    monkeypatch.setattr(distributed, "_joined", True)
+    monkeypatch.setattr(distributed.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(distributed.dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(distributed.dist, "get_rank", lambda group=None: 0)
+    assert tp_size() == 2
+    with pytest.raises(UnsupportedFeatureError, match=field), torch.device("meta"):
+        model_class(config)(config)

@@ -15,12 +15,13 @@ import torch
 from pocketllm.config import EngineArgs
 from pocketllm.distributed.group import RankInfo, destroy_group, init_group, loaded
 from pocketllm.distributed.step_channel import StepChannel
-from pocketllm.distributed.supervisor import watch_parent
+from pocketllm.distributed.supervisor import HeldSignals, watch_parent
 from pocketllm.errors import InvalidRequestError, PocketLLMError
 
 
-def run_worker(args: EngineArgs, env: Mapping[str, str] | None = None) -> int:
-    """Join the group as the rank ``env`` names and serve steps until rank 0 stops; the exit status."""
+def run_worker(args: EngineArgs, env: Mapping[str, str] | None = None, hold_signals: bool = False) -> int:
+    """Join the group as the rank ``env`` names and serve steps until rank 0 stops; the exit status.
+    ``hold_signals``: an external launcher started this rank (see ``HeldSignals``)."""
     from pocketllm.engine.engine_core import EngineCore
     from pocketllm.loaders.checkpoint import load_checkpoint
     from pocketllm.loaders.default_model import default_model_path
@@ -30,6 +31,9 @@ def run_worker(args: EngineArgs, env: Mapping[str, str] | None = None) -> int:
     if info.rank == 0:
         raise InvalidRequestError("rank 0 runs the engine, not a worker", param="tensor_parallel_supervisor")
     watch_parent(info.parent_pid)
+    held = HeldSignals(info.rank, args.tensor_parallel_shutdown_timeout) if hold_signals else None
+    if held is not None:
+        held.install()
     init_group(info, resolve_device(args.device), args.tensor_parallel_startup_timeout)
     try:
         checkpoint = load_checkpoint(args.model or default_model_path(), args.load_format, with_tokenizer=False)
@@ -40,6 +44,8 @@ def run_worker(args: EngineArgs, env: Mapping[str, str] | None = None) -> int:
         core = EngineCore(args, checkpoint.hf_config, weights, frozenset())
         loaded(info)
         serve_steps(core.runner)
+        if held is not None:
+            held.stopped()
     finally:
         destroy_group()
     return 0

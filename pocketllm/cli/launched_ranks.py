@@ -2,7 +2,9 @@
 
 With ``tensor_parallel_size > 1`` and ``--no-tensor-parallel-supervisor``, each process reads its rank from the
 launcher's variables (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT): rank 0 goes on with the command (it runs the
-engine), every other rank runs the tensor-parallel worker loop and exits 0 when rank 0 stops the group.
+engine), every other rank runs the tensor-parallel worker loop and exits 0 when rank 0 stops the group. A
+worker holds an external launcher's SIGINT/SIGTERM until rank 0 has drained and stopped the group (a second
+signal, or ``tensor_parallel_shutdown_timeout`` seconds, ends it at once).
 """
 
 from __future__ import annotations
@@ -31,8 +33,11 @@ def launched_rank(engine_args: EngineArgs, env: Mapping[str, str] | None = None)
         return None
     from pocketllm.distributed.group import RankInfo
 
-    if RankInfo.from_env(env, size).rank == 0:
+    info = RankInfo.from_env(env, size)
+    if info.rank == 0:
         return None
     from pocketllm.backends.tp_worker import run_worker
 
-    return run_worker(engine_args, env)
+    # A launcher signals every rank at once; ``pocketllm serve``'s own supervisor (it sets the parent pid) signals
+    # a worker only once rank 0 has gone, when there is nothing left to serve.
+    return run_worker(engine_args, env, hold_signals=info.parent_pid is None)

@@ -8,6 +8,7 @@ never removed); it holds the rendezvous store (through which NCCL exchanges its 
 from __future__ import annotations
 
 import os
+import select
 import shutil
 import signal
 import socket
@@ -152,6 +153,63 @@ def watch_parent(parent_pid: int | None, interval: float = 0.5) -> None:
         os._exit(1)
 
     threading.Thread(target=watch, name="pocketllm-parent-watch", daemon=True).start()
+
+
+class HeldSignals:
+    """SIGINT/SIGTERM on a worker rank an external launcher (torchrun) started.
+
+    A launcher that stops a job signals every rank at once, and rank 0 then drains its requests, which needs
+    every other rank's share of each step: so a worker keeps serving rank 0's steps until rank 0 stops the
+    group. A second signal, or ``grace`` seconds without rank 0's stop, makes it leave at once (status 1).
+    The worker's main thread waits inside a collective, where Python signal handlers do not run: the signals
+    are read from the interpreter's wakeup file descriptor by a thread of their own."""
+
+    def __init__(self, rank: int, grace: float, report: Callable[[str], None] = _stderr) -> None:
+        self.rank = rank
+        self.grace = grace
+        self.report = report
+        self.received: signal.Signals | None = None
+
+    def install(self) -> None:
+        """From the main thread: hold SIGINT and SIGTERM from here on."""
+        read_end, write_end = os.pipe()
+        os.set_blocking(write_end, False)
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda number, frame: None)   # (the byte on the wakeup descriptor is the signal)
+        signal.set_wakeup_fd(write_end, warn_on_full_buffer=False)
+        threading.Thread(target=self._watch, args=(read_end,), name="pocketllm-held-signals", daemon=True).start()
+
+    def _watch(self, fd: int) -> None:
+        held = self._wait(fd, None)
+        self.received = held[0]
+        if len(held) == 1:
+            self.report(f"rank {self.rank}: {held[0].name}: serving rank 0's last steps until it stops the group (a "
+                        f"second signal, or {self.grace:g} s without its stop, leaves at once)")
+            more = self._wait(fd, self.grace)
+            if not more:
+                self.report(f"rank {self.rank}: rank 0 did not stop the group within {self.grace:g} s; leaving")
+                os._exit(1)
+            held += more
+        self.report(f"rank {self.rank}: a second signal ({held[1].name}): leaving now")
+        os._exit(1)
+
+    @staticmethod
+    def _wait(fd: int, timeout: float | None) -> list[signal.Signals]:
+        """The held signals read from the wakeup descriptor; [] when ``timeout`` seconds pass first."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            ready, _, _ = select.select([fd], [], [], left)
+            if not ready:
+                return []
+            held = [signal.Signals(n) for n in os.read(fd, 64) if n in (signal.SIGINT, signal.SIGTERM)]
+            if held:
+                return held
+
+    def stopped(self) -> None:
+        """The worker loop ended: rank 0 stopped the group."""
+        if self.received is not None:
+            self.report(f"rank {self.rank}: rank 0 stopped the group; leaving")
 
 
 def supervise(argv: list[str], args: EngineArgs, report: Callable[[str], None] = _stderr) -> int:

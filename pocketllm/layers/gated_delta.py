@@ -30,7 +30,7 @@ from torch import nn
 
 from pocketllm.distributed import tp_rank, tp_size
 from pocketllm.layers.gated_delta_backend import gated_delta_backend
-from pocketllm.layers.linear import ColumnParallelLinear, RowParallelLinear
+from pocketllm.layers.linear import ColumnParallelLinear, RowParallelLinear, split_over_ranks
 from pocketllm.step.attention_metadata import AttentionMetadata
 
 
@@ -193,9 +193,10 @@ class GatedDeltaNet(nn.Module):
 
     def __init__(self, config: Any, chunk_size: int = 64) -> None:
         super().__init__()
-        tp = tp_size()
-        self.num_k_heads = config.linear_num_key_heads // tp
-        self.num_v_heads = config.linear_num_value_heads // tp
+        # Head-sharded: each rank holds whole key and value heads (their q/k/v/z/b/a rows and conv channels, their
+        # recurrent state in its own slots); the output projection is row-parallel (one all-reduce).
+        self.num_k_heads = split_over_ranks(config.linear_num_key_heads, "linear_num_key_heads")
+        self.num_v_heads = split_over_ranks(config.linear_num_value_heads, "linear_num_value_heads")
         self.head_k_dim = config.linear_key_head_dim
         self.head_v_dim = config.linear_value_head_dim
         self.key_dim = self.num_k_heads * self.head_k_dim            # per rank

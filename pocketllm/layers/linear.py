@@ -7,15 +7,20 @@ import torch.nn.functional as F
 from torch import nn
 
 from pocketllm.distributed import all_reduce, tp_rank, tp_size
+from pocketllm.errors import UnsupportedFeatureError
 from pocketllm.layers.activation import silu_and_mul
 from pocketllm.layers.decode_plan import ProductPlan
 from pocketllm.layers.norm import RMSNorm
 
 
-def _divide(numerator: int, denominator: int) -> int:
-    if numerator % denominator:
-        raise ValueError(f"{numerator} is not divisible by the tensor-parallel size {denominator}")
-    return numerator // denominator
+def split_over_ranks(total: int, what: str) -> int:
+    """This rank's share of ``total`` (heads, features: ``what`` names them, e.g. a config field); a count that
+    does not split evenly over the tensor-parallel ranks is refused."""
+    size = tp_size()
+    if total % size:
+        raise UnsupportedFeatureError(f"{what}={total} does not split evenly over {size} tensor-parallel ranks: "
+                                      "choose a tensor_parallel_size that divides it")
+    return total // size
 
 
 def _add_bias(out: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -164,7 +169,8 @@ class ColumnParallelLinear(LinearBase):
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False, prologue: str | None = None,
                  epilogue: str | None = None) -> None:
-        super().__init__(in_features, _divide(out_features, tp_size()), bias, tp_dim=0, prologue=prologue,
+        local = split_over_ranks(out_features, "a column-parallel layer's out_features")
+        super().__init__(in_features, local, bias, tp_dim=0, prologue=prologue,
                          epilogue=epilogue)
 
 
@@ -190,7 +196,11 @@ class QKVParallelLinear(ColumnParallelLinear):
                  bias: bool = False, prologue: str | None = None) -> None:
         size = tp_size()
         self.head_dim = head_dim
-        self.num_heads = _divide(num_heads, size)
+        self.num_heads = split_over_ranks(num_heads, "num_attention_heads")
+        if num_kv_heads % size and size % num_kv_heads:
+            raise UnsupportedFeatureError(
+                f"num_key_value_heads={num_kv_heads} neither splits evenly over {size} tensor-parallel ranks nor "
+                "replicates evenly on them: choose a tensor_parallel_size that divides it or that it divides")
         self.num_kv_heads = max(1, num_kv_heads // size)
         self.kv_replicas = max(1, size // num_kv_heads)
         out_features = (self.num_heads + 2 * self.num_kv_heads) * head_dim * size
@@ -211,7 +221,8 @@ class RowParallelLinear(LinearBase):
     """Input features split across ranks; partial outputs are summed (bias added once)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False, prologue: str | None = None) -> None:
-        super().__init__(_divide(in_features, tp_size()), out_features, bias, tp_dim=1, prologue=prologue)
+        local = split_over_ranks(in_features, "a row-parallel layer's in_features")
+        super().__init__(local, out_features, bias, tp_dim=1, prologue=prologue)
 
     def _bias(self) -> torch.Tensor | None:
         return self.bias if self.tp_rank == 0 else None

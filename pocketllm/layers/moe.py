@@ -8,10 +8,13 @@ from torch import nn
 
 from pocketllm.distributed import all_reduce, tp_rank, tp_size
 from pocketllm.kernels import available as kernels_available
+from pocketllm.layers.linear import split_over_ranks
 
 
 class FusedMoE(nn.Module):
-    """``num_experts`` SwiGLU experts stored stacked; the intermediate dimension is split across ranks.
+    """``num_experts`` SwiGLU experts stored stacked; the intermediate dimension is split across ranks (every
+    rank holds a slice of every expert, so routing needs no exchange; the partial outputs are summed by one
+    all-reduce).
 
     ``w13`` is [E, 2*I/tp, H] (gate rows then up rows), ``w2`` is [E, H, I/tp].
     """
@@ -23,7 +26,7 @@ class FusedMoE(nn.Module):
         self.top_k = top_k
         self.renormalize = renormalize
         self.tp_rank, self.tp_size = tp_rank(), tp_size()
-        self.shard = intermediate_size // self.tp_size
+        self.shard = split_over_ranks(intermediate_size, "moe_intermediate_size")
         self.w13 = nn.Parameter(torch.empty(num_experts, 2 * self.shard, hidden_size), requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, self.shard), requires_grad=False)
         self.w13.weight_loader = self.weight_loader

@@ -25,7 +25,7 @@ from torch import nn
 
 from pocketllm.layers.attention import Attention
 from pocketllm.layers.gated_delta import GatedDeltaNet
-from pocketllm.layers.linear import QKVParallelLinear, RowParallelLinear
+from pocketllm.layers.linear import QKVParallelLinear, RowParallelLinear, split_over_ranks
 from pocketllm.layers.norm import OffsetRMSNorm
 from pocketllm.layers.rotary import RotaryEmbedding, rope_settings
 from pocketllm.models.llama import CausalLM, PreNormBlock, head_dim_of
@@ -51,7 +51,8 @@ class GatedAttention(nn.Module):
         super().__init__()
         head_dim = head_dim_of(config)
         bias = bool(getattr(config, "attention_bias", False))
-        # The "q" part holds, per head, head_dim query rows then head_dim gate rows.
+        # The "q" part holds, per head, head_dim query rows then head_dim gate rows (a rank keeps whole heads).
+        split_over_ranks(config.num_attention_heads, "num_attention_heads")
         self.qkv_proj = QKVParallelLinear(config.hidden_size, head_dim, 2 * config.num_attention_heads,
                                           config.num_key_value_heads, bias=bias)
         self.num_heads = self.qkv_proj.num_heads // 2
