@@ -11,7 +11,7 @@ import time
 import httpx
 import pytest
 import torch
-from harness_utils import FRANCE, USAGE_KEYS, HostProcess, fuzz_lines
+from harness_utils import FRANCE, FUZZ_LINES, USAGE_KEYS, HostProcess, fuzz_lines
 
 pytestmark = pytest.mark.usefixtures("smollm2_gguf")
 
@@ -232,10 +232,10 @@ def test_idle_sessions_expire(host):
         conn.close()
 
 
-def test_fuzz_5000_lines_over_websocket(host):
+def test_fuzz_lines_over_websocket(host):
     conn = _connect_when_free(host)
     try:
-        lines = [line for line in fuzz_lines(5000, random.Random(99)) if line.strip()]
+        lines = [line for line in fuzz_lines(FUZZ_LINES, random.Random(99)) if line.strip()]
         for line in lines:
             conn.ws.send(line.decode("utf-8", "replace"))
         assert conn.call({"op": "health", "id": "after-fuzz"}, timeout=120)["state"] == "ready"
