@@ -337,6 +337,15 @@ class ModelRunner:
         logger.info("one-row settings timed in the step in %.1f s", time.perf_counter() - started)
         return {splits: functools.partial(_apply_all, choices) for splits, choices in chosen.items()}
 
+    @property
+    def kv_window(self) -> int | None:
+        """The longest sliding window of the layers that use the paged KV cache, when every one of them slides;
+        None when any attends over the whole context (a model with a global layer keeps every block)."""
+        windows = [layer.sliding_window for layer in self.attention_layers]
+        if not windows or any(window is None for window in windows):
+            return None
+        return max(windows)
+
     def kv_bytes_per_block(self) -> int:
         element = torch.tensor([], dtype=self.kv_dtype).element_size()
         per_layer = sum(2 * a.num_kv_heads * a.head_dim for a in self.attention_layers)
