@@ -281,3 +281,4 @@ def test_chat_refused_without_template_and_shutdown_drains(tmp_path, tiny_checkp
         assert not proc.impure and "DEBUG" in proc.error_output()
     finally:
         proc.stop()
+

@@ -194,10 +194,21 @@ def _problem(response) -> str | None:
     return None
 
 
+def _rss_mib() -> float:
+    """This process's resident memory (the app and its engine run in it)."""
+    with open("/proc/self/status", encoding="ascii") as handle:
+        return next(int(line.split()[1]) / 1024 for line in handle if line.startswith("VmRSS:"))
+
+
 def test_no_generated_body_gets_a_5xx_or_a_bare_error(client):
+    """... and the process's resident memory after the run is within 10% of what it was after a warm-up
+    (the first tenth of the cases)."""
     statuses: dict[int, int] = {}
     problems: list[str] = []
-    for path, body in fuzz_cases(CASES, random.Random(31)):
+    warmup = CASES // 10
+    for index, (path, body) in enumerate(fuzz_cases(CASES, random.Random(31))):
+        if index == warmup:
+            before = _rss_mib()
         response = client.post(path, content=body, headers={"Content-Type": "application/json"})
         statuses[response.status_code] = statuses.get(response.status_code, 0) + 1
         problem = _problem(response)
@@ -206,3 +217,5 @@ def test_no_generated_body_gets_a_5xx_or_a_bare_error(client):
     assert not problems, f"{len(problems)} of {CASES} cases: " + "\n".join(problems[:10])
     assert statuses.get(200, 0) > CASES // 20 and statuses.get(400, 0) > CASES // 2, statuses   # both kinds ran
     assert client.get("/health").json()["status"] == "ok"
+    after = _rss_mib()
+    assert after <= 1.10 * before, f"RSS grew from {before:.0f} MiB to {after:.0f} MiB over the fuzz run"
