@@ -245,6 +245,22 @@ def test_fuzz_lines_over_websocket(host):
         conn.close()
 
 
+def test_an_id_with_a_lone_surrogate_keeps_the_connection_answering(host):
+    """A line whose id holds a lone surrogate (sent as the JSON escape) is answered with the id escaped, and
+    the connection goes on answering: a generation and a health check after it."""
+    surrogate = "\ud800"
+    conn = _connect_when_free(host)
+    try:
+        assert conn.call({"op": "health", "id": surrogate})["state"] == "ready"
+        assert "not valid Unicode" in conn.call({"op": "generate", "id": "b" + surrogate,
+                                                 "prompt": "x" + surrogate})["error"]
+        _, done = conn.request({"op": "generate", "id": 2, "prompt": "Once upon a time", "n": 3, "temp": 0})
+        assert done["finish"] == "budget" and done["usage"]["gen_tokens"] == 3
+        assert conn.call({"op": "health", "id": 3})["state"] == "ready" and not conn.closed.is_set()
+    finally:
+        conn.close()
+
+
 def _turn(conn, request_id, sid, content, **extra):
     return conn.request({"op": "chat", "id": request_id, "session": sid, "temp": 0, "n": 12,
                          "messages": [{"role": "user", "content": content}], **extra})
