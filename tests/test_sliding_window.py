@@ -205,6 +205,17 @@ def test_a_longer_request_after_release_gets_only_blocks_that_hold_its_tokens(ti
     assert all(core.blocks.blocks[block].key == key for key, block in cached_keys)
 
 
+def test_only_a_model_whose_every_layer_slides_declares_a_kv_window() -> None:
+    """Mistral declares its window; a model with any full-attention layer (Qwen2 with a global first layer,
+    Gemma 3's global layers, Llama) declares none, so its blocks are all kept."""
+    from pocketllm.models.gemma3 import Gemma3ForCausalLM
+
+    assert MistralForCausalLM(tiny_config("mistral")).kv_window == 16
+    assert Qwen2ForCausalLM(tiny_config("qwen2_swa")).kv_window is None
+    assert Gemma3ForCausalLM(tiny_config("gemma3")).kv_window is None
+    assert LlamaForCausalLM(tiny_config("mistral")).kv_window is None
+
+
 def test_release_keeps_the_prefix_cache_and_the_counts_consistent() -> None:
     """Unit: released entries read 0 and are never registered; a released block stays findable until it is
     reused, and a reused one breaks the chain; freeing the request returns every block once."""

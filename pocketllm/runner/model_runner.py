@@ -339,12 +339,14 @@ class ModelRunner:
 
     @property
     def kv_window(self) -> int | None:
-        """The longest sliding window of the layers that use the paged KV cache, when every one of them slides;
-        None when any attends over the whole context (a model with a global layer keeps every block)."""
-        windows = [layer.sliding_window for layer in self.attention_layers]
-        if not windows or any(window is None for window in windows):
-            return None
-        return max(windows)
+        """The window behind which the block manager may release a running request's KV blocks, as the model
+        declares it (``kv_window``: every layer that uses the cache slides and the cache holds nothing else);
+        None, and every block kept, for a model that declares none or has a full-attention layer."""
+        window = getattr(self.model, "kv_window", None)
+        if window is not None and any(layer.sliding_window is None or layer.sliding_window > window
+                                      for layer in self.attention_layers):
+            raise ValueError(f"the model declares kv_window {window}, but a cache layer attends further back")
+        return window
 
     def kv_bytes_per_block(self) -> int:
         element = torch.tensor([], dtype=self.kv_dtype).element_size()
