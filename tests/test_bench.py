@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import shutil
 
 import pytest
 
@@ -48,10 +50,24 @@ def test_bench_latency_with_hf_peer(tiny_checkpoint, tmp_path, capsys):
     assert "pocketllm / hf" in capsys.readouterr().out
 
 
-def test_bench_serve(tiny_checkpoint, tmp_path):
+def _config_only(checkpoint: str, out_dir) -> str:
+    """A copy of a checkpoint's configs only: served with dummy weights and no tokenizer, as a preset is."""
+    out_dir.mkdir()
+    for name in ("config.json", "generation_config.json"):
+        shutil.copy(os.path.join(checkpoint, name), out_dir / name)
+    return str(out_dir)
+
+
+@pytest.mark.parametrize("tokenizer", [True, False], ids=["with-tokenizer", "without-tokenizer"])
+def test_bench_serve(tiny_checkpoint, tmp_path, tokenizer):
+    """Without a tokenizer the stream's texts are empty: the tokens are still timed and counted (from usage)."""
     from server_utils import ServerProcess
 
-    server = ServerProcess("--model", tiny_checkpoint("llama"), *SMALL_ENGINE)
+    if tokenizer:
+        model = ["--model", tiny_checkpoint("llama")]
+    else:
+        model = ["--model", _config_only(tiny_checkpoint("llama"), tmp_path / "m"), "--load-format", "dummy"]
+    server = ServerProcess(*model, *SMALL_ENGINE)
     try:
         server.wait_ready(120)
         out = tmp_path / "serve.json"

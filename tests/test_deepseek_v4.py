@@ -1,5 +1,5 @@
 """Our DeepSeek-V4 prompt encoder against the format notes (spec/deepseek-v4-encoding.md), and the way its
-answers are read back (reasoning, DSML calls). There is no DeepSeek-V4 model implementation yet."""
+answers are read back (reasoning, DSML calls). The model itself is tested in test_deepseek_v4_model.py."""
 
 from __future__ import annotations
 

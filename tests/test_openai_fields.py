@@ -19,15 +19,19 @@ from pocketllm.protocol.openai_fields import (
     INERT,
     MAX_N,
     REFUSED_AT_VALUE,
+    RESPONSES,
     ParsedRequest,
     parse_chat_request,
     parse_completion_request,
 )
+from pocketllm.protocol.responses_request import parse_responses_request
 from pocketllm.sampling_params import SamplingParams
 
 MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
-PARSERS = {CHAT: parse_chat_request, COMPLETIONS: parse_completion_request}
-BASE = {CHAT: {"messages": MESSAGES}, COMPLETIONS: {"prompt": "Once upon a time"}}
+PARSERS = {CHAT: parse_chat_request, COMPLETIONS: parse_completion_request,
+           RESPONSES: lambda body, caps: parse_responses_request(body, caps).chat}
+BASE = {CHAT: {"messages": MESSAGES}, COMPLETIONS: {"prompt": "Once upon a time"},
+        RESPONSES: {"input": "What is the capital of France?"}}
 
 # Every documented OpenAI request field (openai-python 3.57 CompletionCreateParams) plus `stream`.
 OPENAI_CHAT_FIELDS = {
@@ -41,6 +45,14 @@ OPENAI_CHAT_FIELDS = {
 OPENAI_COMPLETION_FIELDS = {
     "model", "prompt", "best_of", "echo", "frequency_penalty", "logit_bias", "logprobs", "max_tokens", "n",
     "presence_penalty", "seed", "stop", "stream", "stream_options", "suffix", "temperature", "top_p", "user",
+}
+# openai-python 3.57 ResponseCreateParams, plus `stream`.
+OPENAI_RESPONSES_FIELDS = {
+    "access_programs", "background", "background_options", "context_management", "conversation", "image", "include",
+    "input", "instructions", "max_output_tokens", "max_tool_calls", "metadata", "model", "moderation",
+    "parallel_tool_calls", "previous_response_id", "prompt", "prompt_cache_key", "prompt_cache_options",
+    "prompt_cache_retention", "reasoning", "safety_identifier", "service_tier", "store", "stream", "stream_options",
+    "temperature", "text", "tool_choice", "tools", "top_logprobs", "top_p", "truncation", "user",
 }
 EXTENSIONS_BOTH = {"top_k", "min_p", "repetition_penalty", "ignore_eos", "stop_token_ids", "request_id"}
 EXTENSIONS_CHAT = {"thinking_mode", "add_generation_prompt", "drop_thinking", "chat_template_kwargs"}
@@ -69,6 +81,7 @@ def refused(endpoint: str, param: str | None, caps: Any = None, body: Any = _NO_
 def test_table_covers_every_documented_field_and_nothing_else():
     assert set(FIELD_POLICY[CHAT]) == OPENAI_CHAT_FIELDS | EXTENSIONS_BOTH | EXTENSIONS_CHAT
     assert set(FIELD_POLICY[COMPLETIONS]) == OPENAI_COMPLETION_FIELDS | EXTENSIONS_BOTH | {"top_logprobs"}
+    assert set(FIELD_POLICY[RESPONSES]) == OPENAI_RESPONSES_FIELDS
     for endpoint, table in FIELD_POLICY.items():
         for name, rule in table.items():
             assert rule.kind in (IMPLEMENTED, REFUSED_AT_VALUE, INERT), (endpoint, name)
@@ -128,7 +141,8 @@ def test_neutral_value_of_every_refused_field_is_accepted(endpoint, name, value)
 
 INERT_VALUES = {"model": "gpt-4o", "user": "alice", "store": True, "metadata": {"k": "v"}, "service_tier": "auto",
                 "prompt_cache_key": "abc", "prompt_cache_retention": "24h",
-                "prompt_cache_options": {"mode": "implicit", "ttl": "30m"}, "safety_identifier": "h1"}
+                "prompt_cache_options": {"mode": "implicit", "ttl": "30m"}, "safety_identifier": "h1",
+                "max_tool_calls": 3}
 
 
 @pytest.mark.parametrize("endpoint,name", [(e, n) for e, t in FIELD_POLICY.items() for n, r in t.items()
@@ -136,7 +150,7 @@ INERT_VALUES = {"model": "gpt-4o", "user": "alice", "store": True, "metadata": {
 def test_inert_fields_accepted_and_ignored(endpoint, name):
     plain = parse(endpoint)
     assert parse(endpoint, **{name: INERT_VALUES[name]}) == plain
-    refused(endpoint, name, **{name: 12345 if name != "store" else "yes"})
+    refused(endpoint, name, **{name: 12345 if name not in ("store", "max_tool_calls") else "yes"})
 
 
 # field -> values refused on a bare request (non-streaming)
@@ -183,6 +197,40 @@ REFUSALS: dict[str, dict[str, list[Any]]] = {
         "drop_thinking": ["no"],
         "request_id": ["", 5, "a/b", "a b", "x" * 300],
         "chat_template_kwargs": ["x", {"messages": []}, {"add_generation_prompt": False}],
+    },
+    RESPONSES: {
+        "input": [5, [], ["hi"], [{"role": "tool", "content": "x"}], [{"type": "item_reference", "id": "r"}],
+                  [{"role": "user", "content": [{"type": "input_image", "image_url": "u"}]}],
+                  [{"type": "function_call", "name": "f"}], [{"type": "function_call_output", "output": "x"}],
+                  [{"role": "system", "content": "only instructions"}]],
+        "instructions": [5],
+        "tools": [{"type": "function"}, [{"type": "web_search"}], [{"type": "function"}],
+                  [{"type": "function", "name": "f", "defer_loading": True}]],
+        "tool_choice": ["required", "any", {"type": "function", "name": "f"}, {"type": "allowed_tools", "tools": []},
+                        {"type": "file_search"}],
+        "parallel_tool_calls": [False, "yes"],
+        "text": ["json", {"format": {"type": "xml"}}, {"format": {"type": "json_schema"}}, {"verbosity": "low"},
+                 {"format": {"type": "json_object"}}, {"other": 1}],
+        "reasoning": ["high", {"effort": "extreme"}, {"summary": "auto"}, {"generate_summary": "concise"},
+                      {"mode": "pro"}],
+        "max_output_tokens": [0, -1, 1.5, "10", True],
+        "temperature": ["hot", -0.1, 2.5],
+        "top_p": [0, 1.5],
+        "stream": ["yes", 1],
+        "store": [True, "yes"],
+        "previous_response_id": ["resp_1"],
+        "conversation": ["conv_1", {"id": "conv_1"}],
+        "background": [True],
+        "background_options": [{"completion_window": "2h"}],
+        "include": [["message.output_text.logprobs"], ["reasoning.encrypted_content"]],
+        "top_logprobs": [1, 20],
+        "prompt": [{"id": "pmpt_1"}],
+        "truncation": ["auto"],
+        "context_management": [[{"type": "compaction"}]],
+        "moderation": [{"model": "omni-moderation-latest"}],
+        "stream_options": [{"include_obfuscation": True}, {"include_usage": True}],
+        "access_programs": [{"cyber": "standard"}],
+        "image": [{"context_compression": "auto"}],
     },
     COMPLETIONS: {
         "prompt": [5, [], ["a", 1], [1, "a"], [[1, 2], "a"], [[]], [-1], [True], [[1], [1.5]], {"p": 1}],

@@ -1,4 +1,4 @@
-"""A bounded HTTP fuzzer over both endpoints of the real app and engine (a tiny random checkpoint): no
+"""A bounded HTTP fuzzer over the endpoints of the real app and engine (a tiny random checkpoint): no
 generated body gets a 5xx, every error is in the OpenAI shape, and a stream carries no error event; and raw,
 malformed HTTP/1.1 requests sent to the same app behind uvicorn with the server's own protocol are answered in
 the OpenAI shape too (or, cut short, closed without an answer), never in uvicorn's plain text.
@@ -15,6 +15,8 @@ import time
 
 import pytest
 from http_fuzz import MALFORMED_HTTP, fuzz_cases, raw_http_requests
+
+from pocketllm.protocol.openai_fields import RESPONSES
 
 CASES = int(os.environ.get("POCKETLLM_FUZZ_CASES", "2000"))
 
@@ -168,7 +170,24 @@ def test_mutated_raw_requests_get_no_5xx_and_no_bare_error(served):
     assert httpx.get(f"http://127.0.0.1:{served}/health", timeout=30).json()["status"] == "ok"
 
 
-def _problem(response) -> str | None:
+def _responses_problem(response) -> str | None:
+    """What is wrong with one /v1/responses answer, or None: a stream must end with the whole response and
+    carry no error event; a whole response has a status and output."""
+    if response.status_code >= 400 or not response.headers.get("content-type", "").startswith("text/event-stream"):
+        if response.status_code == 200 and response.json().get("status") not in ("completed", "incomplete"):
+            return f"a 200 without a finished response: {response.text[:300]}"
+        return _problem(response, chat_shaped=False)
+    events = [json.loads(line[len("data: "):]) for line in response.text.split("\n") if line.startswith("data: ")]
+    if not events or events[-1]["type"] not in ("response.completed", "response.incomplete"):
+        return f"a stream without its last response event: {response.text[-300:]}"
+    if [e["sequence_number"] for e in events] != list(range(len(events))):
+        return "sequence numbers out of order"
+    if any(e["type"] == "error" for e in events):
+        return f"an error event in a stream: {response.text[-300:]}"
+    return None
+
+
+def _problem(response, chat_shaped: bool = True) -> str | None:
     """What is wrong with one answer, or None."""
     if response.status_code >= 500:
         return f"{response.status_code}: {response.text[:300]}"
@@ -187,7 +206,7 @@ def _problem(response) -> str | None:
         for line in lines[:-1]:
             if "error" in json.loads(line[len("data: "):]):
                 return f"an error event in a stream: {line[:300]}"
-    else:
+    elif chat_shaped:
         body = response.json()
         if not body.get("choices"):
             return f"a 200 without choices: {response.text[:300]}"
@@ -219,3 +238,17 @@ def test_no_generated_body_gets_a_5xx_or_a_bare_error(client):
     assert client.get("/health").json()["status"] == "ok"
     after = _rss_mib()
     assert after <= 1.10 * before, f"RSS grew from {before:.0f} MiB to {after:.0f} MiB over the fuzz run"
+
+
+def test_no_generated_responses_body_gets_a_5xx_or_a_bare_error(client):
+    statuses: dict[int, int] = {}
+    problems: list[str] = []
+    count = max(CASES // 4, 200)
+    for path, body in fuzz_cases(count, random.Random(37), endpoints=(RESPONSES,)):
+        response = client.post(path, content=body, headers={"Content-Type": "application/json"})
+        statuses[response.status_code] = statuses.get(response.status_code, 0) + 1
+        problem = _responses_problem(response)
+        if problem is not None:
+            problems.append(f"{path} {body[:200]!r}: {problem}")
+    assert not problems, f"{len(problems)} of {count} cases: " + "\n".join(problems[:10])
+    assert statuses.get(200, 0) > count // 20 and statuses.get(400, 0) > count // 2, statuses   # both kinds ran

@@ -1,21 +1,17 @@
 """Tool calls and reasoning through the server, end to end, on the real engine with a scripted forward pass.
 
-Everything is real: the FastAPI app, ``OpenAIServing``, ``AsyncLLM``, the engine (scheduler, sampler, stop,
-EOS and budget handling, cancellation) on a tiny random checkpoint with the in-repo fixture tokenizer and the
-qwen3_5 or R1-distill template, the output processor. Only the model's logits are replaced: the logits of
-each sampling row put all the mass on the next token of a scripted answer (then EOS), so the engine writes
-that answer. The responses are checked through the ``openai`` and ``langchain-openai`` clients and as raw JSON.
+The app runs on a tiny random checkpoint with the qwen3_5 or R1-distill template, its logits scripted
+(``scripted_server``). The responses are checked through the ``openai`` and ``langchain-openai`` clients and
+as raw JSON.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import time
 from pathlib import Path
 
 import pytest
+from scripted_server import build_chat_checkpoint, openai_client, scripted_forward, serve_scripted
 
 QWEN35_TEMPLATE = Path(__file__).resolve().parent / "fixtures" / "chat_templates" / "qwen3_5.jinja"
 
@@ -29,113 +25,26 @@ CALL = ("<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</paramet
 THOUGHT_AND_CALL = "The user wants weather.\n</think>\n\n" + CALL
 
 
-class Script:
-    """The answer the engine will write (``script``), and the prompts it was given, decoded (``prompts``)."""
-
-    def __init__(self, tokenizer) -> None:
-        self.tokenizer = tokenizer
-        self.script = ""
-        self.prompts: list[str] = []
-        self._seen: set[str] = set()
-
-    def force(self, chunks, logits):
-        """Logits that make every sampling row's next token the script's next one (EOS after the script)."""
-        import torch
-
-        ids = self.tokenizer.encode(self.script, add_special_tokens=False) + [self.tokenizer.eos_token_id]
-        rows = [chunk for chunk in chunks if chunk.samples]
-        forced = torch.full_like(logits, -1e4)
-        for row, chunk in enumerate(rows):
-            request = chunk.request
-            if request.request_id not in self._seen:
-                self._seen.add(request.request_id)
-                self.prompts.append(self.tokenizer.decode(request.prompt_token_ids, skip_special_tokens=False))
-            produced = chunk.end - len(request.prompt_token_ids)  # output tokens before this one
-            forced[row, ids[min(produced, len(ids) - 1)]] = 1e4
-        return forced
-
-
-def _checkpoint(tmp_path_factory, r1_tokenizer, arch: str, template: str | None, name: str) -> str:
-    """A tiny random checkpoint of ``arch`` with the fixture tokenizer (and ``template`` if given)."""
-    import torch
-    from conftest import tiny_config
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    directory = tmp_path_factory.mktemp(name)
-    for file in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        shutil.copy(r1_tokenizer.directory / file, directory / file)
-    if template is not None:
-        (directory / "chat_template.jinja").write_text(template, encoding="utf-8")
-    tokenizer = AutoTokenizer.from_pretrained(str(directory))
-    config = tiny_config(arch)
-    config.vocab_size = len(tokenizer)
-    config.bos_token_id, config.eos_token_id, config.pad_token_id = (tokenizer.bos_token_id, tokenizer.eos_token_id,
-                                                                     tokenizer.eos_token_id)
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(str(directory))
-    with open(os.path.join(directory, "generation_config.json"), "w", encoding="utf-8") as handle:
-        json.dump({"eos_token_id": tokenizer.eos_token_id}, handle)
-    return str(directory)
-
-
 @pytest.fixture(scope="module")
 def scripts():
-    """The model runner's forward pass with its logits scripted; {model_type: Script} says whose script."""
-    from pocketllm.runner.model_runner import ModelRunner
-
-    by_model: dict[str, Script] = {}
-    launch = ModelRunner.launch
-
-    def scripted_launch(runner, chunks, previous_tokens=None):
-        logits = launch(runner, chunks, previous_tokens)
-        return None if logits is None else by_model[runner.hf_config.model_type].force(chunks, logits)
-
-    patch = pytest.MonkeyPatch()
-    patch.setattr(ModelRunner, "launch", scripted_launch)
-    yield by_model
-    patch.undo()
-
-
-def _serve(model_dir: str, scripts: dict):
-    """A running app over the real engine, its logits scripted: (TestClient, Script)."""
-    from fastapi.testclient import TestClient
-    from transformers import AutoConfig
-
-    from pocketllm.config import EngineArgs
-    from pocketllm.server.app import ServerConfig, build_app
-    from pocketllm.tokenizer.tokenizer import Tokenizer
-
-    script = Script(Tokenizer.from_checkpoint_dir(model_dir))
-    scripts[AutoConfig.from_pretrained(model_dir).model_type] = script
-    args = EngineArgs(model=model_dir, max_model_len=1024, cpu_kv_cache_gb=0.05)
-    client = TestClient(build_app(ServerConfig(args, served_model_name="tiny")))
-    client.__enter__()
-    deadline = time.monotonic() + 120
-    while client.get("/ready").status_code != 200:
-        assert time.monotonic() < deadline, "the app did not become ready"
-        time.sleep(0.02)
-    return client, script
+    yield from scripted_forward()
 
 
 @pytest.fixture(scope="module")
 def qwen(tmp_path_factory, r1_tokenizer, scripts):
     template = QWEN35_TEMPLATE.read_text(encoding="utf-8")
-    client, script = _serve(_checkpoint(tmp_path_factory, r1_tokenizer, "qwen3", template, "q35"), scripts)
+    checkpoint = build_chat_checkpoint(tmp_path_factory, r1_tokenizer, "qwen3", template, "q35")
+    client, script = serve_scripted(checkpoint, scripts)
     yield client, script
     client.__exit__(None, None, None)
 
 
 @pytest.fixture(scope="module")
 def r1(tmp_path_factory, r1_tokenizer, scripts):
-    client, script = _serve(_checkpoint(tmp_path_factory, r1_tokenizer, "qwen2", None, "r1"), scripts)
+    client, script = serve_scripted(build_chat_checkpoint(tmp_path_factory, r1_tokenizer, "qwen2", None, "r1"),
+                                    scripts)
     yield client, script
     client.__exit__(None, None, None)
-
-
-def _openai(client):
-    from openai import OpenAI
-
-    return OpenAI(base_url="http://testserver/v1", api_key="unused", http_client=client, max_retries=0)
 
 
 def _post(client, **body) -> dict:
@@ -224,9 +133,9 @@ def test_stop_applies_to_the_answer_not_the_reasoning(qwen):
 # ----------------------------------------------------------------------------------------------------
 
 
-def test_round_trip_with_openai(qwen):
+def test_round_trip_withopenai_client(qwen):
     client, backend = qwen
-    api = _openai(client)
+    api = openai_client(client)
     backend.script = CALL
     first = api.chat.completions.create(model="tiny", messages=ASK, tools=[WEATHER])
     assert first.choices[0].finish_reason == "tool_calls"
@@ -270,7 +179,7 @@ def test_round_trip_raw_json_replayed_verbatim(qwen):
 def test_streamed_reasoning_and_tool_call_deltas(qwen):
     client, backend = qwen
     backend.script = THOUGHT_AND_CALL
-    stream = _openai(client).chat.completions.create(model="tiny", messages=ASK, tools=[WEATHER], stream=True,
+    stream = openai_client(client).chat.completions.create(model="tiny", messages=ASK, tools=[WEATHER], stream=True,
                                                      extra_body={"thinking_mode": True})
     reasoning, content, calls, reasons = [], [], [], []
     for chunk in stream:
@@ -282,10 +191,11 @@ def test_streamed_reasoning_and_tool_call_deltas(qwen):
             reasons.append(choice.finish_reason)
     assert "".join(reasoning) == "The user wants weather." and "".join(content) == ""
     assert sum(1 for r in reasoning if r) > 1, "reasoning is streamed as it is generated"
-    (call,) = calls
-    assert call.index == 0 and call.id.startswith("call_") and call.type == "function"
-    assert call.function.name == "get_weather"
-    assert json.loads(call.function.arguments) == {"city": "Paris", "days": 3}
+    header, *fragments = calls  # OpenAI's streamed form: id, type and name first, then argument pieces
+    assert header.index == 0 and header.id.startswith("call_") and header.type == "function"
+    assert header.function.name == "get_weather" and header.function.arguments == ""
+    assert len(fragments) == 2 and all(f.index == 0 and f.id is None and f.function.name is None for f in fragments)
+    assert json.loads("".join(f.function.arguments for f in fragments)) == {"city": "Paris", "days": 3}
     assert reasons[-1] == "tool_calls"
 
 
@@ -293,7 +203,7 @@ def test_stream_equals_non_stream_when_the_call_does_not_parse(qwen):
     client, backend = qwen
     backend.script = "Looking.\n\n" + CALL + "\nextra words"
     whole = _post(client, messages=ASK, tools=[WEATHER])["choices"][0]
-    stream = _openai(client).chat.completions.create(model="tiny", messages=ASK, tools=[WEATHER], stream=True)
+    stream = openai_client(client).chat.completions.create(model="tiny", messages=ASK, tools=[WEATHER], stream=True)
     text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
     assert text == whole["message"]["content"] == backend.script
 

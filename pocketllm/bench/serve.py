@@ -4,7 +4,9 @@ the OpenAI completions API that accepts token-id prompts and ``ignore_eos``).
 Requests arrive as a Poisson process (``--request-rate`` per second; ``inf`` sends them all at once),
 optionally capped at ``--max-concurrency`` in flight. Each streams ``/v1/completions`` with a random
 token-id prompt and ``max_tokens`` new tokens with EOS ignored, so it produces exactly that many tokens.
-Reported: request/s, output tok/s, TTFT, TPOT ((end - first token) / (tokens - 1)), ITL (gaps between
+Output tokens are counted from the stream's usage (``stream_options.include_usage``), so a server
+without a tokenizer (a dummy preset), which streams empty texts, is measured too. Reported: request/s, output
+tok/s, TTFT, TPOT ((end - first token) / (tokens - 1)), ITL (gaps between
 streamed chunks; a chunk can carry more than one token when text is held back) and end-to-end latency,
 each as mean, p50 and p99.
 """
@@ -53,10 +55,17 @@ def _stats(values: list[float]) -> dict[str, float | None]:
     return {"mean": statistics.fmean(ordered), "p50": pct(50), "p99": pct(99)}
 
 
+def _carries_tokens(choice: dict[str, Any]) -> bool:
+    """A streamed choice that brings generated tokens: text, or (a server without a tokenizer streams an empty
+    text for each token) any chunk before the last."""
+    return bool(choice.get("text")) or choice.get("finish_reason") is None
+
+
 async def _one(client, url: str, body: dict[str, Any], headers: dict[str, str]) -> dict[str, Any]:
     start = time.perf_counter()
     chunks: list[float] = []
     error = None
+    output_tokens = None
     try:
         async with client.stream("POST", url, json=body, headers=headers) as response:
             if response.status_code != 200:
@@ -69,12 +78,17 @@ async def _one(client, url: str, body: dict[str, Any], headers: dict[str, str]) 
                     if "error" in data:
                         error = data["error"].get("message", "error")
                         continue
-                    if any(c.get("text") for c in data.get("choices", [])):
+                    if any(_carries_tokens(c) for c in data.get("choices", [])):
                         chunks.append(time.perf_counter())
+                    if data.get("usage"):
+                        output_tokens = data["usage"]["completion_tokens"]
+                if error is None and not chunks:
+                    error = "the stream carried no tokens"
     except Exception as exc:  # counted as a failed request
         error = repr(exc)
     end = time.perf_counter()
-    return {"start": start, "end": end, "chunks": chunks, "error": error, "output_tokens": body["max_tokens"],
+    return {"start": start, "end": end, "chunks": chunks, "error": error,
+            "output_tokens": body["max_tokens"] if output_tokens is None else output_tokens,
             "prompt_tokens": len(body["prompt"])}
 
 
@@ -102,7 +116,7 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
         started = time.perf_counter()
         for prompt, n in zip(workload.prompts, workload.output_lens):
             body = {"model": model, "prompt": prompt, "max_tokens": n, "temperature": args.temperature,
-                    "ignore_eos": True, "stream": True}
+                    "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
             tasks.append(asyncio.ensure_future(limited(body)))
             if args.request_rate != float("inf"):
                 await asyncio.sleep(rng.expovariate(args.request_rate))

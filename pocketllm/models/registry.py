@@ -5,6 +5,7 @@ from __future__ import annotations
 from torch import nn
 
 from pocketllm.errors import UnsupportedFeatureError
+from pocketllm.models.deepseek_v4 import DeepseekV4ForCausalLM
 from pocketllm.models.gemma3 import Gemma3ForCausalLM
 from pocketllm.models.llama import LlamaForCausalLM
 from pocketllm.models.mistral import MistralForCausalLM
@@ -26,6 +27,8 @@ MODELS: dict[str, type[nn.Module]] = {
     "Qwen3_5MoeForCausalLM": Qwen3_5MoeForCausalLM,
     # Gemma 3 text (the loader hands us the text part of Gemma3ForConditionalGeneration checkpoints too).
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    # DeepSeek-V4 (compressed-history attention state per request; reference path on CPU).
+    "DeepseekV4ForCausalLM": DeepseekV4ForCausalLM,
 }
 
 

@@ -1,7 +1,8 @@
-"""The OpenAI request-field policy of ``/v1/chat/completions`` and ``/v1/completions``, and its parser.
+"""The OpenAI request-field policy of ``/v1/chat/completions``, ``/v1/completions`` and ``/v1/responses``, and the
+parsers of the first two (``responses_request`` parses the third).
 
 A request field is accepted only when the server acts on it. ``FIELD_POLICY`` is the one table that says,
-for every documented OpenAI field of both endpoints (and PocketLLM's own extensions), which of three groups
+for every documented OpenAI field of the endpoints (and PocketLLM's own extensions), which of three groups
 it falls in:
 
 - ``implemented``: acted on; the value is validated (type and range) and handed to the engine.
@@ -34,6 +35,7 @@ __all__ = [
     "CHAT",
     "COMPLETIONS",
     "FIELD_POLICY",
+    "RESPONSES",
     "IMPLEMENTED",
     "INERT",
     "MAX_N",
@@ -46,6 +48,7 @@ __all__ = [
 
 CHAT = "chat"
 COMPLETIONS = "completions"
+RESPONSES = "responses"
 IMPLEMENTED = "implemented"
 REFUSED_AT_VALUE = "refused_at_value"
 INERT = "inert"
@@ -55,7 +58,7 @@ MAX_STOP = 64                 # stop strings a request may send
 MAX_STOP_CHARS = 1024         # characters in one stop string
 MAX_JSON_DEPTH = 64           # nesting of a request body's values
 _ANY_VOCAB = 2**31            # token ids are below this when the engine does not declare its vocabulary
-_PATHS = {CHAT: "/v1/chat/completions", COMPLETIONS: "/v1/completions"}
+_PATHS = {CHAT: "/v1/chat/completions", COMPLETIONS: "/v1/completions", RESPONSES: "/v1/responses"}
 _TEMPLATE_RESERVED = ("messages", "tools", "add_generation_prompt", "special_tokens", "documents")
 _ROLES = ("system", "developer", "user", "assistant", "tool")
 _MAX_REQUEST_ID = 256
@@ -201,9 +204,96 @@ _COMPLETIONS_ONLY: dict[str, FieldRule] = {
         'Send the count as "logprobs" and omit "top_logprobs"'),
 }
 
+# /v1/responses: the conversation is "input" (plus "instructions"), run through the chat path.
+_RESPONSES: dict[str, FieldRule] = {
+    "input": _impl("a string (one user message) or a list of items: messages (text content parts), function_call "
+                   "and function_call_output items, reasoning items; rendered by the checkpoint's chat template"),
+    "instructions": _impl("a system message put before the input"),
+    "tools": _impl("function tools in the Responses shape ({type, name, description, parameters, strict}); calls "
+                   "parsed back as function_call items"),
+    "tool_choice": _impl('auto, none, required or {"type": "function", "name": ...}, as on chat (a forced call is '
+                         "constrained by a grammar)"),
+    "parallel_tool_calls": _impl("true is inert; false holds a forced call to one call (refused with auto)"),
+    "text": _impl('{"format": ...}: text, json_object or json_schema ({name, schema, strict}), constrained by a '
+                  "grammar as chat's response_format; verbosity is refused"),
+    "reasoning": _impl("effort, mapped to the template's own spelling as chat's reasoning_effort; summaries are "
+                       "refused"),
+    "max_output_tokens": _impl("the generation budget in tokens; absent means the rest of the context"),
+    "temperature": _impl("sampling temperature in 0..2; 0 is greedy"),
+    "top_p": _impl("nucleus sampling mass in (0, 1]"),
+    "stream": _impl("server-sent typed events (response.created ... response.completed), each with a "
+                    "sequence_number"),
+    "store": _refused(
+        "store the response for later retrieval", (None, False),
+        "this server keeps no responses: nothing could be retrieved or continued later",
+        'Send "store": false (or omit it) and pass the conversation in "input"'),
+    "previous_response_id": _refused(
+        "continue from a stored response", (None,),
+        "this server stores no responses, so there is no earlier response to continue from",
+        'Omit "previous_response_id" and send the earlier turns (with their output items) in "input"'),
+    "conversation": _refused(
+        "a stored conversation to add to", (None,),
+        "this server stores no conversations",
+        'Omit "conversation" and send the earlier turns in "input"'),
+    "background": _refused(
+        "run the response in the background", (None, False),
+        "responses run while the request is open; there is no stored response to poll",
+        'Send "background": false or omit it'),
+    "background_options": _refused(
+        "options of a background response", (None,),
+        "responses never run in the background here",
+        'Omit "background_options"'),
+    "include": _refused(
+        "extra output data to include", (None, []),
+        "none of the optional output data (log probabilities, encrypted reasoning, tool sources) is produced",
+        'Send "include": [] or omit it'),
+    "top_logprobs": _refused(
+        "alternatives per position in the output's log probabilities", (None, 0),
+        "the Responses output carries no log probabilities here",
+        'Send "top_logprobs": 0 or omit it; /v1/chat/completions returns log probabilities'),
+    "prompt": _refused(
+        "a stored prompt template", (None,),
+        "this server stores no prompt templates",
+        'Omit "prompt" and send the text in "instructions" and "input"'),
+    "truncation": _refused(
+        "drop early input items that do not fit the context", (None, "disabled"),
+        "input that does not fit the context is refused, never cut",
+        'Send "truncation": "disabled" or omit it, and shorten the input'),
+    "context_management": _refused(
+        "server-side compaction of the context", (None, []),
+        "the context is never compacted here",
+        'Omit "context_management" or send []'),
+    "moderation": _refused(
+        "moderation of the input and output", (None,),
+        "no moderation model runs on the input or the output, so nothing would be scored or blocked",
+        'Omit "moderation" or send null'),
+    "stream_options": _refused(
+        "streaming options", (None, {}, {"include_obfuscation": False}),
+        "a stream carries no obfuscation padding",
+        'Send "include_obfuscation": false or omit it'),
+    "access_programs": _refused(
+        "domain-specific access programs", (None,),
+        "this server has no access programs",
+        'Omit "access_programs"'),
+    "image": _refused(
+        "request-level image options", (None,),
+        "this server reads and writes text only",
+        'Omit "image"'),
+    "model": _inert("the server serves one model and echoes its configured name"),
+    "user": _inert("end-user identifier; cannot change the text"),
+    "metadata": _inert("caller tags, echoed in the response; cannot change the text"),
+    "service_tier": _inert("processing tier; one tier here, and it cannot change the text"),
+    "safety_identifier": _inert("end-user identifier for abuse detection; cannot change the text"),
+    "prompt_cache_key": _inert("prompt-cache bucketing hint; prefix caching is automatic"),
+    "prompt_cache_retention": _inert("prompt-cache lifetime; cannot change the text"),
+    "prompt_cache_options": _inert("prompt-cache breakpoints and lifetime; cannot change the text"),
+    "max_tool_calls": _inert("a bound on built-in tool calls; no built-in tool runs here"),
+}
+
 FIELD_POLICY: dict[str, dict[str, FieldRule]] = {
     CHAT: dict(sorted({**_SHARED, **_CHAT_ONLY}.items())),
     COMPLETIONS: dict(sorted({**_SHARED, **_COMPLETIONS_ONLY}.items())),
+    RESPONSES: dict(sorted(_RESPONSES.items())),
 }
 
 
@@ -229,7 +319,7 @@ class ParsedRequest:
 # ----------------------------------------------------------------------------------------------------
 
 
-def _show(value: Any) -> str:
+def show_value(value: Any) -> str:
     try:
         text = json.dumps(value, ensure_ascii=False, allow_nan=True)
     except (TypeError, ValueError):
@@ -237,14 +327,14 @@ def _show(value: Any) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
-def _unsupported(field: str, value: Any, reason: str, advice: str) -> InvalidRequestError:
+def unsupported_field(field: str, value: Any, reason: str, advice: str) -> InvalidRequestError:
     return InvalidRequestError(
-        f'"{field}" = {_show(value)} is not supported by this server: {reason}. {advice}.', param=field)
+        f'"{field}" = {show_value(value)} is not supported by this server: {reason}. {advice}.', param=field)
 
 
-def _invalid(field: str, value: Any, expected: str, advice: str | None = None) -> InvalidRequestError:
+def invalid_field(field: str, value: Any, expected: str, advice: str | None = None) -> InvalidRequestError:
     advice = advice or f'Send "{field}" as {expected}, or omit it'
-    return InvalidRequestError(f'"{field}" = {_show(value)} is not valid here: it must be {expected}. {advice}.',
+    return InvalidRequestError(f'"{field}" = {show_value(value)} is not valid here: it must be {expected}. {advice}.',
                                param=field)
 
 
@@ -256,16 +346,17 @@ def _json_equal(a: Any, b: Any) -> bool:
         return a == b
     if isinstance(a, Mapping) and isinstance(b, Mapping):
         return a.keys() == b.keys() and all(_json_equal(a[k], b[k]) for k in a)
-    if _is_list(a) and _is_list(b):
+    if is_list(a) and is_list(b):
         return len(a) == len(b) and all(_json_equal(x, y) for x, y in zip(a, b))
     return type(a) is type(b) and a == b
 
 
-def _is_list(value: Any) -> bool:
+def is_list(value: Any) -> bool:
     return isinstance(value, Sequence) and not isinstance(value, (str, bytes, bytearray))
 
 
-def _whole(field: str, value: Any, low: int | None, high: int | None, what: str, advice: str | None = None) -> int:
+def whole_number(field: str, value: Any, low: int | None, high: int | None, what: str,
+                 advice: str | None = None) -> int:
     """A whole number (an integral float such as 2.0 counts) in [low, high]."""
     number: int | None = None
     if not isinstance(value, bool):
@@ -274,7 +365,7 @@ def _whole(field: str, value: Any, low: int | None, high: int | None, what: str,
         elif isinstance(value, float) and math.isfinite(value) and value.is_integer():
             number = int(value)
     if number is None or (low is not None and number < low) or (high is not None and number > high):
-        raise _invalid(field, value, what, advice)
+        raise invalid_field(field, value, what, advice)
     return number
 
 
@@ -291,32 +382,36 @@ def _finite(value: Any) -> bool:
 def _real(field: str, value: Any, low: float, high: float | None, what: str, low_open: bool = False) -> float:
     ok = (_finite(value) and (value > low if low_open else value >= low) and (high is None or value <= high))
     if not ok:
-        raise _invalid(field, value, what)
+        raise invalid_field(field, value, what)
     return float(value)
 
 
 def _boolean(field: str, value: Any) -> bool:
     if not isinstance(value, bool):
-        raise _invalid(field, value, "true or false")
+        raise invalid_field(field, value, "true or false")
     return value
 
 
 def _string(field: str, value: Any) -> str:
     if not isinstance(value, str):
-        raise _invalid(field, value, "a string")
+        raise invalid_field(field, value, "a string")
     return value
 
 
-def _object(field: str, value: Any) -> Mapping[str, Any]:
+def object_field(field: str, value: Any) -> Mapping[str, Any]:
     if not isinstance(value, Mapping):
-        raise _invalid(field, value, "a JSON object")
+        raise invalid_field(field, value, "a JSON object")
     return value
+
+
+def _count(field: str, value: Any) -> int:
+    return whole_number(field, value, 0, None, "a whole number >= 0")
 
 
 _INERT_TYPES: dict[str, Any] = {
-    "model": _string, "user": _string, "store": _boolean, "metadata": _object, "service_tier": _string,
-    "prompt_cache_key": _string, "prompt_cache_retention": _string, "prompt_cache_options": _object,
-    "safety_identifier": _string,
+    "model": _string, "user": _string, "store": _boolean, "metadata": object_field, "service_tier": _string,
+    "prompt_cache_key": _string, "prompt_cache_retention": _string, "prompt_cache_options": object_field,
+    "safety_identifier": _string, "max_tool_calls": _count,
 }
 
 
@@ -334,7 +429,7 @@ def _cap(caps: Any, name: str) -> Any:
     return getattr(caps, name, _CAP_DEFAULTS[name]) if caps is not None else _CAP_DEFAULTS[name]
 
 
-def _vocab_size(caps: Any) -> int:
+def vocab_size_of(caps: Any) -> int:
     """The engine's vocabulary size (``caps.details['vocab_size']``), or a bound every token id is under."""
     details = getattr(caps, "details", None)
     size = details.get("vocab_size") if isinstance(details, Mapping) else None
@@ -348,17 +443,17 @@ def _engine_sampling(caps: Any) -> dict[str, Any]:
     return {**_SAMPLING_DEFAULTS, **(declared if isinstance(declared, Mapping) else {})}
 
 
-def _check_caps(body: Mapping[str, Any], sampling: dict[str, Any], n: int, caps: Any) -> None:
+def check_caps(body: Mapping[str, Any], sampling: dict[str, Any], n: int, caps: Any) -> None:
     if not _cap(caps, "per_request_sampling"):
         fixed = _engine_sampling(caps)
         for name in ("temperature", "top_p", "min_p", "seed"):
             if name in sampling and not _json_equal(sampling[name], fixed[name]):
-                raise _unsupported(name, body[name],
-                                   f"this engine fixes its sampling engine-wide ({name} {_show(fixed[name])}) "
+                raise unsupported_field(name, body[name],
+                                   f"this engine fixes its sampling engine-wide ({name} {show_value(fixed[name])}) "
                                    "and cannot apply a per-request value",
-                                   f'Omit "{name}" or send {_show(fixed[name])}')
+                                   f'Omit "{name}" or send {show_value(fixed[name])}')
         if n > 1 and fixed["temperature"] != 0:
-            raise _unsupported("n", body["n"],
+            raise unsupported_field("n", body["n"],
                                "this engine fixes its sampling engine-wide, so every choice would be the same "
                                "draw rather than an independent sample",
                                'Send "n": 1 and repeat the request for more answers')
@@ -366,27 +461,27 @@ def _check_caps(body: Mapping[str, Any], sampling: dict[str, Any], n: int, caps:
         fixed_k = _engine_sampling(caps)["top_k"]
         fixed_k = 0 if fixed_k == -1 else fixed_k
         if sampling["top_k"] != fixed_k:
-            raise _unsupported("top_k", body["top_k"],
+            raise unsupported_field("top_k", body["top_k"],
                                f"this engine fixes top-k engine-wide (top_k {fixed_k}) and cannot apply a "
                                "per-request value", f'Omit "top_k" or send {fixed_k}')
     if not _cap(caps, "penalties"):
         for name, neutral in (("frequency_penalty", 0.0), ("presence_penalty", 0.0), ("repetition_penalty", 1.0)):
             if name in sampling and sampling[name] != neutral:
-                raise _unsupported(name, body[name], "this engine applies no repetition or presence penalty",
-                                   f'Omit "{name}" or send {_show(neutral)}')
+                raise unsupported_field(name, body[name], "this engine applies no repetition or presence penalty",
+                                   f'Omit "{name}" or send {show_value(neutral)}')
     if not _cap(caps, "logit_bias") and sampling.get("logit_bias"):
-        raise _unsupported("logit_bias", body["logit_bias"], "this engine applies no per-token bias",
+        raise unsupported_field("logit_bias", body["logit_bias"], "this engine applies no per-token bias",
                            'Omit "logit_bias" or send {}')
 
 
 def _check_logprobs_caps(count_field: str, count: int, caps: Any, value: Any) -> None:
     """``value`` is what the request sent for ``logprobs``; ``count`` the alternatives it asks for."""
     if not _cap(caps, "logprobs"):
-        raise _unsupported("logprobs", value, "this engine does not rank tokens (its capabilities declare no "
+        raise unsupported_field("logprobs", value, "this engine does not rank tokens (its capabilities declare no "
                            "log probabilities)", 'Omit "logprobs"')
     ceiling = _cap(caps, "max_logprobs")
     if count > ceiling:
-        raise _unsupported(count_field, count, f"this engine ranks at most {ceiling} alternatives per position",
+        raise unsupported_field(count_field, count, f"this engine ranks at most {ceiling} alternatives per position",
                            f'Send "{count_field}" of at most {ceiling}')
 
 
@@ -395,50 +490,50 @@ def _check_logprobs_caps(count_field: str, count: int, caps: Any, value: Any) ->
 # ----------------------------------------------------------------------------------------------------
 
 
-def _present(body: Mapping[str, Any]) -> dict[str, Any]:
+def present_fields(body: Mapping[str, Any]) -> dict[str, Any]:
     """The body's fields that are not null (null means absent for every optional field)."""
     return {k: v for k, v in body.items() if v is not None}
 
 
-def _check_known(body: Mapping[str, Any], endpoint: str) -> None:
+def check_known_fields(body: Mapping[str, Any], endpoint: str) -> None:
     table = FIELD_POLICY[endpoint]
     for name in body:
         if name in table:
             continue
-        other = COMPLETIONS if endpoint == CHAT else CHAT
-        hint = f' ("{name}" is a field of {_PATHS[other]})' if name in FIELD_POLICY[other] else ""
+        others = [_PATHS[other] for other in FIELD_POLICY if other != endpoint and name in FIELD_POLICY[other]]
+        hint = f' ("{name}" is a field of {" and ".join(others)})' if others else ""
         shown = name if isinstance(name, str) else repr(name)
         raise InvalidRequestError(
             f'"{shown}" is not a request field of {_PATHS[endpoint]} that this server knows{hint}, so it '
             f'cannot act on it. Remove "{shown}" from the request.', param=str(name))
 
 
-def _check_refused_rows(fields: Mapping[str, Any], endpoint: str) -> None:
+def check_refused_rows(fields: Mapping[str, Any], endpoint: str) -> None:
     for name, value in fields.items():
         rule = FIELD_POLICY[endpoint][name]
         if rule.kind == INERT:
             _INERT_TYPES[name](name, value)
-        elif rule.kind == REFUSED_AT_VALUE and name != "stream_options":
+        elif rule.kind == REFUSED_AT_VALUE and (name != "stream_options" or endpoint == RESPONSES):
             if not any(_json_equal(value, ok) for ok in rule.neutral):
-                raise _unsupported(name, value, rule.reason, rule.advice)
+                raise unsupported_field(name, value, rule.reason, rule.advice)
 
 
 def _stream_options(value: Any, stream: bool) -> bool:
     """Whether a stream ends with a usage chunk (``include_usage``); padding (``include_obfuscation``) is refused."""
-    options = _object("stream_options", value)
+    options = object_field("stream_options", value)
     include_usage = False
     for key, flag in options.items():
         if key not in ("include_usage", "include_obfuscation"):
-            raise _unsupported("stream_options", value, f'"{key}" is not a stream option this server knows',
+            raise unsupported_field("stream_options", value, f'"{key}" is not a stream option this server knows',
                                'Send only "include_usage" and "include_obfuscation" (false)')
         if flag is None:
             continue
         if not isinstance(flag, bool):
-            raise _invalid("stream_options", value, f"an object whose {key} is true or false")
+            raise invalid_field("stream_options", value, f"an object whose {key} is true or false")
         if key == "include_usage":
             include_usage = flag and stream
         elif flag and stream:
-            raise _unsupported("stream_options", value, "a stream carries no obfuscation padding",
+            raise unsupported_field("stream_options", value, "a stream carries no obfuscation padding",
                                'Send "include_obfuscation": false or omit it')
     return include_usage
 
@@ -446,14 +541,14 @@ def _stream_options(value: Any, stream: bool) -> bool:
 def _stop(value: Any) -> tuple[str, ...]:
     if isinstance(value, str):
         items: list[str] = [value]
-    elif _is_list(value) and all(isinstance(s, str) for s in value):
+    elif is_list(value) and all(isinstance(s, str) for s in value):
         items = list(value)
     else:
-        raise _unsupported("stop", value,
+        raise unsupported_field("stop", value,
                            "a stop sequence is a string, or a list of strings, and this value is neither",
                            'Send "stop" as a string or an array of strings')
     if len(items) > MAX_STOP or any(len(s) > MAX_STOP_CHARS for s in items):
-        raise _invalid("stop", value, f"at most {MAX_STOP} strings of at most {MAX_STOP_CHARS} characters each")
+        raise invalid_field("stop", value, f"at most {MAX_STOP} strings of at most {MAX_STOP_CHARS} characters each")
     return tuple(s for s in items if s)
 
 
@@ -467,23 +562,23 @@ def _canonical_id(key: Any) -> int | None:
 
 
 def _logit_bias(value: Any, vocab_size: int) -> dict[int, float]:
-    bias = _object("logit_bias", value)
+    bias = object_field("logit_bias", value)
     clean: dict[int, float] = {}
     for key, weight in bias.items():
         token = _canonical_id(key)
         if token is None:
-            raise _invalid("logit_bias", value, "an object mapping token ids (as strings) to numbers in -100..100",
-                           f"The key {_show(key)} is not a token id; send token ids (whole numbers >= 0 in ASCII "
+            raise invalid_field("logit_bias", value, "an object mapping token ids (as strings) to numbers in -100..100",
+                           f"The key {show_value(key)} is not a token id; send token ids (whole numbers >= 0 in ASCII "
                            "digits) as keys")
         if token >= vocab_size:
-            raise _invalid("logit_bias", value, f"an object whose keys are token ids below {vocab_size}",
-                           f"The key {_show(key)} is outside the model's vocabulary (0..{vocab_size - 1})")
+            raise invalid_field("logit_bias", value, f"an object whose keys are token ids below {vocab_size}",
+                           f"The key {show_value(key)} is outside the model's vocabulary (0..{vocab_size - 1})")
         clean[token] = _real("logit_bias", weight, -100.0, 100.0,
                              "an object mapping token ids (as strings) to numbers in -100..100")
     return clean
 
 
-def _sampling(fields: Mapping[str, Any], vocab_size: int) -> dict[str, Any]:
+def sampling_fields(fields: Mapping[str, Any], vocab_size: int) -> dict[str, Any]:
     """SamplingParams kwargs from the fields both endpoints share (logprobs is endpoint-specific)."""
     out: dict[str, Any] = {}
     if "temperature" in fields:
@@ -492,19 +587,19 @@ def _sampling(fields: Mapping[str, Any], vocab_size: int) -> dict[str, Any]:
         out["top_p"] = _real("top_p", fields["top_p"], 0.0, 1.0, "a number greater than 0 and at most 1",
                              low_open=True)
     if "top_k" in fields:
-        top_k = _whole("top_k", fields["top_k"], -1, None, "a whole number: -1 or 0 for off, else k >= 1")
+        top_k = whole_number("top_k", fields["top_k"], -1, None, "a whole number: -1 or 0 for off, else k >= 1")
         out["top_k"] = 0 if top_k == -1 else top_k
     if "min_p" in fields:
         out["min_p"] = _real("min_p", fields["min_p"], 0.0, 1.0, "a number between 0 and 1")
     if "seed" in fields:
-        out["seed"] = _whole("seed", fields["seed"], -(2**63), 2**64 - 1, "a whole number that fits in 64 bits")
+        out["seed"] = whole_number("seed", fields["seed"], -(2**63), 2**64 - 1, "a whole number that fits in 64 bits")
     if "stop" in fields:
         out["stop"] = _stop(fields["stop"])
     if "stop_token_ids" in fields:
         ids = fields["stop_token_ids"]
-        if not _is_list(ids):
-            raise _invalid("stop_token_ids", ids, "an array of token ids")
-        out["stop_token_ids"] = tuple(_whole("stop_token_ids", i, 0, None, "an array of token ids (whole numbers "
+        if not is_list(ids):
+            raise invalid_field("stop_token_ids", ids, "an array of token ids")
+        out["stop_token_ids"] = tuple(whole_number("stop_token_ids", i, 0, None, "an array of token ids (whole numbers "
                                              ">= 0)") for i in ids)
     if "ignore_eos" in fields:
         out["ignore_eos"] = _boolean("ignore_eos", fields["ignore_eos"])
@@ -522,24 +617,24 @@ def _sampling(fields: Mapping[str, Any], vocab_size: int) -> dict[str, Any]:
 def _common(fields: Mapping[str, Any], endpoint: str, caps: Any
             ) -> tuple[dict[str, Any], int, bool, bool, str | None]:
     """Sampling kwargs, n, stream, include_usage and request_id; checks the simple refused and inert rows."""
-    _check_refused_rows(fields, endpoint)
+    check_refused_rows(fields, endpoint)
     stream = _boolean("stream", fields["stream"]) if "stream" in fields else False
     include_usage = False
     if "stream_options" in fields:
         include_usage = _stream_options(fields["stream_options"], stream)
-    sampling = _sampling(fields, _vocab_size(caps))
+    sampling = sampling_fields(fields, vocab_size_of(caps))
     budget = "max_completion_tokens" if "max_completion_tokens" in fields else "max_tokens"
     if budget in fields:
-        sampling["max_tokens"] = _whole(budget, fields[budget], 1, None, "a whole number of tokens, at least 1")
+        sampling["max_tokens"] = whole_number(budget, fields[budget], 1, None, "a whole number of tokens, at least 1")
     if budget == "max_completion_tokens" and "max_tokens" in fields:  # still type-checked when overridden
-        _whole("max_tokens", fields["max_tokens"], 1, None, "a whole number of tokens, at least 1")
-    n = _whole("n", fields["n"], 1, MAX_N, f"a whole number from 1 to {MAX_N}") if "n" in fields else 1
+        whole_number("max_tokens", fields["max_tokens"], 1, None, "a whole number of tokens, at least 1")
+    n = whole_number("n", fields["n"], 1, MAX_N, f"a whole number from 1 to {MAX_N}") if "n" in fields else 1
     request_id = None
     if "request_id" in fields:
         request_id = _string("request_id", fields["request_id"])
         if (not request_id or len(request_id) > _MAX_REQUEST_ID or "/" in request_id
                 or any(c.isspace() or not c.isprintable() for c in request_id)):
-            raise _invalid("request_id", request_id,
+            raise invalid_field("request_id", request_id,
                            f"a non-empty string of at most {_MAX_REQUEST_ID} printable characters without "
                            "spaces or '/'")
     return sampling, n, stream, include_usage, request_id
@@ -567,13 +662,13 @@ def _check_values(field: str, value: Any) -> None:
         elif isinstance(item, Mapping):
             pending.extend((k, depth) for k in item)
             pending.extend((v, depth + 1) for v in item.values())
-        elif _is_list(item):
+        elif is_list(item):
             pending.extend((v, depth + 1) for v in item)
 
 
-def _body(body: Any) -> Mapping[str, Any]:
+def body_mapping(body: Any) -> Mapping[str, Any]:
     if not isinstance(body, Mapping):
-        raise InvalidRequestError(f"the request body must be a JSON object, got {_show(body)}", param=None)
+        raise InvalidRequestError(f"the request body must be a JSON object, got {show_value(body)}", param=None)
     for key, value in body.items():
         _check_values(str(key), key)
         _check_values(str(key), value)
@@ -581,50 +676,52 @@ def _body(body: Any) -> Mapping[str, Any]:
 
 
 def _messages(value: Any) -> list:
-    if not _is_list(value) or not value:
-        raise _invalid("messages", value, "a non-empty array of message objects")
+    if not is_list(value) or not value:
+        raise invalid_field("messages", value, "a non-empty array of message objects")
     for message in value:
         if not isinstance(message, Mapping):
-            raise _invalid("messages", value, "a non-empty array of message objects",
-                           f"The entry {_show(message)} is not an object; send each message as an object")
+            raise invalid_field("messages", value, "a non-empty array of message objects",
+                           f"The entry {show_value(message)} is not an object; send each message as an object")
         role = message.get("role")
         if role not in _ROLES:
-            raise _invalid("messages", value, "a non-empty array of message objects",
-                           f"A message has the role {_show(role)}; send each message with a role among "
+            raise invalid_field("messages", value, "a non-empty array of message objects",
+                           f"A message has the role {show_value(role)}; send each message with a role among "
                            f"{', '.join(_ROLES)}")
     return list(value)
 
 
 def _tools(value: Any) -> list:
-    if not _is_list(value):
-        raise _invalid("tools", value, "an array of tool objects")
+    if not is_list(value):
+        raise invalid_field("tools", value, "an array of tool objects")
     for tool in value:
         function = tool.get("function") if isinstance(tool, Mapping) else None
         if (not isinstance(tool, Mapping) or tool.get("type", "function") != "function"
                 or not isinstance(function, Mapping) or not isinstance(function.get("name"), str)
                 or not function["name"]):
-            raise _unsupported("tools", value,
-                               f"the tool {_show(tool)} is not a function tool; only "
+            raise unsupported_field("tools", value,
+                               f"the tool {show_value(tool)} is not a function tool; only "
                                '{"type": "function", "function": {"name": ...}} definitions reach the template',
                                "Send function tools only")
     return list(value)
 
 
 def _response_format(value: Any, caps: Any) -> Mapping[str, Any]:
-    fmt = _object("response_format", value)
+    fmt = object_field("response_format", value)
     kind = fmt.get("type")
     if kind not in ("text", "json_object", "json_schema"):
-        raise _invalid("response_format", value, 'an object whose "type" is "text", "json_object" or "json_schema"')
+        raise invalid_field("response_format", value,
+                            'an object whose "type" is "text", "json_object" or "json_schema"')
     if kind == "json_schema" and not isinstance(fmt.get("json_schema"), Mapping):
-        raise _invalid("response_format", value, 'an object with a "json_schema" object when its type is json_schema')
+        raise invalid_field("response_format", value,
+                            'an object with a "json_schema" object when its type is json_schema')
     if kind != "text" and not _cap(caps, "structured_outputs"):
-        raise _unsupported("response_format", value,
+        raise unsupported_field("response_format", value,
                            "this engine declares no structured outputs, so the answer could not be constrained "
                            "to the format", 'Send {"type": "text"} or omit "response_format"')
     return fmt
 
 
-def _chat_options(fields: Mapping[str, Any], caps: Any) -> dict[str, Any]:
+def chat_options_of(fields: Mapping[str, Any], caps: Any) -> dict[str, Any]:
     options: dict[str, Any] = {}
     if "tools" in fields:
         tools = _tools(fields["tools"])
@@ -643,17 +740,17 @@ def _chat_options(fields: Mapping[str, Any], caps: Any) -> dict[str, Any]:
     if "reasoning_effort" in fields:
         effort = fields["reasoning_effort"]
         if effort not in REASONING_EFFORTS:
-            raise _invalid("reasoning_effort", effort, f"one of {', '.join(REASONING_EFFORTS)}")
+            raise invalid_field("reasoning_effort", effort, f"one of {', '.join(REASONING_EFFORTS)}")
         options["reasoning_effort"] = effort
     for name in ("thinking_mode", "add_generation_prompt"):
         if name in fields:
             options[name] = _boolean(name, fields[name])
     if "chat_template_kwargs" in fields:
-        kwargs = _object("chat_template_kwargs", fields["chat_template_kwargs"])
+        kwargs = object_field("chat_template_kwargs", fields["chat_template_kwargs"])
         for key in kwargs:
             if not isinstance(key, str) or key in _TEMPLATE_RESERVED:
-                raise _unsupported("chat_template_kwargs", kwargs,
-                                   f"{_show(key)} is set by the server itself when it renders the template",
+                raise unsupported_field("chat_template_kwargs", kwargs,
+                                   f"{show_value(key)} is set by the server itself when it renders the template",
                                    "Send it as its own request field, or remove it from chat_template_kwargs")
         options["chat_template_kwargs"] = dict(kwargs)
     return options
@@ -661,9 +758,9 @@ def _chat_options(fields: Mapping[str, Any], caps: Any) -> dict[str, Any]:
 
 def parse_chat_request(body: Mapping[str, Any], caps: Any = None) -> ParsedRequest:
     """Validate a ``/v1/chat/completions`` body against the policy table and ``caps``."""
-    body = _body(body)
-    _check_known(body, CHAT)
-    fields = _present(body)
+    body = body_mapping(body)
+    check_known_fields(body, CHAT)
+    fields = present_fields(body)
     if "messages" not in fields:
         raise InvalidRequestError('"messages" is required: send the conversation as an array of message '
                                   "objects.", param="messages")
@@ -673,25 +770,25 @@ def parse_chat_request(body: Mapping[str, Any], caps: Any = None) -> ParsedReque
     want = False
     if "logprobs" in fields:
         if not isinstance(fields["logprobs"], bool):
-            raise _invalid("logprobs", fields["logprobs"], "true or false on /v1/chat/completions",
+            raise invalid_field("logprobs", fields["logprobs"], "true or false on /v1/chat/completions",
                            'A count is the /v1/completions spelling; here send "logprobs": true and the number of '
                            'alternatives as "top_logprobs"')
         want = fields["logprobs"]
     top = None
     if "top_logprobs" in fields:
-        top = _whole("top_logprobs", fields["top_logprobs"], 0, MAX_LOGPROBS,
+        top = whole_number("top_logprobs", fields["top_logprobs"], 0, MAX_LOGPROBS,
                      f"a whole number from 0 to {MAX_LOGPROBS}")
         if top > 0 and not want:
-            raise _unsupported("top_logprobs", fields["top_logprobs"],
+            raise unsupported_field("top_logprobs", fields["top_logprobs"],
                                "there is no ranking to take alternatives from unless the request asks for log "
                                "probabilities", 'Send "logprobs": true with it, or omit "top_logprobs"')
     if want:
         _check_logprobs_caps("top_logprobs", top or 0, caps, True)
         sampling["logprobs"] = top or 0
 
-    options = _chat_options(fields, caps)
+    options = chat_options_of(fields, caps)
     drop_thinking = _boolean("drop_thinking", fields["drop_thinking"]) if "drop_thinking" in fields else None
-    _check_caps(body, sampling, n, caps)
+    check_caps(body, sampling, n, caps)
     return ParsedRequest(endpoint=CHAT, messages=messages, prompts=None, sampling=sampling, n=n, stream=stream,
                          want_logprobs=want, chat_options=options, request_id=request_id,
                          drop_thinking=drop_thinking, include_usage=include_usage)
@@ -701,19 +798,19 @@ def _prompts(value: Any, vocab_size: int) -> list[str | list[int]]:
     expected = "a string, an array of strings, an array of token ids, or an array of token-id arrays"
 
     def token_ids(ids: Any) -> list[int] | None:
-        if not _is_list(ids) or not ids:
+        if not is_list(ids) or not ids:
             return None
         if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
             return None
         outside = next((t for t in ids if t >= vocab_size), None)
         if outside is not None:
-            raise _invalid("prompt", value, f"token ids below {vocab_size}",
+            raise invalid_field("prompt", value, f"token ids below {vocab_size}",
                            f"The token id {outside} is outside the model's vocabulary (0..{vocab_size - 1})")
         return list(ids)
 
     if isinstance(value, str):
         return [value]
-    if _is_list(value) and value:
+    if is_list(value) and value:
         if all(isinstance(p, str) for p in value):
             return list(value)
         single = token_ids(value)
@@ -722,32 +819,32 @@ def _prompts(value: Any, vocab_size: int) -> list[str | list[int]]:
         many = [token_ids(p) for p in value]
         if all(ids is not None for ids in many):
             return many  # type: ignore[return-value]
-    raise _invalid("prompt", value, expected,
+    raise invalid_field("prompt", value, expected,
                    "Send one of those shapes; a list must hold only strings, only token ids, or only non-empty "
                    "token-id arrays")
 
 
 def parse_completion_request(body: Mapping[str, Any], caps: Any = None) -> ParsedRequest:
     """Validate a ``/v1/completions`` body against the policy table and ``caps``."""
-    body = _body(body)
-    _check_known(body, COMPLETIONS)
-    fields = _present(body)
+    body = body_mapping(body)
+    check_known_fields(body, COMPLETIONS)
+    fields = present_fields(body)
     if "prompt" not in fields:
         raise InvalidRequestError('"prompt" is required: send a string, an array of strings, or token ids.',
                                   param="prompt")
-    prompts = _prompts(fields["prompt"], _vocab_size(caps))
+    prompts = _prompts(fields["prompt"], vocab_size_of(caps))
     sampling, n, stream, include_usage, request_id = _common(fields, COMPLETIONS, caps)
 
     want = "logprobs" in fields
     if want:
-        count = _whole("logprobs", fields["logprobs"], 0, MAX_LOGPROBS,
+        count = whole_number("logprobs", fields["logprobs"], 0, MAX_LOGPROBS,
                        f"a whole number from 0 to {MAX_LOGPROBS}, the number of alternatives per position",
                        'On /v1/completions "logprobs" is a count, not a boolean (that is the chat spelling); '
                        'send 0 for the sampled token alone')
         _check_logprobs_caps("logprobs", count, caps, fields["logprobs"])
         sampling["logprobs"] = count
 
-    _check_caps(body, sampling, n, caps)
+    check_caps(body, sampling, n, caps)
     return ParsedRequest(endpoint=COMPLETIONS, messages=None, prompts=prompts, sampling=sampling, n=n,
                          stream=stream, want_logprobs=want, chat_options={}, request_id=request_id,
                          drop_thinking=None, include_usage=include_usage)

@@ -21,10 +21,12 @@ from pocketllm.api import AsyncLLM
 from pocketllm.config import EngineArgs
 from pocketllm.errors import InvalidRequestError, PocketLLMError, UnsupportedFeatureError
 from pocketllm.protocol.openai_fields import parse_chat_request, parse_completion_request
+from pocketllm.protocol.responses_request import ResponsesRequest, parse_responses_request
 from pocketllm.server.errors import JSONResponse, error_response
 from pocketllm.server.exposure import ExposurePolicy
 from pocketllm.server.guards import DEFAULT_MAX_REQUEST_BYTES, BodyLimitMiddleware, ExposureMiddleware
 from pocketllm.server.metrics import ServerMetrics
+from pocketllm.server.responses import ResponsesServing
 from pocketllm.server.serving import OpenAIServing, RequestFailed
 
 logger = logging.getLogger("pocketllm.server")
@@ -215,6 +217,15 @@ def build_app(config: ServerConfig) -> FastAPI:
             raise InvalidRequestError("the request body must be a JSON object")
         return body
 
+    async def _respond(request: Request, parsed: ResponsesRequest) -> Response:
+        """A /v1/responses answer: the whole response, or its stream of typed events."""
+        responses = ResponsesServing(state.serving)
+        if parsed.chat.stream:
+            job = await responses.prepare_stream(parsed)
+            return StreamingResponse(responses.stream(job, parsed), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Request-Id": job.request_id})
+        return JSONResponse(await responses.create(parsed, request.is_disconnected))
+
     async def _serve(request: Request, endpoint: str) -> Response:
         problem = _unavailable()
         if problem is not None:
@@ -223,6 +234,8 @@ def build_app(config: ServerConfig) -> FastAPI:
         try:
             body = await _body(request)
             caps = state.llm.engine_caps()
+            if endpoint == "responses":
+                return await _respond(request, parse_responses_request(body, caps))
             if endpoint == "chat":
                 parsed, prefix = parse_chat_request(body, caps), "chatcmpl"
             else:
@@ -238,6 +251,10 @@ def build_app(config: ServerConfig) -> FastAPI:
             return error_response(exc.status, exc.message)
         except PocketLLMError as exc:
             return error_response(500, str(exc))
+
+    @app.post("/v1/responses")
+    async def responses(request: Request) -> Response:
+        return await _serve(request, "responses")
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:

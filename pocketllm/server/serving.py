@@ -17,6 +17,7 @@ from pocketllm.outputs import RequestOutput, TokenEvent, TokenLogprob
 from pocketllm.protocol.chat_output import ChatOutputSpec
 from pocketllm.protocol.openai_fields import ParsedRequest
 from pocketllm.protocol.structured_output import is_forced_tool_choice, parse_forced_tool_calls
+from pocketllm.protocol.tool_call_deltas import tool_call_deltas
 from pocketllm.request_builder import EngineRequest
 from pocketllm.sampling_params import SamplingParams
 from pocketllm.server.metrics import ServerMetrics
@@ -46,10 +47,12 @@ class _Choice:
     pending_logprobs: list[TokenLogprob] = field(default_factory=list)
     sent_logprobs: int = 0
     sent_offset: int = 0
+    # A forced tool call on a stream: the answer, held back until it parses as calls or is released as content.
+    held: list[str] = field(default_factory=list)
 
 
 @dataclass
-class _Job:
+class Job:
     """A request being served: its id, choices and when it started."""
 
     request_id: str
@@ -91,7 +94,7 @@ class OpenAIServing:
         self.model_name = model_name
         self.metrics = metrics
         self.request_timeout = request_timeout
-        self.jobs: dict[str, _Job] = {}
+        self.jobs: dict[str, Job] = {}
 
     # --- building --------------------------------------------------------------------------------
     def _requests(self, parsed: ParsedRequest) -> list[EngineRequest]:
@@ -113,7 +116,7 @@ class OpenAIServing:
             return params
         return dataclasses.replace(params, seed=(params.seed + choice * SEED_STRIDE) % (1 << 63))
 
-    async def _job(self, parsed: ParsedRequest, prefix: str) -> _Job:
+    async def _job(self, parsed: ParsedRequest, prefix: str) -> Job:
         """The request's choices, its prompts encoded in a worker thread (the chat template and the tokenizer
         run off the event loop, so a long prompt stalls no other stream); registered under its id."""
         request_id = parsed.request_id or f"{prefix}-{uuid.uuid4().hex}"
@@ -128,7 +131,7 @@ class OpenAIServing:
                 index = p * parsed.n + i
                 choices.append(_Choice(index, f"{request_id}-{index}", request.prompt_ids,
                                        self._choice_params(request.params, i)))
-        job = _Job(request_id, parsed.endpoint, choices, parsed.want_logprobs)
+        job = Job(request_id, parsed.endpoint, choices, parsed.want_logprobs)
         job.forced_tool_calls = is_forced_tool_choice(parsed.chat_options.get("tool_choice"))
         job.prompt_tokens = sum(len(r.prompt_ids) for r in requests)
         job.chat_output = requests[0].chat_output if parsed.endpoint == "chat" else None
@@ -146,7 +149,7 @@ class OpenAIServing:
         self._cancel_choices(job)
         return True
 
-    def _cancel_choices(self, job: _Job) -> None:
+    def _cancel_choices(self, job: Job) -> None:
         for choice in job.choices:
             self.llm.cancel(choice.engine_id)
 
@@ -154,7 +157,7 @@ class OpenAIServing:
         for request_id in list(self.jobs):
             self.cancel(request_id, "shutdown")
 
-    def _end(self, job: _Job) -> None:
+    def _end(self, job: Job) -> None:
         """Unregister a job; count it if it was aborted."""
         self.jobs.pop(job.request_id, None)
         if job.aborted is not None:
@@ -184,7 +187,7 @@ class OpenAIServing:
             "text_offset": offsets,
         }
 
-    def _logprobs(self, job: _Job, choice: _Choice, entries: list[TokenLogprob] | None,
+    def _logprobs(self, job: Job, choice: _Choice, entries: list[TokenLogprob] | None,
                   text_offset: int = 0) -> dict | None:
         if not job.want_logprobs or entries is None:
             return None
@@ -192,17 +195,17 @@ class OpenAIServing:
             return self._chat_logprobs(entries)
         return self._completion_logprobs(entries, choice.params.logprobs or 0, text_offset)
 
-    def _usage(self, job: _Job, outputs: list[RequestOutput]) -> dict:
+    def _usage(self, job: Job, outputs: list[RequestOutput]) -> dict:
         completion = sum(o.usage.completion_tokens for o in outputs)
         return {"prompt_tokens": job.prompt_tokens, "completion_tokens": completion,
                 "total_tokens": job.prompt_tokens + completion}
 
-    def _envelope(self, job: _Job, chunk: bool) -> dict:
+    def _envelope(self, job: Job, chunk: bool) -> dict:
         kind = ("chat.completion.chunk" if chunk else "chat.completion") if job.endpoint == "chat" \
             else "text_completion"
         return {"id": job.request_id, "object": kind, "created": job.created, "model": self.model_name}
 
-    def _forced_tool_call_body(self, job: _Job, choice: _Choice, output: RequestOutput) -> dict | None:
+    def _forced_tool_call_body(self, job: Job, choice: _Choice, output: RequestOutput) -> dict | None:
         """A forced tool_choice's answer as tool_calls; None (plain content) when it does not parse."""
         calls = parse_forced_tool_calls(output.text) if output.finish_reason == "stop" else None
         if calls is None:
@@ -213,7 +216,7 @@ class OpenAIServing:
         return {"index": choice.index, "message": message,
                 "logprobs": self._logprobs(job, choice, output.logprobs), "finish_reason": "tool_calls"}
 
-    def _choice_body(self, job: _Job, choice: _Choice, output: RequestOutput) -> dict:
+    def _choice_body(self, job: Job, choice: _Choice, output: RequestOutput) -> dict:
         if job.forced_tool_calls:
             forced = self._forced_tool_call_body(job, choice, output)
             if forced is not None:
@@ -238,7 +241,7 @@ class OpenAIServing:
         return message
 
     # --- running ---------------------------------------------------------------------------------
-    def _record(self, job: _Job, output: RequestOutput) -> None:
+    def _record(self, job: Job, output: RequestOutput) -> None:
         self.metrics.observe(output, time.monotonic() - job.started)
 
     async def complete(self, parsed: ParsedRequest, prefix: str,
@@ -285,19 +288,41 @@ class OpenAIServing:
         finally:
             self._end(job)
 
-    async def _watch_disconnect(self, job: _Job, disconnected: Callable[[], Any]) -> None:
+    async def _watch_disconnect(self, job: Job, disconnected: Callable[[], Any]) -> None:
         while True:
             await asyncio.sleep(0.05)
             if await disconnected():
                 self.cancel(job.request_id, "client_disconnect")
                 return
 
-    async def prepare_stream(self, parsed: ParsedRequest, prefix: str) -> _Job:
+    async def prepare_stream(self, parsed: ParsedRequest, prefix: str) -> Job:
         """Validate and register a streaming request before the response starts (so errors are a 400)."""
         return await self._job(parsed, prefix)
 
-    async def stream(self, job: _Job) -> AsyncIterator[str]:
-        """SSE chunks of every choice, interleaved as tokens arrive, then ``[DONE]``."""
+    async def stream(self, job: Job) -> AsyncIterator[str]:
+        """SSE chunks of every choice, interleaved as tokens arrive, then ``[DONE]``; the chunks that are ready
+        together go out in one write."""
+        batches = self.stream_batches(job)
+        try:
+            async for batch in batches:
+                yield "".join(sse(chunk) for chunk in batch)
+        finally:
+            await batches.aclose()
+
+    async def stream_chunks(self, job: Job) -> AsyncIterator[dict | str]:
+        """The stream's chunks one by one (``stream_batches``)."""
+        batches = self.stream_batches(job)
+        try:
+            async for batch in batches:
+                for chunk in batch:
+                    yield chunk
+        finally:
+            await batches.aclose()
+
+    async def stream_batches(self, job: Job) -> AsyncIterator[list[dict | str]]:
+        """The stream's chunks (an ``{"error": ...}`` object for a failed choice or a missed deadline), then
+        ``"[DONE]"``, in batches: what the engine delivered together; the job ends when the iterator is closed
+        or exhausted."""
         events: asyncio.Queue = asyncio.Queue()
 
         async def pump(choice: _Choice) -> None:
@@ -322,34 +347,38 @@ class OpenAIServing:
                     first = {**self._envelope(job, chunk=True), "choices": [
                         {"index": choice.index, "delta": {"role": "assistant", "content": ""},
                          "logprobs": None, "finish_reason": None}]}
-                    yield sse({**first, "usage": None} if job.include_usage else first)
+                    yield [{**first, "usage": None} if job.include_usage else first]
             while open_choices:
-                timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
                 try:
-                    choice, event = await asyncio.wait_for(events.get(), timeout)
+                    if deadline is None:
+                        ready = [await events.get()]
+                    else:
+                        ready = [await asyncio.wait_for(events.get(), max(0.0, deadline - time.monotonic()))]
                 except asyncio.TimeoutError:
                     timed_out = True
                     self.cancel(job.request_id, "deadline")
                     deadline = None
                     continue
-                if event is None:
-                    open_choices -= 1
-                    continue
-                if isinstance(event, Exception):
-                    yield sse({"error": {"message": str(event), "type": "server_error", "param": None,
-                                         "code": None}})
-                    continue
-                chunk = self._stream_chunk(job, choice, event)
-                if chunk is not None:
-                    yield sse(chunk)
+                while not events.empty():   # what else has arrived goes out with it
+                    ready.append(events.get_nowait())
+                batch: list[dict | str] = []
+                for choice, event in ready:
+                    if event is None:
+                        open_choices -= 1
+                    elif isinstance(event, Exception):
+                        batch.append({"error": {"message": str(event), "type": "server_error", "param": None,
+                                                "code": None}})
+                    else:
+                        batch.extend(self._event_chunks(job, choice, event))
+                if batch:
+                    yield batch
             ran_its_course = True
             if timed_out:
-                yield sse({"error": {"message": f"the request did not finish within {self.request_timeout} s",
-                                     "type": "timeout", "param": None, "code": 504}})
+                yield [{"error": {"message": f"the request did not finish within {self.request_timeout} s",
+                                  "type": "timeout", "param": None, "code": 504}}]
             if job.include_usage:
-                yield sse({**self._envelope(job, chunk=True), "choices": [],
-                           "usage": self._usage(job, job.finished)})
-            yield sse("[DONE]")
+                yield [{**self._envelope(job, chunk=True), "choices": [], "usage": self._usage(job, job.finished)}]
+            yield ["[DONE]"]
         finally:
             for task in tasks:
                 task.cancel()
@@ -358,7 +387,7 @@ class OpenAIServing:
             self._cancel_choices(job)
             self._end(job)
 
-    def _stream_logprobs(self, job: _Job, choice: _Choice, event: TokenEvent) -> dict | None:
+    def _stream_logprobs(self, job: Job, choice: _Choice, event: TokenEvent) -> dict | None:
         """The log-probabilities of the tokens whose text this chunk sends: those held with earlier, empty
         steps too; on the last chunk, whatever of the final output's entries was not sent (a matched stop
         string drops the tokens after it, as in a non-streamed response). A chunk carries its own step's token
@@ -372,25 +401,52 @@ class OpenAIServing:
         choice.sent_offset += sum(len(e.token) for e in entries)
         return shaped
 
-    def _stream_chunk(self, job: _Job, choice: _Choice, event: TokenEvent) -> dict | None:
+    def _event_chunks(self, job: Job, choice: _Choice, event: TokenEvent) -> list[dict]:
+        """The chunks one engine event makes: its text (held back on a forced tool call until the answer
+        parses), and on the last event the parsed calls in OpenAI's streamed form, then the finish."""
         if event.output is not None:
             self._record(job, event.output)
             job.finished.append(event.output)
         if job.want_logprobs and event.logprobs:
             choice.pending_logprobs.extend(event.logprobs)
-        if not event.text and not event.reasoning_content and not event.finished:
-            return None
-        logprobs = self._stream_logprobs(job, choice, event) if job.want_logprobs else None
-        reason = event.finish_reason if event.finished else None
+        text, calls = event.text, None
         if job.endpoint == "chat":
-            delta: dict[str, Any] = {"content": event.text} if event.text else {}
-            if event.reasoning_content:
-                delta["reasoning_content"] = event.reasoning_content
+            if job.forced_tool_calls:
+                choice.held.append(text)
+                text = ""
+                if event.finished:
+                    output = event.output
+                    calls = (parse_forced_tool_calls(output.text)
+                             if output is not None and output.finish_reason == "stop" else None)
+                    if calls is None:
+                        text = "".join(choice.held)
             if event.tool_calls:
-                delta["tool_calls"] = [{"index": i, **call.to_openai()} for i, call in enumerate(event.tool_calls)]
-            body = {"index": choice.index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
-        else:
-            body = {"index": choice.index, "text": event.text, "logprobs": logprobs, "finish_reason": reason}
+                calls = [call.to_openai() for call in event.tool_calls]
+        # No text yet: held back (a stop string may begin here). Without a tokenizer there is never text, and
+        # each token gets its (empty) chunk.
+        if not (text or event.reasoning_content or event.finished) and self.llm.tokenizer is not None:
+            return []
+        logprobs = self._stream_logprobs(job, choice, event) if job.want_logprobs else None
+        reason = ("tool_calls" if calls else event.finish_reason) if event.finished else None
+        if job.endpoint != "chat":
+            body = {"index": choice.index, "text": text, "logprobs": logprobs, "finish_reason": reason}
+            return [self._chunk(job, body)]
+        delta: dict[str, Any] = {"content": text} if text else {}
+        if event.reasoning_content:
+            delta["reasoning_content"] = event.reasoning_content
+        if not calls:
+            return [self._chunk(job, {"index": choice.index, "delta": delta, "logprobs": logprobs,
+                                      "finish_reason": reason})]
+        bodies = [{"index": choice.index, "delta": {"tool_calls": [entry]}, "logprobs": None, "finish_reason": None}
+                  for entry in tool_call_deltas(calls)]
+        if delta:
+            bodies.insert(0, {"index": choice.index, "delta": delta, "logprobs": None, "finish_reason": None})
+        bodies[0]["logprobs"] = logprobs
+        bodies.append({"index": choice.index, "delta": {}, "logprobs": None, "finish_reason": reason})
+        return [self._chunk(job, body) for body in bodies]
+
+    def _chunk(self, job: Job, body: dict) -> dict:
+        """One streamed chunk holding one choice's ``body``."""
         chunk = {**self._envelope(job, chunk=True), "choices": [body]}
         if job.include_usage:
             chunk["usage"] = None

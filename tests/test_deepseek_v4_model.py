@@ -1,0 +1,268 @@
+"""DeepSeek-V4 as a served model: the tiny random checkpoint of ``tests/conftest.py`` (sliding, compressed sparse
+and heavily compressed layers, hash-routed and score-routed experts, hyper-connections) against transformers'
+reference (fp32, CPU) — logits, greedy tokens under the scheduling regimes, and chats through our encoder.
+
+Tolerances: our model computes the same float32 arithmetic in another order (einsum over gathered paged rows
+rather than batched matmuls; a chunk at a time where transformers runs the prompt whole), which moves logits by
+about 1e-5 (measured ≤ 2e-5 on logits up to ~9); 1e-4 bounds that with margin, while a real error (a wrong
+mask, a lost state) moves them by 1e-2 or more.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import pytest
+import torch
+from conftest import tiny_config, write_checkpoint
+from safetensors.torch import load_file
+
+from pocketllm import LLM, EngineArgs, SamplingParams
+from pocketllm.errors import UnsupportedFeatureError
+
+ARCH = "deepseek_v4"
+NEW_TOKENS = 32
+TOP = 10
+# The model runs on the CPU reference path (a CUDA device is refused); the default CPU cache would cost more
+# than the test itself.
+CPU = {"device": "cpu"}
+KV = {**CPU, "num_kv_blocks": 256}
+REGIMES = {
+    "default": KV,
+    "prefill-budget-16": {**KV, "max_num_batched_tokens": 16},
+    "prefill-budget-5": {**KV, "max_num_batched_tokens": 5},
+    "no-chunking": {**KV, "enable_chunked_prefill": False},
+    "preemption": {**CPU, "num_kv_blocks": 30, "block_size": 4, "max_num_batched_tokens": 24},
+    "async-preemption": {**CPU, "num_kv_blocks": 30, "block_size": 4, "max_num_batched_tokens": 24,
+                         "async_scheduling": "on"},
+}
+
+
+def _prompts(vocab: int = 49152) -> list[list[int]]:
+    """Mixed lengths: within the 8-token window and the compression rates (4, 8), and well past them."""
+    return [[(1000 + 7919 * (i + 1) * (n + 3)) % vocab for i in range(length)]
+            for n, length in enumerate((5, 17, 33, 9, 41))]
+
+
+@pytest.fixture(scope="module")
+def references(tiny_checkpoint, hf_reference):
+    """transformers' greedy continuations of the prompts, computed once."""
+    cache: dict[str, list[list[int]]] = {}
+
+    def get() -> list[list[int]]:
+        if "greedy" not in cache:
+            cache["greedy"] = hf_reference.greedy(tiny_checkpoint(ARCH), _prompts(), NEW_TOKENS)
+        return cache["greedy"]
+
+    return get
+
+
+def _model_and_reference(tiny_checkpoint, hf_reference):
+    from pocketllm.loaders.checkpoint import load_checkpoint
+    from pocketllm.models.deepseek_v4 import DeepseekV4ForCausalLM
+    from pocketllm.models.weights import load_weights
+
+    directory = tiny_checkpoint(ARCH)
+    checkpoint = load_checkpoint(directory)
+    model = DeepseekV4ForCausalLM(checkpoint.hf_config)
+    load_weights(model, iter(checkpoint.weight_source))
+    return model, directory
+
+
+def _run_in_chunks(model, ids: list[int], chunk: int, block_size: int = 16, slot: int = 1) -> torch.Tensor:
+    """Logits of every position of one sequence fed ``chunk`` tokens a step through the paged cache and the
+    state slots (caches and slots bound here, the sequence's blocks in reverse order)."""
+    from pocketllm.step.attention_metadata import AttentionMetadata
+
+    blocks = -(-len(ids) // block_size)
+    for module in model.modules():
+        if type(module).__name__ == "Attention":
+            shape = (blocks + 1, block_size, module.num_kv_heads, module.head_dim)
+            module.k_cache, module.v_cache = torch.zeros(shape), torch.zeros(shape)
+        if hasattr(module, "state_specs"):
+            for name, (shape, dtype) in module.state_specs(torch.float32).items():
+                setattr(module, name, torch.randn((3, *shape)).to(dtype))   # stale state must not leak in
+    table = torch.arange(blocks, 0, -1)[None, :]
+    logits = []
+    for start in range(0, len(ids), chunk):
+        end = min(len(ids), start + chunk)
+        positions = torch.arange(start, end)
+        meta = AttentionMetadata(slot_mapping=table[0][positions // block_size] * block_size + positions % block_size,
+                                 block_tables=table, query_start=[0, end - start], context_lens=[end],
+                                 block_size=block_size, state_slots=torch.tensor([slot]), state_slots_host=[slot])
+        with torch.no_grad():
+            logits.append(model.compute_logits(model(torch.tensor(ids[start:end]), positions, meta)))
+    return torch.cat(logits)
+
+
+def test_layers_follow_the_config(tiny_checkpoint):
+    from transformers import AutoModelForCausalLM
+
+    from pocketllm.models.deepseek_v4 import DeepseekV4ForCausalLM
+
+    config = tiny_config(ARCH)
+    model = DeepseekV4ForCausalLM(config)
+    assert model.sliding_windows == [8] * 4
+    attention = [layer.self_attn for layer in model.layers]
+    assert attention[0].compressor is None and attention[0].rotary is model.rotary["main"]
+    assert attention[1].compressor.rate == 4 and attention[1].compressor.indexer.topk == 3
+    assert attention[2].compressor.rate == 8 and attention[2].compressor.indexer is None
+    assert attention[2].rotary is model.rotary["compress"]
+    assert [layer.mlp.gate.hashed for layer in model.layers] == [True, False, False, False]
+    assert model.decode_plan() is None
+    # The rotary frequencies (plain on sliding layers, YaRN on compressed ones) are transformers'.
+    reference = AutoModelForCausalLM.from_pretrained(tiny_checkpoint(ARCH), dtype=torch.float32).model.rotary_emb
+    for label in ("main", "compress"):
+        torch.testing.assert_close(model.rotary[label].inv_freq, getattr(reference, f"{label}_inv_freq"))
+        assert model.rotary[label].scale == getattr(reference, f"{label}_attention_scaling")
+    assert not torch.equal(model.rotary["compress"].inv_freq,
+                           1.0 / 160000.0 ** (torch.arange(0, 16, 2, dtype=torch.float32) / 16))
+
+
+@pytest.mark.parametrize("field, value", [
+    ("scoring_func", "softmax"), ("num_key_value_heads", 2), ("hidden_act", "gelu"), ("n_shared_experts", 2),
+    ("norm_topk_prob", False), ("quantization_config", {"quant_method": "fp8"}), ("attention_bias", True),
+    ("mlp_bias", True), ("tie_word_embeddings", True),
+])
+def test_features_we_do_not_compute_are_refused_by_name(field, value):
+    from pocketllm.models.deepseek_v4 import DeepseekV4ForCausalLM
+
+    config = tiny_config(ARCH)
+    setattr(config, field, value)
+    with pytest.raises(UnsupportedFeatureError, match=field):
+        DeepseekV4ForCausalLM(config)
+
+
+def test_rope_types_other_than_default_and_yarn_are_refused():
+    from pocketllm.models.deepseek_v4 import DeepseekV4ForCausalLM
+
+    config = tiny_config(ARCH)
+    config.rope_parameters["compress"]["rope_type"] = "longrope"
+    with pytest.raises(UnsupportedFeatureError, match="rope_type 'longrope'"):
+        DeepseekV4ForCausalLM(config)
+
+
+def test_unknown_architecture_names_still_refused():
+    from pocketllm.models.registry import model_class
+
+    config = tiny_config(ARCH)
+    config.architectures = ["DeepseekV4ForCausalLM"]
+    assert model_class(config).__name__ == "DeepseekV4ForCausalLM"
+    config.architectures = ["DeepseekV5ForCausalLM"]
+    with pytest.raises(UnsupportedFeatureError, match="DeepseekV5ForCausalLM"):
+        model_class(config)
+
+
+def test_full_prompt_logits_match_transformers(tiny_checkpoint, hf_reference):
+    """The whole prompt in one step: every position's logits equal transformers'."""
+    model, directory = _model_and_reference(tiny_checkpoint, hf_reference)
+    ids = _prompts()[4]
+    expected = hf_reference.logits(directory, ids, all_positions=True)
+    got = _run_in_chunks(model, ids, len(ids))
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 5, 8])
+def test_chunked_logits_match_transformers(chunk, tiny_checkpoint, hf_reference):
+    """Chunks that split windows at every offset carry the open window and the overlap through the state slot
+    (which starts out holding another request's values)."""
+    model, directory = _model_and_reference(tiny_checkpoint, hf_reference)
+    ids = _prompts()[4]
+    expected = hf_reference.logits(directory, ids, all_positions=True)
+    got = _run_in_chunks(model, ids, chunk)
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("regime", list(REGIMES))
+def test_greedy_matches_transformers(regime, tiny_checkpoint, references):
+    """Batched requests of mixed lengths, 32 tokens each, equal transformers' one-at-a-time greedy tokens."""
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    with LLM(EngineArgs(model=tiny_checkpoint(ARCH), **REGIMES[regime])) as llm:
+        outputs = llm.generate(_prompts(), params)
+        core = llm._client.backend.core
+        preemptions = core.scheduler.num_preemptions
+        free_slots = core.state_pool.num_free_slots
+        assert llm.engine_caps().prefix_caching is False
+    assert [o.token_ids for o in outputs] == references()
+    assert all(o.finish_reason == "length" for o in outputs)
+    assert free_slots == core.args.max_num_seqs, "every state slot returns to the pool"
+    if regime.endswith("preemption"):
+        assert preemptions > 0, "the KV pool was meant to be small enough to force preemption"
+
+
+def test_logprobs_match_transformers(tiny_checkpoint, hf_reference):
+    """Every generated position's top log-probabilities equal transformers' within 1e-4."""
+    directory = tiny_checkpoint(ARCH)
+    params = SamplingParams(max_tokens=16, temperature=0.0, logprobs=TOP, ignore_eos=True)
+    prompts = [_prompts()[1], _prompts()[4]]
+    with LLM(EngineArgs(model=directory, max_num_batched_tokens=16, **KV)) as llm:
+        outputs = llm.generate(prompts, params)
+    for prompt, out in zip(prompts, outputs):
+        reference = torch.log_softmax(hf_reference.logits(directory, prompt + out.token_ids, all_positions=True), -1)
+        for i, entry in enumerate(out.logprobs):
+            row = reference[len(prompt) - 1 + i]
+            assert entry.token_id == int(row.argmax())
+            assert [alt.token_id for alt in entry.top] == torch.topk(row, TOP).indices.tolist()
+            for alt in entry.top:
+                assert math.isclose(alt.logprob, row[alt.token_id].item(), abs_tol=1e-4)
+
+
+def test_chat_is_encoded_by_our_encoder_end_to_end(tiny_checkpoint, hf_reference):
+    """The tiny checkpoint ships no chat template: ``LLM.chat`` (with tools) renders it with our DeepSeek-V4
+    encoder, the DSML tool parser reads the answer, and the tokens equal transformers' on that prompt."""
+    from pocketllm.protocol.deepseek_v4 import encode_messages
+
+    directory = tiny_checkpoint(ARCH)
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}}}}
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather in Paris?"}]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    with LLM(EngineArgs(model=directory, **KV)) as llm:
+        assert llm.tokenizer.chat_template is None
+        [out] = llm.chat(messages, params, tools=[tool])
+        text = llm.tokenizer.decode(out.prompt_token_ids, skip_special_tokens=False)
+    assert text == encode_messages(messages, tools=[tool])
+    assert "get_weather" in text and text.endswith("<｜Assistant｜></think>")
+    assert out.token_ids == hf_reference.greedy(directory, [out.prompt_token_ids], 12)[0]
+    assert out.tool_calls is None and out.finish_reason == "length"
+
+
+def test_mtp_layers_are_skipped_at_load(tiny_checkpoint, references, tmp_path):
+    """A checkpoint carrying multi-token-prediction tensors loads (they are skipped) and answers alike."""
+    source = tiny_checkpoint(ARCH)
+    with open(os.path.join(source, "config.json"), encoding="utf-8") as handle:
+        config = json.load(handle)
+    weights = load_file(os.path.join(source, "model.safetensors"))
+    weights["mtp.0.enorm.weight"] = torch.ones(64)
+    weights["model.mtp.0.eh_proj.weight"] = torch.zeros(64, 128)
+    directory = str(tmp_path / "with-mtp")
+    write_checkpoint(directory, config, weights, source)
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    with LLM(EngineArgs(model=directory, **KV)) as llm:
+        outputs = llm.generate(_prompts()[:2], params)
+    assert [o.token_ids for o in outputs] == references()[:2]
+
+
+def test_transformers_module_names_load_too(tiny_checkpoint, hf_reference, tmp_path):
+    """A checkpoint in transformers' module names (``self_attn.*``, experts stacked) loads to the same logits
+    as the one in DeepSeek's names that ``save_pretrained`` writes."""
+    from pocketllm.loaders.checkpoint import load_checkpoint
+    from pocketllm.models.deepseek_v4 import DeepseekV4ForCausalLM
+    from pocketllm.models.weights import load_weights
+
+    source = tiny_checkpoint(ARCH)
+    assert "model.layers.0.attn.wq_a.weight" in load_file(os.path.join(source, "model.safetensors"))
+    weights = {name: tensor.contiguous() for name, tensor in hf_reference.model(source).state_dict().items()}
+    assert "model.layers.1.mlp.experts.gate_up_proj" in weights and "model.layers.1.self_attn.sinks" in weights
+    with open(os.path.join(source, "config.json"), encoding="utf-8") as handle:
+        config = json.load(handle)
+    directory = str(tmp_path / "module-names")
+    write_checkpoint(directory, config, weights, source)
+    checkpoint = load_checkpoint(directory)
+    model = DeepseekV4ForCausalLM(checkpoint.hf_config)
+    load_weights(model, iter(checkpoint.weight_source))
+    ids = _prompts()[2]
+    expected = hf_reference.logits(source, ids, all_positions=True)
+    torch.testing.assert_close(_run_in_chunks(model, ids, 16), expected, rtol=0, atol=1e-4)
