@@ -68,12 +68,13 @@ SLOW_TESTS ?= tests/test_server.py tests/test_harness_host.py tests/test_harness
 test-slow: install chromium
 	POCKETLLM_TEST_STEP_DELAY_MS=$(STEP_DELAY_MS) $(BIN)/python -m pytest -q $(PYTEST_ARGS) $(SLOW_TESTS)
 
-# The reliability tests at full length: the HTTP fuzzer with 20,000 cases, and the server's and harness's edge,
-# disconnect, cancel, store and fuzz tests (`make test` runs the same files with a 2,000-case fuzzer).
+# The reliability tests at full length: the HTTP fuzzer with 20,000 body cases and 2,000 raw requests, the JSONL
+# fuzzers (pipe and WebSocket) with 20,000 lines each, and the server's and harness's edge, disconnect, cancel and
+# store tests (`make test` runs the same files with 2,000 body cases, 200 raw requests and 1,000 lines).
 SOAK_TESTS := tests/test_server_fuzz.py tests/test_server_guards.py tests/test_server.py tests/test_request_limits.py \
 	tests/test_harness_channel.py tests/test_harness_store.py tests/test_harness_pipe.py tests/test_harness_host.py
 soak: install
-	POCKETLLM_FUZZ_CASES=20000 $(BIN)/python -m pytest -q $(SOAK_TESTS) $(PYTEST_ARGS)
+	POCKETLLM_FUZZ_CASES=20000 POCKETLLM_FUZZ_LINES=20000 $(BIN)/python -m pytest -q $(SOAK_TESTS) $(PYTEST_ARGS)
 
 lint: install
 	$(BIN)/ruff check pocketllm tests

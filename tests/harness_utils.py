@@ -268,6 +268,10 @@ def checkpoint_without_template(source: str, target: str) -> str:
     return target
 
 
+# How many lines the JSONL fuzz tests send: 1,000 in ``make test``, 20,000 in ``make soak``.
+FUZZ_LINES = int(os.environ.get("POCKETLLM_FUZZ_LINES", "1000"))
+
+
 def fuzz_lines(count: int, rng: random.Random) -> list[bytes]:
     ops = ["generate", "chat", "health", "cancel", "open", "close", "auth", "shutdown", "nope", "", None, 5]
     values = [None, True, -1, 0, 1.5, "", "x" * 300, [], {}, [1, "a"], {"role": "user"}, float("inf")]
@@ -285,12 +289,14 @@ def fuzz_lines(count: int, rng: random.Random) -> list[bytes]:
             op = rng.choice(["generate", "chat", "health", "open", "close", "auth"])
             lines.append(json.dumps({"op": op, "id": f"f{len(lines)}", f"extra{rng.randrange(9)}": 1}).encode())
         elif kind == 4:   # a bad value
-            field = rng.choice(["n", "temp", "top_k", "top_p", "repeat_penalty", "seed", "stop", "diag", "session"])
+            field = rng.choice(["n", "temp", "top_k", "top_p", "repeat_penalty", "seed", "stop", "diag", "session",
+                                "prompt"])
             bad = {"n": rng.choice([0, -2, 1.5, "3", None]), "temp": rng.choice([-1, "hot", None, []]),
                    "top_k": rng.choice([-1, 2.5, "k"]), "top_p": rng.choice([0, 2, "p"]),
                    "repeat_penalty": rng.choice([0, -1, "r"]), "seed": rng.choice([1.5, "s", None]),
                    "stop": rng.choice([5, [""], [1], {}]), "diag": rng.choice([1, "y", None]),
-                   "session": rng.choice(["", "a b", "../x", 7, "x" * 80])}[field]
+                   "session": rng.choice(["", "a b", "../x", 7, "x" * 80, "s\n"]),
+                   "prompt": rng.choice(["x\ud800", "\udfff", 5, None, ["a"]])}[field]
             lines.append(json.dumps({"op": "generate", "id": f"v{len(lines)}", "prompt": "p", field: bad},
                                     allow_nan=True).encode())
         elif kind == 5:
@@ -298,7 +304,8 @@ def fuzz_lines(count: int, rng: random.Random) -> list[bytes]:
                                     allow_nan=True).encode())
         elif kind == 6:   # messages of the wrong shape
             lines.append(json.dumps({"op": "chat", "id": f"c{len(lines)}",
-                                     "messages": rng.choice(values[:10] + [[{"role": "user", "content": 3}]])},
+                                     "messages": rng.choice(values[:10] + [[{"role": "user", "content": 3}],
+                                                                           [{"role": "user", "content": "\ud800"}]])},
                                     allow_nan=True).encode())
         else:             # unknown ops, deep nesting, cancels of nothing
             choice = rng.randrange(3)

@@ -130,3 +130,50 @@ def fuzz_cases(count: int, rng: random.Random, endpoints: tuple[str, ...] = (CHA
         else:
             cases.append((path, json.dumps(_bent(endpoint, rng), allow_nan=True).encode()))
     return cases
+
+
+MALFORMED_HTTP: list[bytes] = [
+    b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: \x00\r\nConnection: close\r\n\r\n",
+    b"NOT A REQUEST\r\n\r\n",
+    b"GET /he\xffalth HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n",
+    b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nNo colon here\r\n\r\n",
+    b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: abc\r\n\r\n{}",
+    b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 2\r\nContent-Length: 3\r\n\r\n{}",
+    b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Big: " + b"a" * 1_000_000 + b"\r\n\r\n",
+    b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nTransfer-Encoding: gzip\r\n\r\n{}",
+    b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n{}\r\n0\r\n\r\n",
+    b"GET /health HTTP/one\r\nHost: 127.0.0.1\r\n\r\n",
+    b"GET /health HTTP/1.1\r\n\r\n",   # HTTP/1.1 without a Host
+    b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03" + bytes(range(32)) + b"\r\n\r\n",   # a TLS hello
+    b"GET\x00/health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n",
+]
+VALID_HTTP: list[bytes] = [
+    b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nAccept: */*\r\nConnection: close\r\n\r\n",
+    b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+    b"Connection: close\r\nContent-Length: 30\r\n\r\n{\"prompt\":\"hi\",\"max_tokens\":1}",
+    b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+    b"Connection: close\r\nTransfer-Encoding: chunked\r\n\r\n2\r\n{}\r\n0\r\n\r\n",
+    # A WebSocket upgrade (the server has no WebSocket route): answered as plain HTTP.
+    b"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+    b"Sec-WebSocket-Key: bad\r\nSec-WebSocket-Version: 13\r\nConnection: close\r\n\r\n",
+]
+NOISE = [b"\x00", b"\r", b"\n", b"\xff", b" ", b":", b"\t", b"\x7f", b"%", b"\r\n", b"?", b"/"]
+
+
+def raw_http_requests(count: int, rng: random.Random) -> list[bytes]:
+    """``count`` raw HTTP/1.1 requests: each known malformed one once, then valid requests with one to three
+    bytes inserted, replaced or removed (many are then malformed, some still valid)."""
+    requests = list(MALFORMED_HTTP)
+    while len(requests) < count:
+        data = bytearray(rng.choice(VALID_HTTP))
+        for _ in range(rng.randint(1, 3)):
+            at = rng.randrange(len(data))
+            kind = rng.randrange(3)
+            if kind == 0:
+                data[at:at] = rng.choice(NOISE)
+            elif kind == 1:
+                data[at:at + 1] = rng.choice(NOISE)
+            else:
+                del data[at]
+        requests.append(bytes(data))
+    return requests[:count]

@@ -108,6 +108,19 @@ def test_ctrl_c_while_the_model_loads(command, smollm2_gguf, args):
     _assert_interrupted(status, stderr)
 
 
+@pytest.mark.parametrize("name", ["serve", "host"])
+def test_sigterm_while_the_model_loads_exits_without_waiting_for_it(command, smollm2_gguf, name):
+    """SIGTERM while the weights load stops the server with status 0 and no traceback, without waiting for the
+    load: serve logs "model loaded" when a load ends (also one ended after the signal), and it never comes."""
+    cmd = command(name, "--port", "0", "--verbose", "-m", smollm2_gguf, stdin=subprocess.DEVNULL)
+    cmd.wait_for("stderr", LOADING_WEIGHTS)
+    cmd.proc.send_signal(signal.SIGTERM)
+    status, _, stderr = cmd.finish()
+    assert status == 0, stderr[-3000:]
+    assert "Traceback" not in stderr and "terminate called" not in stderr and "Aborted" not in stderr, stderr
+    assert "model loaded" not in stderr and "ready: " not in stderr, stderr[-3000:]
+
+
 def test_ctrl_c_while_run_generates(command, smollm2_gguf):
     cmd = command("run", "Tell me a long story about a dragon.", "-m", smollm2_gguf, "--max-tokens", "1000",
                   "--ignore-eos", "--temperature", "0", stdin=subprocess.DEVNULL)

@@ -11,7 +11,7 @@ import time
 import httpx
 import pytest
 import torch
-from harness_utils import FRANCE, USAGE_KEYS, HostProcess, fuzz_lines
+from harness_utils import FRANCE, FUZZ_LINES, USAGE_KEYS, HostProcess, fuzz_lines
 
 pytestmark = pytest.mark.usefixtures("smollm2_gguf")
 
@@ -232,15 +232,31 @@ def test_idle_sessions_expire(host):
         conn.close()
 
 
-def test_fuzz_5000_lines_over_websocket(host):
+def test_fuzz_lines_over_websocket(host):
     conn = _connect_when_free(host)
     try:
-        lines = [line for line in fuzz_lines(5000, random.Random(99)) if line.strip()]
+        lines = [line for line in fuzz_lines(FUZZ_LINES, random.Random(99)) if line.strip()]
         for line in lines:
             conn.ws.send(line.decode("utf-8", "replace"))
         assert conn.call({"op": "health", "id": "after-fuzz"}, timeout=120)["state"] == "ready"
         errors = [x for x in conn.router.all if set(x) == {"id", "error"}]
         assert len(errors) == len(lines)
+    finally:
+        conn.close()
+
+
+def test_an_id_with_a_lone_surrogate_keeps_the_connection_answering(host):
+    """A line whose id holds a lone surrogate (sent as the JSON escape) is answered with the id escaped, and
+    the connection goes on answering: a generation and a health check after it."""
+    surrogate = "\ud800"
+    conn = _connect_when_free(host)
+    try:
+        assert conn.call({"op": "health", "id": surrogate})["state"] == "ready"
+        assert "not valid Unicode" in conn.call({"op": "generate", "id": "b" + surrogate,
+                                                 "prompt": "x" + surrogate})["error"]
+        _, done = conn.request({"op": "generate", "id": 2, "prompt": "Once upon a time", "n": 3, "temp": 0})
+        assert done["finish"] == "budget" and done["usage"]["gen_tokens"] == 3
+        assert conn.call({"op": "health", "id": 3})["state"] == "ready" and not conn.closed.is_set()
     finally:
         conn.close()
 
@@ -421,3 +437,41 @@ def test_web_dir_serves_another_client_and_nothing_outside_it(tmp_path):
     assert all(builtin.lookup(f"/{name}") for name in ("index.html", "app.js", "markdown.js", "style.css"))
     with pytest.raises(SystemExit, match="no index.html"):
         main(["host", "--web", str(tmp_path / "assets-only")])
+
+
+def test_sigkill_mid_turn_keeps_the_stored_history(tmp_path):
+    """A host killed (SIGKILL) while a turn generates, restarted on the same KV store: the session resumes with
+    its finished turn word for word, its stored KV warms the next turn, and no half-written file is left."""
+    store = tmp_path / "store"
+    first = HostProcess("--kv-store", str(store), "--ctx", "1024")
+    try:
+        first.wait_ready()
+        conn = first.connect()
+        assert conn.call({"op": "open", "id": "o", "session": "killed"})["resumed"] is False
+        text1, _ = conn.request({"op": "chat", "id": 1, "session": "killed", "messages": FRANCE, "temp": 0})
+        story = [{"role": "user", "content": "Tell me a very long story about a dragon."}]
+        conn.send({"op": "chat", "id": 2, "session": "killed", "messages": story, "temp": 0, "n": 600})
+        conn.router.first(2)   # the turn has begun generating
+        first.proc.kill()
+        assert first.proc.wait(60) == -9
+        conn.close()
+    finally:
+        first.stop()
+    second = HostProcess("--kv-store", str(store), "--ctx", "1024")
+    try:
+        second.wait_ready()
+        assert not [p.name for p in store.iterdir() if ".tmp-" in p.name]   # removed at start, if any
+        conn = second.connect()
+        opened = conn.call({"op": "open", "id": "o", "session": "killed"})
+        assert opened["resumed"] is True, opened
+        messages = opened["messages"]
+        assert messages[:2] == [FRANCE[0], {"role": "assistant", "content": text1}], messages
+        assert len(messages) in (2, 4)   # the killed turn only if it had finished and been saved
+        _, done = conn.request({"op": "chat", "id": 3, "session": "killed", "temp": 0, "n": 4, "diag": True,
+                                "messages": [{"role": "user", "content": "And of Italy?"}]})
+        assert done.get("done"), done
+        assert done["diag"]["kv_store"]["restored_tokens"] > 0
+        assert done["diag"]["prefill"]["cached_tokens"] > 0
+        conn.close()
+    finally:
+        second.stop()

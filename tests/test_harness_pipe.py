@@ -6,7 +6,7 @@ import random
 import time
 
 import pytest
-from harness_utils import FRANCE, USAGE_KEYS, PipeProcess, checkpoint_without_template, fuzz_lines
+from harness_utils import FRANCE, FUZZ_LINES, USAGE_KEYS, PipeProcess, checkpoint_without_template, fuzz_lines
 
 pytestmark = pytest.mark.usefixtures("smollm2_gguf")
 
@@ -203,9 +203,9 @@ def test_duplicate_running_id_is_refused(pipe):
     assert done["finish"] == "cancel" and done["usage"]["gen_tokens"] < 200, done
 
 
-def test_fuzz_5000_lines_then_health(pipe):
+def test_fuzz_lines_then_health(pipe):
     rng = random.Random(1234)
-    lines = [line for line in fuzz_lines(5000, rng) if line.strip()]
+    lines = [line for line in fuzz_lines(FUZZ_LINES, rng) if line.strip()]
     before = len(pipe.router.all)
     start = time.monotonic()
     for line in lines:
@@ -281,3 +281,4 @@ def test_chat_refused_without_template_and_shutdown_drains(tmp_path, tiny_checkp
         assert not proc.impure and "DEBUG" in proc.error_output()
     finally:
         proc.stop()
+

@@ -331,6 +331,52 @@ def test_an_oversized_body_is_refused_from_its_content_length(server):
     assert httpx.get(server.url + "/health").status_code == 200
 
 
+def _read_until_closed(sock, reply: bytes = b"") -> bytes:
+    while not reply.rstrip().endswith(b"}"):
+        try:
+            data = sock.recv(65536)
+        except ConnectionResetError:
+            break
+        if not data:
+            break
+        reply += data
+    return reply
+
+
+def test_health_answers_while_a_20_mb_body_arrives_then_it_is_a_413(server):
+    """A 20 MB chunked body (no Content-Length): /health answers while the first 4 MB are in and unanswered,
+    and the body is a 413 in the OpenAI shape once past the limit (8 MiB)."""
+    import socket
+
+    chunk = b" " * (1 << 20)
+    frame = b"%x\r\n" % len(chunk) + chunk + b"\r\n"
+    with socket.create_connection(("127.0.0.1", server.port), timeout=60) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                     b"Transfer-Encoding: chunked\r\n\r\n")
+        for _ in range(4):
+            sock.sendall(frame)
+        health = httpx.get(server.url + "/health", timeout=60)
+        sock.setblocking(False)
+        try:
+            early = sock.recv(65536)   # nothing answered yet: the body is within the limit so far
+        except BlockingIOError:
+            early = b""
+        sock.setblocking(True)
+        assert health.status_code == 200 and health.json()["status"] == "ok" and early == b""
+        try:
+            for _ in range(16):
+                sock.sendall(frame)
+            sock.sendall(b"0\r\n\r\n")
+        except OSError:   # the server stopped reading once it had answered
+            pass
+        reply = _read_until_closed(sock)
+    head, _, body = reply.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 413"), reply[:300]
+    error = json.loads(body)["error"]
+    assert error["type"] == "invalid_request_error" and "larger than 8388608 bytes" in error["message"]
+    assert httpx.get(server.url + "/health").status_code == 200
+
+
 def test_a_foreign_host_header_is_refused(server):
     """Bound to loopback without an API key: a DNS-rebound name is refused, loopback names are served."""
     refused = httpx.get(server.url + "/v1/models", headers={"Host": f"attacker.example:{server.port}"})
@@ -357,6 +403,23 @@ def test_metrics_exposed(server, client):
                  "request_success_total", "request_aborted_total"):
         assert f"pocketllm:{name}" in text, name
     assert _metric(server, "generation_tokens_total") > 0
+
+
+def test_n_choices_share_one_prefill_of_the_prompt(server):
+    """``n`` choices of one prompt are separate engine requests; the first prefills the prompt and the others
+    wait for its blocks and take them from the prefix cache (prefilled together, they would all miss)."""
+    _wait_idle(server)
+    words = [f"w{i}x{time.monotonic_ns() % 9973}" for i in range(120)]   # a prompt no earlier test sent
+    prompt = " ".join(words)
+    hits, queries = _metric(server, "prefix_cache_hits_total"), _metric(server, "prefix_cache_queries_total")
+    n = 4
+    body = _post(server, "completions", {"prompt": prompt, "n": n, "max_tokens": 2, "temperature": 0}).json()
+    prompt_tokens = body["usage"]["prompt_tokens"]   # counted once, not once a choice
+    assert prompt_tokens > 100 and len(body["choices"]) == n
+    hit = _metric(server, "prefix_cache_hits_total") - hits
+    assert _metric(server, "prefix_cache_queries_total") - queries >= n * (prompt_tokens - 16)
+    block = 16   # every choice after the first finds the prompt's whole blocks but its last token's
+    assert hit == (n - 1) * ((prompt_tokens - 1) // block * block), (hit, prompt_tokens)
 
 
 def _finished(server, reason: str) -> float:

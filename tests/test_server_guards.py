@@ -233,3 +233,22 @@ def test_the_served_name_is_never_a_path(model: str | None, served: str | None, 
             return (await client.get("/health")).json(), (await client.get("/v1/models")).json()
     health, models = _run(main())
     assert health["model"] == name and models["data"][0]["id"] == name
+
+
+# --- answers the app does not give --------------------------------------------------------------------
+
+@pytest.mark.parametrize("failure", ["raises", "returns"])
+def test_an_app_that_fails_or_returns_before_answering_is_a_500_in_the_openai_shape(failure: str) -> None:
+    """The guard the server's HTTP protocol puts around the app answers for it (uvicorn would send text)."""
+    from pocketllm.server.http_protocol import AnswerGuard
+
+    async def broken(scope, receive, send) -> None:
+        if failure == "raises":
+            raise RuntimeError("a bug")
+
+    async def main() -> httpx.Response:
+        async with _client(AnswerGuard(broken)) as client:
+            return await client.get("/health")
+    error = _error(_run(main()), 500)
+    assert error["type"] == "server_error"
+    assert ("RuntimeError" if failure == "raises" else "no answer") in error["message"]

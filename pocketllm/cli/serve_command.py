@@ -91,6 +91,7 @@ def serve_command(args: argparse.Namespace) -> int:
     from pocketllm.server.app import ServerConfig, ServerState, build_app
     from pocketllm.server.exposure import ExposurePolicy
     from pocketllm.server.guards import DEFAULT_MAX_REQUEST_BYTES
+    from pocketllm.server.http_protocol import uvicorn_config
 
     failed = threading.Event()
 
@@ -132,7 +133,7 @@ def serve_command(args: argparse.Namespace) -> int:
             # uvicorn re-raises captured signals after shutdown; the exit status says what happened instead.
             self._captured_signals.clear()
 
-    server = DrainingServer(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=shutdown_timeout + 10))
+    server = DrainingServer(uvicorn_config(app, log_level="warning", timeout_graceful_shutdown=shutdown_timeout + 10))
     server.run(sockets=[sock])
     if state.llm is not None:
         asyncio.run(state.llm.shutdown())

@@ -25,11 +25,18 @@ class BlockManager:
     A full block's identity is the chain ``hash((parent_hash, tokens))``; the cache maps that key to the
     block, and the dictionary's equality check on the key verifies the tokens on every hit. Freed blocks
     keep their contents and stay findable until reused, oldest first.
+
+    ``window`` (None: keep every block): the longest sliding window of the layers that use the cache, set only
+    when every such layer slides. A block whose every position is older than the window of the first query
+    any later step may run is released while its request runs (``release_outside_window``): no layer reads it
+    again. Its block-table entry then reads 0 (a block the attention masks, as the tables' padding is).
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool,
+                 window: int | None = None) -> None:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.window = window
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.cached: dict[BlockKey, int] = {}
@@ -128,6 +135,9 @@ class BlockManager:
         tokens = request.all_token_ids
         start, parent = request.num_hashed_blocks, request.last_block_hash
         for i, (key, digest) in enumerate(self.chain_keys(tokens, full, start, parent), start):
+            if i < request.num_released_blocks:   # released: its entry no longer names the block that held it
+                parent = digest
+                continue
             block = self.blocks[request.block_table[i]]
             if block.key is None:
                 block.key, block.hash = key, digest
@@ -135,14 +145,39 @@ class BlockManager:
             parent = digest
         request.num_hashed_blocks, request.last_block_hash = full, parent
 
+    def release_outside_window(self, request: Request, first_query: int) -> int:
+        """Release the request's leading blocks that hold no position within the window of a query at
+        ``first_query`` or later (the first position a step not yet completed may compute); returns how many
+        were released. Blocks that are full and registered stay findable in the prefix cache until reused."""
+        if self.window is None:
+            return 0
+        # A query at position p attends p - window + 1 .. p: block i is done with once (i + 1) * block_size
+        # <= first_query - window + 1. Only full, already hashed blocks are released (when caching), so that a
+        # released block's key always describes its tokens.
+        done = max(0, first_query - self.window + 1) // self.block_size
+        if self.enable_prefix_caching:
+            done = min(done, request.num_hashed_blocks)
+        done = min(done, len(request.block_table))
+        released = 0
+        for i in range(request.num_released_blocks, done):
+            self._drop(request.block_table[i])
+            request.block_table[i] = 0
+            released += 1
+        request.num_released_blocks = max(request.num_released_blocks, done)
+        return released
+
+    def _drop(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        block.ref_count -= 1
+        if block.ref_count == 0:
+            self.free[block_id] = None
+
     def free_request(self, request: Request) -> None:
         """Drop the request's references; blocks reaching zero go to the free list (most recent last)."""
-        for block_id in reversed(request.block_table):
-            block = self.blocks[block_id]
-            block.ref_count -= 1
-            if block.ref_count == 0:
-                self.free[block_id] = None
+        for block_id in reversed(request.block_table[request.num_released_blocks:]):
+            self._drop(block_id)
         request.block_table = []
+        request.num_released_blocks = 0
         request.num_hashed_blocks, request.last_block_hash = 0, 0
 
     def reset_prefix_cache(self) -> None:

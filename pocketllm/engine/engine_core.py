@@ -153,7 +153,13 @@ class EngineCore:
         prefix_caching = args.enable_prefix_caching and self.state_pool is None
         if args.enable_prefix_caching and not prefix_caching:
             logger.info("prefix caching is off: this model keeps recurrent state that a cached prefix lacks")
-        self.blocks = BlockManager(num_blocks, args.block_size, prefix_caching)
+        # Every layer that uses the cache slides: blocks older than the longest window are released as requests
+        # run past them.
+        window = self.runner.kv_window
+        self.blocks = BlockManager(num_blocks, args.block_size, prefix_caching, window)
+        if window is not None:
+            logger.info("KV blocks wholly outside the %d-token sliding window are released as requests run",
+                        window)
         limits = SchedulerLimits(args.max_num_seqs, args.max_num_batched_tokens, max_model_len)
         chunk = args.max_num_batched_tokens if args.enable_chunked_prefill else 0
         self.scheduler = Scheduler(limits, self.blocks, chunk, self.state_pool)
@@ -284,6 +290,16 @@ class EngineCore:
         pending = self.launch()
         return [] if pending is None else self.complete(pending)
 
+    def _cache_and_release(self, request: Request, end: int) -> None:
+        """After a step that computed the request's tokens up to ``end``: register its full blocks in the prefix
+        cache, then release the blocks no layer's window reaches from ``end`` on. Later steps of the request query
+        from ``end`` on; one launched already holds its block table and reads the released blocks, unchanged,
+        before any later step can write them. A request preempted and readmitted while this step ran may stand
+        below ``end``: nothing is released for it then."""
+        self.blocks.cache_full_blocks(request)
+        if request.num_computed_tokens >= end:
+            self.blocks.release_outside_window(request, end)
+
     def needs_sync(self) -> bool:
         """Whether the step in flight must be read back before the next one is scheduled: some request with
         a pending token samples from host-side history (a grammar, or penalties over its output tokens)."""
@@ -336,14 +352,14 @@ class EngineCore:
             running = request.status is RequestStatus.RUNNING
             if token is None:
                 if running:
-                    self.blocks.cache_full_blocks(request)
+                    self._cache_and_release(request, chunk.end)
                 continue
             request.output_token_ids.append(token.token_id)
             off_grammar = request.grammar is not None and not request.grammar.accept(token.token_id)
             if request.first_token_time is None:
                 request.first_token_time = now
             if running:
-                self.blocks.cache_full_blocks(request)
+                self._cache_and_release(request, chunk.end)
             reason = self._check_finished(request, token.token_id)
             if off_grammar and reason is None:
                 # Cannot happen while the sampler masks the row; end the request rather than let it drift.

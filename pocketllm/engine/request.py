@@ -47,6 +47,8 @@ class Request:
     pending_row: int = -1         # that token's row in the launched step's sampled-token tensor
     num_cached_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
+    # Leading block-table entries released because every layer's window has passed them (they read 0).
+    num_released_blocks: int = 0
     num_hashed_blocks: int = 0
     last_block_hash: int = 0
     state_slot: int = -1      # hybrid models: this request's slot in the recurrent-state pool while running

@@ -13,6 +13,13 @@ Facts this module relies on (llama.cpp's converter conventions):
   pre-feedforward norm) / ``post_ffw_norm``. llama.cpp fixes what the metadata does not say: every sixth layer
   attends fully, the sliding layers' rotary base is 10,000 unscaled, and the attention scale is
   ``(hidden / heads) ** -0.5`` for the 62-layer (27B) model, ``head_dim ** -0.5`` otherwise.
+- Qwen3.5 (``qwen35``, dense) stores every RMSNorm but the DeltaNet's gated one as ``1 + w``; ``A_log`` as
+  ``ssm_a = -exp(A_log)``; ``dt_bias`` as ``ssm_dt.bias``; the conv kernel squeezed to ``[channels, K]``; the
+  query (with its per-head output gate) unpermuted. Where the DeltaNet has more value heads than key heads,
+  the value heads are reordered from grouped by key head (``k0v0, k0v1, k1v0, ...``) to tiled (``k0v0, k1v0,
+  k0v1, ...``) in every tensor that has them (the value rows of ``attn_qkv`` and of the conv kernel,
+  ``attn_gate``, ``ssm_alpha``, ``ssm_beta``, ``ssm_a``, ``ssm_dt`` and the columns of ``ssm_out``); every
+  ``full_attention_interval``-th layer attends fully; ``rope.dimension_count`` is the rotated part of a head.
 """
 
 from __future__ import annotations
@@ -37,14 +44,23 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {
     "qwen3": ("qwen3", "Qwen3ForCausalLM"),
     "qwen3moe": ("qwen3_moe", "Qwen3MoeForCausalLM"),
     "gemma3": ("gemma3_text", "Gemma3ForCausalLM"),
+    "qwen35": ("qwen3_5_text", "Qwen3_5ForCausalLM"),
 }
 # Layer parts an architecture names differently from the Llama layout.
 _ARCH_LAYER_NAMES: dict[str, dict[str, str]] = {
     "gemma3": {"post_attention_norm": "post_attention_layernorm", "ffn_norm": "pre_feedforward_layernorm",
                "post_ffw_norm": "post_feedforward_layernorm"},
+    "qwen35": {"post_attention_norm": "post_attention_layernorm", "attn_qkv": "linear_attn.in_proj_qkv",
+               "attn_gate": "linear_attn.in_proj_z", "ssm_alpha": "linear_attn.in_proj_a",
+               "ssm_beta": "linear_attn.in_proj_b", "ssm_conv1d": "linear_attn.conv1d",
+               "ssm_a": "linear_attn.A_log", "ssm_dt": "linear_attn.dt_bias", "ssm_norm": "linear_attn.norm",
+               "ssm_out": "linear_attn.out_proj"},
 }
-# Architectures whose norm weights llama.cpp stores as ``1 + w``.
-_SHIFTED_NORMS = ("gemma3",)
+# Architectures whose norm weights llama.cpp stores as ``1 + w`` (Qwen3.5: all but the DeltaNet's gated norm).
+_SHIFTED_NORMS = ("gemma3", "qwen35")
+_UNSHIFTED_NORM_PARTS = ("ssm_norm",)
+# Qwen3.5 tensors whose names carry no ``.weight``/``.bias`` of their own in the HF checkpoint.
+_BARE_PARAMETERS = {("ssm_a", "weight"), ("ssm_dt", "bias")}
 _GEMMA3_SLIDING_PATTERN = 6        # llama.cpp: layers 6k + 5 attend fully
 _GEMMA3_LOCAL_THETA = 10000.0
 _GEMMA3_27B_LAYERS = 62
@@ -70,6 +86,7 @@ _LAYER_NAMES = {
 }
 _EXPERT_NAMES = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
 _LAYER_TENSOR = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
+_BARE_LAYER_TENSOR = re.compile(r"^blk\.(\d+)\.(ssm_a)$")   # llama.cpp names ssm_a without a suffix
 _ROPE_FREQS = "rope_freqs.weight"
 _LLAMA3_LOW_FREQ_FACTOR = 1.0  # Meta's published values for every Llama 3.x model
 _LLAMA3_HIGH_FREQ_FACTOR = 4.0
@@ -134,10 +151,17 @@ def hf_name(gguf_name: str, arch: str = "llama") -> tuple[str, str | None]:
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name], None
     match = _LAYER_TENSOR.match(gguf_name)
+    bare = _BARE_LAYER_TENSOR.match(gguf_name)
+    if bare:
+        match, groups = bare, (*bare.groups(), "weight")
+    elif match:
+        groups = match.groups()
     if match:
-        layer, part, suffix = match.groups()
+        layer, part, suffix = groups
         names = {**_LAYER_NAMES, **_ARCH_LAYER_NAMES.get(arch, {})}
         if part in names:
+            if (part, suffix) in _BARE_PARAMETERS:
+                return f"model.layers.{layer}.{names[part]}", part
             return f"model.layers.{layer}.{names[part]}.{suffix}", part
         if part in _EXPERT_NAMES and suffix == "weight":
             return f"model.layers.{layer}.mlp.experts.{{}}.{_EXPERT_NAMES[part]}.weight", part
@@ -270,6 +294,10 @@ def build_config(reader: GGUFFile) -> ModelConfig:
     scaling = _rope_scaling(reader, arch, theta, head_dim)
     if arch == "gemma3":
         params.update(_gemma3_params(reader, arch, params, scaling))
+    elif arch == "qwen35":
+        params.update(_qwen35_params(reader, arch, params))
+        if scaling is not None:
+            params["rope_scaling"] = scaling
     elif scaling is not None:
         params["rope_scaling"] = scaling
     return ModelConfig(model_type, **params)
@@ -307,6 +335,39 @@ def _gemma3_params(reader: GGUFFile, arch: str, params: dict[str, Any],
     return extra
 
 
+def _qwen35_params(reader: GGUFFile, arch: str, params: dict[str, Any]) -> dict[str, Any]:
+    """Qwen3.5's layer types, Gated DeltaNet shape and partial rotary, as llama.cpp stores them."""
+    count = params["num_hidden_layers"]
+    interval = int(metadata(reader, f"{arch}.full_attention_interval", 4))
+    value_heads = int(metadata(reader, f"{arch}.ssm.time_step_rank"))
+    inner = int(metadata(reader, f"{arch}.ssm.inner_size"))
+    if inner % value_heads:
+        raise CheckpointError(f"GGUF ssm.inner_size {inner} is not a multiple of ssm.time_step_rank {value_heads}")
+    rotated = int(metadata(reader, f"{arch}.rope.dimension_count", params["head_dim"]))
+    return {
+        "layer_types": ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(count)],
+        "linear_num_key_heads": int(metadata(reader, f"{arch}.ssm.group_count")),
+        "linear_num_value_heads": value_heads,
+        "linear_key_head_dim": int(metadata(reader, f"{arch}.ssm.state_size")),
+        "linear_value_head_dim": inner // value_heads,
+        "linear_conv_kernel_dim": int(metadata(reader, f"{arch}.ssm.conv_kernel")),
+        "partial_rotary_factor": rotated / params["head_dim"],
+        "hidden_act": "silu",
+    }
+
+
+def tiled_to_grouped(array: np.ndarray, num_k_heads: int, num_v_heads: int, axis: int = 0) -> np.ndarray:
+    """Undo llama.cpp's Qwen3.5 value-head reorder along ``axis`` (value heads of equal size, in tiled order
+    ``k0v0, k1v0, ..., k0v1, ...``) back to grouped by key head (``k0v0, k0v1, ..., k1v0, ...``)."""
+    per_k = num_v_heads // num_k_heads
+    if per_k <= 1:
+        return array
+    moved = np.moveaxis(array, axis, 0)
+    head = moved.shape[0] // num_v_heads
+    grouped = moved.reshape(per_k, num_k_heads, head, *moved.shape[1:]).swapaxes(0, 1)
+    return np.moveaxis(np.ascontiguousarray(grouped).reshape(moved.shape), 0, axis)
+
+
 class GGUFWeights:
     """HF-named float32 tensors of a GGUF file, dequantised one at a time."""
 
@@ -315,6 +376,9 @@ class GGUFWeights:
         self.arch = architecture(reader)
         self.num_heads = int(hf_config.num_attention_heads)
         self.num_kv_heads = int(hf_config.num_key_value_heads)
+        self.linear_heads = ((int(hf_config.linear_num_key_heads), int(hf_config.linear_num_value_heads),
+                              2 * int(hf_config.linear_num_key_heads) * int(hf_config.linear_key_head_dim))
+                             if self.arch == "qwen35" else None)
         self.check()
 
     def _tensors(self) -> list[GGUFTensor]:
@@ -335,12 +399,28 @@ class GGUFWeights:
         return total
 
     def _fix_layout(self, array: np.ndarray, name: str, part: str | None) -> np.ndarray:
-        if self.arch in _SHIFTED_NORMS and name.endswith("norm.weight"):
+        if self.arch in _SHIFTED_NORMS and name.endswith("norm.weight") and part not in _UNSHIFTED_NORM_PARTS:
             return array - np.float32(1.0)
+        if self.linear_heads is not None:
+            return self._qwen35_linear(array, part)
         if self.arch == "llama" and part == "attn_q":
             return unpermute_rope_rows(array, self.num_heads)
         if self.arch == "llama" and part == "attn_k":
             return unpermute_rope_rows(array, self.num_kv_heads)
+        return array
+
+    def _qwen35_linear(self, array: np.ndarray, part: str | None) -> np.ndarray:
+        """A Qwen3.5 DeltaNet tensor back in the checkpoint's layout (other tensors unchanged)."""
+        k_heads, v_heads, qk_rows = self.linear_heads
+        if part == "ssm_a":
+            array = np.log(-array.astype(np.float64)).astype(np.float32)
+        if part in ("attn_gate", "ssm_alpha", "ssm_beta", "ssm_a", "ssm_dt"):
+            return tiled_to_grouped(array, k_heads, v_heads)
+        if part in ("attn_qkv", "ssm_conv1d"):
+            array = np.concatenate([array[:qk_rows], tiled_to_grouped(array[qk_rows:], k_heads, v_heads)])
+            return array[:, None, :] if part == "ssm_conv1d" else array
+        if part == "ssm_out":
+            return tiled_to_grouped(array, k_heads, v_heads, axis=1)
         return array
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:

@@ -203,6 +203,14 @@ class CausalLM(nn.Module):
         if self.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
+    @property
+    def kv_window(self) -> int | None:
+        """The longest sliding window when every layer slides: the paged KV cache holds nothing else, so the
+        blocks of positions older than it may be released while a request runs. None when any layer attends
+        fully. (A model that keeps other data in the cache by position declares no ``kv_window``.)"""
+        windows = self.sliding_windows
+        return None if not windows or any(window is None for window in windows) else max(windows)
+
     def layer_windows(self, config: Any) -> list[int | None]:
         """Each layer's sliding window (None: full attention), as transformers reads this family's config
         (``models/windows.py``). Llama: none (transformers' Llama ignores a ``sliding_window`` entry)."""

@@ -337,6 +337,17 @@ class ModelRunner:
         logger.info("one-row settings timed in the step in %.1f s", time.perf_counter() - started)
         return {splits: functools.partial(_apply_all, choices) for splits, choices in chosen.items()}
 
+    @property
+    def kv_window(self) -> int | None:
+        """The window behind which the block manager may release a running request's KV blocks, as the model
+        declares it (``kv_window``: every layer that uses the cache slides and the cache holds nothing else);
+        None, and every block kept, for a model that declares none or has a full-attention layer."""
+        window = getattr(self.model, "kv_window", None)
+        if window is not None and any(layer.sliding_window is None or layer.sliding_window > window
+                                      for layer in self.attention_layers):
+            raise ValueError(f"the model declares kv_window {window}, but a cache layer attends further back")
+        return window
+
     def kv_bytes_per_block(self) -> int:
         element = torch.tensor([], dtype=self.kv_dtype).element_size()
         per_layer = sum(2 * a.num_kv_heads * a.head_dim for a in self.attention_layers)

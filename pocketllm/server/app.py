@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 import logging
@@ -119,7 +120,12 @@ class AccessLogMiddleware:
 def _load(state: ServerState) -> None:
     started = time.monotonic()
     try:
-        state.llm = AsyncLLM(state.config.engine_args)
+        llm = AsyncLLM(state.config.engine_args)
+        if state.draining:   # stopped while loading (the process is exiting): never serve it
+            logger.info("model loaded after shutdown began; discarded")
+            asyncio.run(llm.shutdown())
+            return
+        state.llm = llm
         state.serving = OpenAIServing(state.llm, state.model_name, state.metrics, state.config.request_timeout)
         state.load_seconds = time.monotonic() - started
         logger.info("model loaded; ready")
