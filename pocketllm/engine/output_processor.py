@@ -96,8 +96,9 @@ class RequestStream:
         shown = self.calls.push(emitted) if self.calls else emitted
         return reasoning, shown, stopped
 
-    def on_output(self, request: Request, token: SampledToken | None) -> bool:
-        excluded = request.finish_reason is FinishReason.STOP and request.stop_reason is not None
+    def on_output(self, request: Request, token: SampledToken | None, last: bool = True) -> bool:
+        # Only the request's last token of the step can be the one that ended it.
+        excluded = last and request.finish_reason is FinishReason.STOP and request.stop_reason is not None
         new_ids: list[int] = []
         new_logprobs: list[TokenLogprob] = []
         delta, reasoning, stopped = "", "", False
@@ -111,7 +112,7 @@ class RequestStream:
             reasoning, delta, stopped = self._push_token(token)
             new_ids = [token.token_id]
             new_logprobs = self.logprobs[count:]
-        finished = request.is_finished or stopped
+        finished = (request.is_finished and last) or stopped
         if finished and not stopped:
             tail_reasoning, tail, stopped = self._route(self.detok.flush() if self.detok else "", final=True)
             reasoning += tail_reasoning
