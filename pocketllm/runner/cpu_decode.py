@@ -81,6 +81,7 @@ class DecodeBatch(NamedTuple):
     lengths: torch.Tensor | None = None
     window_starts: dict[int, torch.Tensor] | None = None
     window_bias: dict[int, torch.Tensor] | None = None
+    one_sequence: bool = False      # a verify step: the rows are positions of one sequence
 
 
 class FusedLayers(NamedTuple):
@@ -197,14 +198,52 @@ class CpuDecodeStep:
         return all(layer.attention.shape == first.attention.shape and layer.qkv.out_dtype == first.qkv.out_dtype
                    for layer in plan.layers)
 
-    @staticmethod
-    def handles(chunks: list[Any]) -> bool:
+    def handles(self, chunks: list[Any]) -> bool:
         """Every chunk is one known new token that samples (a pure decode step; a token still pending from an
-        asynchronously scheduled step goes through the reference path)."""
+        asynchronously scheduled step goes through the reference path), or the step is one verify chunk
+        (speculative decoding) that ``verifies``."""
+        if len(chunks) == 1 and chunks[0].draft:
+            return self.verifies(chunks[0])
         return all(c.num_tokens == 1 and c.samples and not c.last_token_pending for c in chunks)
+
+    def verifies(self, chunk: Any) -> bool:
+        """Whether a verify chunk runs here: its positions as rows of one ``decode_layers`` call (q4 weights,
+        PocketLLM's attention) over the request's cache span, or over its dense row."""
+        return self.fused is not None and self.native_attention()
+
+    def _verify_metadata(self, chunk: Any) -> DecodeBatch:
+        """A verify chunk's rows: the last known token and the proposals at their positions, each attending to the
+        span up to itself."""
+        bs = self.block_size
+        request = chunk.request
+        output = request.output_token_ids
+        ids = [output[-1] if output else request.prompt_token_ids[-1], *chunk.draft]
+        positions = list(range(chunk.start, chunk.end))
+        table = request.block_table
+        slots = [table[p // bs] * bs + p % bs for p in positions]
+        lengths = [p + 1 for p in positions]
+        starts, _ = self._windows(lengths, chunk.end, True)
+        pos = torch.tensor(positions)
+        used = table[: (chunk.end - 1) // bs + 1]
+        span, dense_index = None, None
+        if all(b == used[0] + i for i, b in enumerate(used)):
+            span = (used[0] * bs, used[0] * bs + chunk.end)
+        else:
+            # Every row is a position of the request's one dense row (``run_fused`` shares it among them).
+            first = self._dense_rows().prepare([request], [chunk.start], [used], bs, self._cache_views(),
+                                               adds=len(positions))
+            if first is None:
+                raise RuntimeError("a verify step's context does not fit the dense rows")
+            dense_index = first + torch.arange(len(positions))
+        return DecodeBatch(torch.tensor(ids), torch.tensor(slots), self.cos[pos][:, None, :],
+                           self.sin_signed[pos][:, None, :], span, None, None, dense_index,
+                           chunk.end if dense_index is not None else 0, torch.tensor(lengths), starts,
+                           one_sequence=True)
 
     def _metadata(self, chunks: list[Any]) -> DecodeBatch:
         """Token ids, positions, cache slots and the attention context of a decode step (built once)."""
+        if chunks[0].draft:
+            return self._verify_metadata(chunks[0])
         bs = self.block_size
         ids, positions, slots, tables = [], [], [], []
         for chunk in chunks:
@@ -321,11 +360,15 @@ class CpuDecodeStep:
         rows = batch.ids.shape[0]
         self._cache_views()
         dense = batch.dense_index is not None
+        flat = self.dense_rows.flat if dense else []
+        if dense and batch.one_sequence:
+            # A verify step: its rows are positions of the first dense row, which every row reads (stride 0).
+            flat = [t[:1].expand(rows, -1, -1, -1) for t in flat]
         hidden = F.embedding(batch.ids, self.embedding)
         return cpu_native.decode_layers(
             hidden if hidden.dtype == torch.float32 else hidden.float(), fused.weights, fused.qkv_bias,
             self._flat_views, batch.slots, batch.cos.reshape(rows, -1), batch.sin.reshape(rows, -1),
-            self.dense_rows.flat if dense else [], batch.dense_index, 0 if dense else batch.span[0], batch.lengths,
+            flat, batch.dense_index, 0 if dense else batch.span[0], batch.lengths,
             self.num_heads, self.num_kv_heads, fused.eps, self.scale, fused.final_norm, fused.final_eps,
             fused.windows)
 

@@ -48,16 +48,22 @@ class DenseDecodeRows:
         self.held = []
 
     def prepare(self, requests: Sequence[object], positions: Sequence[int], tables: Sequence[Sequence[int]],
-                block_size: int, paged: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor | None:
+                block_size: int, paged: Sequence[tuple[torch.Tensor, torch.Tensor]], adds: int = 1
+                ) -> torch.Tensor | None:
         """Make row ``i`` hold every layer's K/V of ``requests[i]`` before ``positions[i]`` (gathering from the
         ``paged`` per-layer ``[slots, kv heads, head dim]`` views where a row is stale) and record that the
-        step adds position ``positions[i]``. Returns each row's flat index of that position in the rows (for
-        ``index_copy_``), or None when the batch does not fit the rows' limits (the caller gathers)."""
+        step adds positions ``positions[i]`` on (``adds`` of them: a verify step adds its proposals too).
+        Returns each row's flat index of its first added position in the rows (for ``index_copy_``), or None
+        when the batch does not fit the rows' limits (the caller gathers).
+
+        A row holding more positions than asked for is current: those past the request's position are ones a
+        verify step wrote for proposals it rejected, which the request's later steps write again before any
+        step attends to them."""
         rows = len(requests)
         # One position beyond the longest context stays spare: a compiled step (``cpu_compile``) that met rows
         # exactly as long as the attended context would take them as equal sizes and compile again when they
         # differ.
-        needed = max(positions) + 2
+        needed = max(positions) + adds + 1
         dtype = paged[0][0].dtype
         if not self._fits(rows, needed, dtype):
             return None
@@ -71,11 +77,12 @@ class DenseDecodeRows:
         source, target, held = [], [], []
         for i, (request, pos, table) in enumerate(zip(requests, positions, tables)):
             preemptions = getattr(request, "num_preemptions", 0)
-            current = i < len(self.held) and self.held[i][0] is request and self.held[i][1:] == (preemptions, pos)
+            current = (i < len(self.held) and self.held[i][0] is request and self.held[i][1] == preemptions
+                       and self.held[i][2] >= pos)
             if not current:   # the row holds another sequence, or this one missed a step: regather it
                 source.extend(table[p // block_size] * block_size + p % block_size for p in range(pos))
                 target.extend(range(i * width, i * width + pos))
-            held.append((request, preemptions, pos + 1))
+            held.append((request, preemptions, pos + adds))
         if source:
             src, dst = torch.tensor(source), torch.tensor(target)
             for (k_rows, v_rows), (k_paged, v_paged) in zip(self.layers, paged):

@@ -152,8 +152,14 @@ void attend_all(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, c
   // order (a task per head read 128 of every 384 bytes of SmolLM2's rows: 4.3 against 3.7 ms for 8 rows of 256
   // positions over 30 layers on two cores). Ranges: enough tasks for every thread twice, none shorter than 32
   // positions, none longer than 256 (their K/V stay in L2 from the first head to the last).
-  const int64_t want = (2 * at::get_num_threads() + rows - 1) / rows;
-  const int64_t splits = std::max<int64_t>({1, std::min<int64_t>(want, (longest + 31) / 32), (longest + 255) / 256});
+  // Rows of one sequence over one span (K/V rows with stride 0: a speculative verify step) split each row as a
+  // one-row step of its length would, so that every row's result is the one-row step's, bit for bit.
+  const bool shared = k.stride(0) == 0 && rows > 1;
+  const int64_t want = shared ? 2 * at::get_num_threads() : (2 * at::get_num_threads() + rows - 1) / rows;
+  auto splits_of = [want](int64_t length) {
+    return std::max<int64_t>({1, std::min<int64_t>(want, (length + 31) / 32), (length + 255) / 256});
+  };
+  const int64_t splits = splits_of(longest);
   const int64_t stride = G * (D + 2);
   std::vector<float> partials(static_cast<size_t>(rows * heads * splits * stride));
   const float* qp = q.data_ptr<float>();
@@ -165,7 +171,8 @@ void attend_all(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, c
     for (int64_t task = begin; task < end; ++task) {
       const int64_t r = task / splits, s = task % splits;
       const int64_t length = lengths[r], first = starts != nullptr ? starts[r] : 0;
-      const int64_t chunk = (length - first + splits - 1) / splits;
+      const int64_t own = shared ? splits_of(length) : splits;   // the tasks past a row's own splits are empty
+      const int64_t chunk = (length - first + own - 1) / own;
       const int64_t p0 = std::min(length, first + s * chunk), p1 = std::min(length, p0 + chunk);
       for (int64_t h = 0; h < heads; ++h) {
         float* base = partials.data() + ((r * heads + h) * splits + s) * stride;

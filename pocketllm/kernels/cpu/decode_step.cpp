@@ -118,8 +118,7 @@ at::Tensor decode_layers(const at::Tensor& hidden, at::TensorList weights, at::T
               "decode_layers: weight shapes do not match the heads");
   TORCH_CHECK(slots.size(0) == rows && lengths.size(0) == rows && cos.size(0) == rows && sin.size(0) == rows,
               "decode_layers: one slot, length and rotary row per row");
-  TORCH_CHECK(!rows_kv.empty() ? row_index.has_value() : rows == 1,
-              "decode_layers: several rows attend over dense rows (a span serves one row)");
+  TORCH_CHECK(rows_kv.empty() || row_index.has_value(), "decode_layers: dense rows need their row index");
   const at::ScalarType kv_type = caches[0].scalar_type();
   TORCH_CHECK(kv_type == at::kBFloat16 || kv_type == at::kFloat, "decode_layers: the KV cache is bfloat16 or float32");
 
@@ -190,8 +189,9 @@ at::Tensor decode_layers(const at::Tensor& hidden, at::TensorList weights, at::T
       keys = k_rows->narrow(0, 0, rows).narrow(1, 0, longest);
       values = v_rows->narrow(0, 0, rows).narrow(1, 0, longest);
     } else {
-      keys = k_cache.narrow(0, span_start, longest).view({1, longest, kv_heads, dim});
-      values = v_cache.narrow(0, span_start, longest).view({1, longest, kv_heads, dim});
+      // Several rows over a span are positions of one sequence (a verify step): each attends to its length.
+      keys = k_cache.narrow(0, span_start, longest).view({1, longest, kv_heads, dim}).expand({rows, -1, -1, -1});
+      values = v_cache.narrow(0, span_start, longest).view({1, longest, kv_heads, dim}).expand({rows, -1, -1, -1});
     }
     const int64_t window = windows.empty() ? 0 : windows[l];
     if (window > 0) {
