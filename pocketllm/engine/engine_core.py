@@ -168,6 +168,8 @@ class EngineCore:
         # Set by the backend when it can constrain outputs (runner.grammar.GrammarCompiler).
         self.grammar_compiler = None
         self.num_steps = 0
+        # Speculative decoding: verify chunks run, tokens proposed, proposals accepted.
+        self.num_verify_chunks = self.num_proposed_tokens = self.num_accepted_tokens = 0
         # CUDA: the engine loop schedules and launches step N+1 before reading step N's tokens back.
         # (Not under tensor parallelism: rank 0 broadcasts each step's finished inputs.)
         if args.async_scheduling == "on" and self.runner.tp_size > 1:
@@ -290,6 +292,9 @@ class EngineCore:
             "prefix_cache_hits": blocks.prefix_hits,
             "num_preemptions": self.scheduler.num_preemptions,
             "num_steps": self.num_steps,
+            "spec_verify_chunks": self.num_verify_chunks,
+            "spec_proposed_tokens": self.num_proposed_tokens,
+            "spec_accepted_tokens": self.num_accepted_tokens,
         }
 
     def has_work(self) -> bool:
@@ -364,6 +369,10 @@ class EngineCore:
             if request.is_finished:
                 continue
             running = request.status is RequestStatus.RUNNING
+            if chunk.draft and tokens:
+                self.num_verify_chunks += 1
+                self.num_proposed_tokens += len(chunk.draft)
+                self.num_accepted_tokens += len(tokens) - 1
             if chunk.draft and running:
                 # Keep the KV of the accepted proposals only; the rejected ones' slots go back.
                 request.num_computed_tokens = chunk.start + len(tokens)

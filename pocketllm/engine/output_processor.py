@@ -15,15 +15,16 @@ from pocketllm.protocol.tool_parsers import ToolCallStream
 from pocketllm.step.sampled import SampledToken
 
 
-def usage_of(request: Request) -> Usage:
-    """Token counts (the EOS step included) and the request's prefill and decode wall times."""
+def usage_of(request: Request, completion_tokens: int | None = None) -> Usage:
+    """Token counts (the EOS step included) and the request's prefill and decode wall times; ``completion_tokens``:
+    the output tokens the caller received (default: all the request's)."""
     first = request.first_token_time
     scheduled = request.first_scheduled_time
     end = request.finished_time or time.monotonic()
     prefill = (first - scheduled) if first is not None and scheduled is not None else 0.0
     decode = (end - first) if first is not None and end is not None else 0.0
     queue = (scheduled - request.arrival_time) if scheduled is not None else 0.0
-    return Usage(prompt_tokens=request.num_prompt_tokens, completion_tokens=len(request.output_token_ids),
+    return Usage(prompt_tokens=request.num_prompt_tokens, completion_tokens=len(request.output_token_ids) if completion_tokens is None else completion_tokens,
                  prefill_time_s=prefill, decode_time_s=decode, cached_tokens=request.num_cached_tokens,
                  queue_time_s=queue)
 
@@ -50,6 +51,8 @@ class RequestStream:
         self.emit = emit
         self.stream = stream
         self.token_ids: list[int] = []
+        # Tokens handed to this stream: a verify step's tokens after a stop string never reach it.
+        self.num_received = 0
         self.token_starts: list[int] = []
         self.logprobs: list[TokenLogprob] = []
         self.text = ""
@@ -103,6 +106,7 @@ class RequestStream:
         new_logprobs: list[TokenLogprob] = []
         delta, reasoning, stopped = "", "", False
         if token is not None:
+            self.num_received += 1
             now = time.monotonic()
             if self._last_token_time is not None:
                 self.token_gaps.append(now - self._last_token_time)
@@ -159,7 +163,8 @@ class RequestStream:
         return RequestOutput(
             request_id=self.request_id, prompt_token_ids=self.prompt_token_ids, text=self.text,
             token_ids=list(self.token_ids), finish_reason=self._finish_reason(request, stopped),
-            usage=usage_of(request), logprobs=list(self.logprobs) if asked else None, stop_reason=stop_reason,
+            usage=usage_of(request, self.num_received), logprobs=list(self.logprobs) if asked else None,
+            stop_reason=stop_reason,
             metadata={"inter_token_latencies": self.token_gaps},
             reasoning_content="".join(self._reasoning_parts) if self.reasoning and self.reasoning.saw_reasoning
             else None,

@@ -173,9 +173,9 @@ def decode_layers(hidden: torch.Tensor, weights: list[torch.Tensor], qkv_bias: l
     """Every layer of a decode step (``decode_step.cpp``): ``hidden`` [R, H] float32 embeddings in, the final
     norm's output out. Stores each row's new K/V at ``slots`` of the per-layer ``caches`` (K, V, ... as
     ``[slots, KV heads, D]``) and, with dense ``rows`` (K, V, ... as ``[rows, tokens, KV heads, D]``), at
-    ``row_index`` of those; row r attends to its first ``lengths[r]`` positions of its dense row, or of the cache from
-    slot ``span_start`` (rows over a span are positions of one sequence); a layer whose ``windows`` entry ``w`` is not 0 attends to the last ``w``
-    of those only."""
+    ``row_index`` of those; row r attends to its first ``lengths[r]`` positions of its dense row, or of the cache
+    from slot ``span_start`` (rows over a span are positions of one sequence); a layer whose ``windows`` entry
+    ``w`` is not 0 attends to the last ``w`` of those only."""
     return torch.ops.pocketllm_cpu.decode_layers(hidden, weights, qkv_bias, caches, slots, cos, sin, rows, row_index,
                                                  span_start, lengths, heads, kv_heads, eps, scale, final_norm,
                                                  final_eps, windows or [])
