@@ -159,10 +159,8 @@ def _generate(args: EngineArgs, prompts: list, params: SamplingParams | list[Sam
 def _cached_keys_are_real(llm: LLM, sequences: list[list[int]]) -> None:
     """Every block the prefix cache holds is a block of one of ``sequences`` (never one with rejected tokens)."""
     blocks = llm._client.backend.core.blocks
-    size = blocks.block_size
-    real = {tuple(seq[i:i + size]) for seq in sequences for i in range(0, len(seq) - size + 1, size)}
-    for parent, tokens in blocks.cached:
-        assert tokens in real
+    real = {key for seq in sequences for key, _ in blocks.chain_keys(seq, len(seq) // blocks.block_size)}
+    assert blocks.cached and set(blocks.cached) <= real
 
 
 def test_default_model_greedy_equal_with_ngram(smollm2_gguf):

@@ -24,7 +24,9 @@ def usage_of(request: Request, completion_tokens: int | None = None) -> Usage:
     prefill = (first - scheduled) if first is not None and scheduled is not None else 0.0
     decode = (end - first) if first is not None and end is not None else 0.0
     queue = (scheduled - request.arrival_time) if scheduled is not None else 0.0
-    return Usage(prompt_tokens=request.num_prompt_tokens, completion_tokens=len(request.output_token_ids) if completion_tokens is None else completion_tokens,
+    if completion_tokens is None:
+        completion_tokens = len(request.output_token_ids)
+    return Usage(prompt_tokens=request.num_prompt_tokens, completion_tokens=completion_tokens,
                  prefill_time_s=prefill, decode_time_s=decode, cached_tokens=request.num_cached_tokens,
                  queue_time_s=queue)
 
