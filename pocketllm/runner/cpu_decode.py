@@ -81,7 +81,7 @@ class DecodeBatch(NamedTuple):
     lengths: torch.Tensor | None = None
     window_starts: dict[int, torch.Tensor] | None = None
     window_bias: dict[int, torch.Tensor] | None = None
-    one_sequence: bool = False      # a verify step: the rows are positions of one sequence
+    row_seq: torch.Tensor | None = None     # a verify step over dense rows: each row's dense row
 
 
 class FusedLayers(NamedTuple):
@@ -200,50 +200,69 @@ class CpuDecodeStep:
 
     def handles(self, chunks: list[Any]) -> bool:
         """Every chunk is one known new token that samples (a pure decode step; a token still pending from an
-        asynchronously scheduled step goes through the reference path), or the step is one verify chunk
-        (speculative decoding) that ``verifies``."""
-        if len(chunks) == 1 and chunks[0].draft:
-            return self.verifies(chunks[0])
+        asynchronously scheduled step goes through the reference path), or, with verify chunks (speculative
+        decoding) among them, a step that ``verifies``."""
+        if any(c.draft for c in chunks):
+            return self.verifies(chunks)
         return all(c.num_tokens == 1 and c.samples and not c.last_token_pending for c in chunks)
 
-    def verifies(self, chunk: Any) -> bool:
-        """Whether a verify chunk runs here: its positions as rows of one ``decode_layers`` call (q4 weights,
-        PocketLLM's attention) over the request's cache span, or over its dense row."""
-        return self.fused is not None and self.native_attention()
+    def verifies(self, chunks: list[Any]) -> bool:
+        """Whether a step of decode rows and verify chunks runs here: every position as a row of one
+        ``decode_layers`` call (q4 weights, PocketLLM's attention), over one request's cache span or the
+        requests' dense rows (when they fit)."""
+        if self.fused is None or not self.native_attention() or any(
+                c.last_token_pending or not c.samples or (c.num_tokens > 1 and not c.draft) for c in chunks):
+            return False
+        if len(chunks) == 1 and self._span_table(chunks[0]) is not None:
+            return True
+        return self._dense_rows().fits(len(chunks), max(c.end for c in chunks) + 1,
+                                       self.first_attention.k_cache.dtype)
 
-    def _verify_metadata(self, chunk: Any) -> DecodeBatch:
-        """A verify chunk's rows: the last known token and the proposals at their positions, each attending to the
-        span up to itself."""
+    def _span_table(self, chunk: Any) -> list[int] | None:
+        """The chunk's blocks up to its last position when they are consecutive (a cache span), else None."""
+        table = chunk.request.block_table[: (chunk.end - 1) // self.block_size + 1]
+        return table if all(b == table[0] + i for i, b in enumerate(table)) else None
+
+    def _verify_metadata(self, chunks: list[Any]) -> DecodeBatch:
+        """A step with verify chunks: one row per position (a decode row's token; a verify chunk's last known
+        token and proposals), each attending to its sequence up to itself."""
         bs = self.block_size
-        request = chunk.request
-        output = request.output_token_ids
-        ids = [output[-1] if output else request.prompt_token_ids[-1], *chunk.draft]
-        positions = list(range(chunk.start, chunk.end))
-        table = request.block_table
-        slots = [table[p // bs] * bs + p % bs for p in positions]
+        ids, positions, slots, seqs, tables = [], [], [], [], []
+        for i, chunk in enumerate(chunks):
+            request = chunk.request
+            output = request.output_token_ids
+            ids.append(output[-1] if output else request.prompt_token_ids[-1])
+            ids.extend(chunk.draft)
+            table = request.block_table
+            for p in range(chunk.start, chunk.end):
+                positions.append(p)
+                slots.append(table[p // bs] * bs + p % bs)
+            seqs.extend([i] * chunk.num_tokens)
+            tables.append(table[: (chunk.end - 1) // bs + 1])
         lengths = [p + 1 for p in positions]
-        starts, _ = self._windows(lengths, chunk.end, True)
+        starts, _ = self._windows(lengths, max(lengths), True)
         pos = torch.tensor(positions)
-        used = table[: (chunk.end - 1) // bs + 1]
-        span, dense_index = None, None
-        if all(b == used[0] + i for i, b in enumerate(used)):
-            span = (used[0] * bs, used[0] * bs + chunk.end)
+        span = self._span_table(chunks[0]) if len(chunks) == 1 else None
+        dense_index = row_seq = None
+        if span is not None:
+            span = (span[0] * bs, span[0] * bs + chunks[0].end)
         else:
-            # Every row is a position of the request's one dense row (``run_fused`` shares it among them).
-            first = self._dense_rows().prepare([request], [chunk.start], [used], bs, self._cache_views(),
-                                               adds=len(positions))
+            first = self._dense_rows().prepare([c.request for c in chunks], [c.start for c in chunks], tables, bs,
+                                               self._cache_views(), adds=[c.num_tokens for c in chunks])
             if first is None:
                 raise RuntimeError("a verify step's context does not fit the dense rows")
-            dense_index = first + torch.arange(len(positions))
+            starts_of = first.tolist()
+            dense_index = torch.tensor([starts_of[i] + p - chunks[i].start for i, p in zip(seqs, positions)])
+            row_seq = torch.tensor(seqs)
         return DecodeBatch(torch.tensor(ids), torch.tensor(slots), self.cos[pos][:, None, :],
                            self.sin_signed[pos][:, None, :], span, None, None, dense_index,
-                           chunk.end if dense_index is not None else 0, torch.tensor(lengths), starts,
-                           one_sequence=True)
+                           max(lengths) if dense_index is not None else 0, torch.tensor(lengths), starts,
+                           row_seq=row_seq)
 
     def _metadata(self, chunks: list[Any]) -> DecodeBatch:
         """Token ids, positions, cache slots and the attention context of a decode step (built once)."""
-        if chunks[0].draft:
-            return self._verify_metadata(chunks[0])
+        if any(c.draft for c in chunks):
+            return self._verify_metadata(chunks)
         bs = self.block_size
         ids, positions, slots, tables = [], [], [], []
         for chunk in chunks:
@@ -360,17 +379,13 @@ class CpuDecodeStep:
         rows = batch.ids.shape[0]
         self._cache_views()
         dense = batch.dense_index is not None
-        flat = self.dense_rows.flat if dense else []
-        if dense and batch.one_sequence:
-            # A verify step: its rows are positions of the first dense row, which every row reads (stride 0).
-            flat = [t[:1].expand(rows, -1, -1, -1) for t in flat]
         hidden = F.embedding(batch.ids, self.embedding)
         return cpu_native.decode_layers(
             hidden if hidden.dtype == torch.float32 else hidden.float(), fused.weights, fused.qkv_bias,
             self._flat_views, batch.slots, batch.cos.reshape(rows, -1), batch.sin.reshape(rows, -1),
-            flat, batch.dense_index, 0 if dense else batch.span[0], batch.lengths,
+            self.dense_rows.flat if dense else [], batch.dense_index, 0 if dense else batch.span[0], batch.lengths,
             self.num_heads, self.num_kv_heads, fused.eps, self.scale, fused.final_norm, fused.final_eps,
-            fused.windows)
+            fused.windows, batch.row_seq)
 
     def compiled_all(self) -> None:
         """Start-up has compiled every kind of step (``EngineCore``): from now on a batch that matches none of
