@@ -370,9 +370,15 @@ class EngineCore:
                 continue
             running = request.status is RequestStatus.RUNNING
             if chunk.draft and tokens:
+                accepted = len(tokens) - 1
                 self.num_verify_chunks += 1
                 self.num_proposed_tokens += len(chunk.draft)
-                self.num_accepted_tokens += len(tokens) - 1
+                self.num_accepted_tokens += accepted
+                # Propose as far as this request's proposals have lately held: every rejected proposal costs a
+                # row of the verify step.
+                limit = self.speculative.num_speculative_tokens
+                request.speculative_window = (min(limit, len(chunk.draft) + 1) if accepted == len(chunk.draft)
+                                              else accepted + 1)
             if chunk.draft and running:
                 # Keep the KV of the accepted proposals only; the rejected ones' slots go back.
                 request.num_computed_tokens = chunk.start + len(tokens)
