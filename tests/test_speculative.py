@@ -5,6 +5,7 @@ distribution)."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import threading
 
@@ -215,6 +216,40 @@ def test_default_model_batched_with_other_requests(smollm2_gguf):
     spec, stats = _generate(EngineArgs(model=smollm2_gguf, speculative_config=NGRAM), prompts, params)
     assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
     assert stats["spec_verify_chunks"] > 0 and stats["spec_accepted_tokens"] > 0
+
+
+def test_default_model_structured_output_next_to_speculating_requests(smollm2_gguf):
+    """A constrained request does not speculate (its proposals are not grammar-checked); next to speculating
+    requests in the same steps, every output equals the engine's without speculation."""
+    from pocketllm.runner.grammar import xgrammar_available
+    from pocketllm.sampling_params import StructuredOutput
+
+    if not xgrammar_available():
+        pytest.skip("xgrammar is not installed")
+    constrained = SamplingParams(max_tokens=40, temperature=0.0, structured_output=StructuredOutput(json_object=True))
+    free = SamplingParams(max_tokens=40, temperature=0.0)
+    jobs = [(COPY_TEXT, free), ('Reply with a JSON object describing "The old lighthouse keeper".', constrained),
+            (COPY_TEXT.replace("lighthouse", "castle"), free)]
+
+    def run(args: EngineArgs) -> tuple[list, dict]:
+        with LLM(args) as llm:
+            results: dict[int, object] = {}
+
+            def one(i: int, text: str, params: SamplingParams) -> None:
+                results[i] = llm.generate([text], params)[0]
+
+            threads = [threading.Thread(target=one, args=(i, *job)) for i, job in enumerate(jobs)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            return [results[i] for i in range(len(jobs))], llm.stats()
+
+    plain, _ = run(EngineArgs(model=smollm2_gguf))
+    spec, stats = run(EngineArgs(model=smollm2_gguf, speculative_config=NGRAM))
+    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+    assert stats["spec_accepted_tokens"] > 0
+    json.loads(spec[1].text)
 
 
 # ---------------------------------------------------------------------------------------------------------------
