@@ -408,3 +408,24 @@ def test_seeded_sampling_is_distribution_correct(tiny_checkpoint):
     expected_a, expected_b = total * a.sum() / total.sum(), total * b.sum() / total.sum()
     chi2 = float(((a - expected_a) ** 2 / expected_a + (b - expected_b) ** 2 / expected_b).sum())
     assert chi2 < _chi_square_bound(len(a) - 1), (chi2, outcomes)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the benchmark
+
+
+def test_bench_compares_with_and_without_speculation(tiny_checkpoint, monkeypatch, capsys):
+    from argparse import Namespace
+
+    from pocketllm.bench import speculative
+
+    monkeypatch.setattr(speculative, "PROMPT_SETS", {"editing": ("Repeat: a b c a b c",), "chat": ("Hello",)})
+    args = Namespace(output_len=12, num_iters=1, output_json=None)
+    result = speculative.run(args, EngineArgs(model=tiny_checkpoint("llama"), speculative_config=NGRAM))
+    assert set(result["sets"]) == {"editing", "chat"}
+    for entry in result["sets"].values():
+        assert entry["same_tokens"]
+        assert entry["with"]["decode_tokens"] == entry["without"]["decode_tokens"] > 0
+        assert entry["without"]["verify_steps"] == 0
+    assert result["speculative_config"] == NGRAM
+    assert "mean acceptance length" in capsys.readouterr().out

@@ -98,7 +98,7 @@ def run(args, engine_args: EngineArgs) -> dict[str, Any]:
                       "speedup": speedup, "same_tokens": same}
         length = b["mean_acceptance_length"]
         print(f"{name}: {a['decode_tokens_per_s']:.1f} → {b['decode_tokens_per_s']:.1f} decode tok/s "
-              f"({speedup:.2f}x); mean acceptance length "
+              f"({'n/a' if speedup is None else f'{speedup:.2f}x'}); mean acceptance length "
               f"{'n/a' if length is None else f'{length:.2f}'} over {b['verify_steps']} verify steps of "
               f"{b['steps']} steps; same tokens: {same}")
     load_after = common.load_average()
