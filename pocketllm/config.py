@@ -19,6 +19,54 @@ DEVICES = ("auto", "cpu", "cuda")
 CPU_WEIGHT_FORMATS = ("auto", "float32", "bfloat16", "int4", "int8")
 
 
+SPECULATIVE_METHODS = ("ngram", "draft_model", "mtp")
+SPECULATIVE_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding, validated once (vLLM's spelling): ``method`` ngram (prompt lookup: the last
+    ``prompt_lookup_max``..``prompt_lookup_min`` tokens matched against earlier context), draft_model (``model``)
+    or mtp; ``num_speculative_tokens`` proposed per step."""
+
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_min: int = 1
+    prompt_lookup_max: int = 4
+    model: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            raise InvalidRequestError(f"speculative_config.method must be one of {', '.join(SPECULATIVE_METHODS)}; "
+                                      f"got {self.method!r}", param="speculative_config")
+        for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise InvalidRequestError(f"speculative_config.{name} must be a positive integer; got {value!r}",
+                                          param="speculative_config")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise InvalidRequestError("speculative_config.prompt_lookup_min must not exceed prompt_lookup_max",
+                                      param="speculative_config")
+        if (self.method == "draft_model") != (self.model is not None):
+            raise InvalidRequestError("speculative_config.model names the draft checkpoint, for method draft_model "
+                                      "only (and it needs one)", param="speculative_config")
+
+    @classmethod
+    def from_dict(cls, values: typing.Mapping[str, Any]) -> SpeculativeConfig:
+        """The config from a mapping with vLLM's keys (unknown keys refused)."""
+        unknown = sorted(set(values) - set(SPECULATIVE_KEYS))
+        if unknown:
+            raise InvalidRequestError(f"speculative_config: unknown key {unknown[0]!r} (known: "
+                                      f"{', '.join(SPECULATIVE_KEYS)})", param="speculative_config")
+        if "method" not in values or "num_speculative_tokens" not in values:
+            raise InvalidRequestError("speculative_config needs method and num_speculative_tokens",
+                                      param="speculative_config")
+        return cls(**values)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
+
+
 def _opt(default: Any, help_text: str) -> Any:
     """A field with its command-line help attached."""
     return field(default=default, metadata={"help": help_text})
@@ -81,6 +129,10 @@ class EngineArgs:
     tensor_parallel_rendezvous_dir: str | None = _opt(
         None, "Parent of the private per-run rendezvous directory (default: the system temp directory); "
               "never removed.")
+    speculative_config: SpeculativeConfig | None = field(
+        default=None, metadata={"help": 'Speculative decoding as JSON (vLLM\'s keys), e.g. {"method": "ngram", '
+                                        '"num_speculative_tokens": 4, "prompt_lookup_min": 2, '
+                                        '"prompt_lookup_max": 4} (docs/library.md).'})
     backend_options: dict[str, Any] = field(
         default_factory=dict, metadata={"help": 'Backend-specific knobs as JSON, e.g. {"eos_token_id": 2}.'})
 
@@ -109,6 +161,12 @@ class EngineArgs:
         if port is not None and (isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536):
             raise InvalidRequestError(f"tensor_parallel_master_port must be in 1..65535; got {port!r}",
                                       param="tensor_parallel_master_port")
+        spec = self.speculative_config
+        if isinstance(spec, typing.Mapping):
+            # Built once here (a frozen field never changes after construction).
+            object.__setattr__(self, "speculative_config", SpeculativeConfig.from_dict(spec))
+        elif spec is not None and not isinstance(spec, SpeculativeConfig):
+            raise InvalidRequestError("speculative_config must be a mapping", param="speculative_config")
         if not isinstance(self.backend_options, dict):
             raise InvalidRequestError("backend_options must be a mapping", param="backend_options")
 
@@ -140,7 +198,7 @@ class EngineArgs:
 
 
 def field_kind(name: str) -> type:
-    """The basic type (int, float, bool, str, dict) a field of EngineArgs holds."""
+    """The basic type (int, float, bool, str, dict, SpeculativeConfig) a field of EngineArgs holds."""
     hint = typing.get_type_hints(EngineArgs)[name]
     if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
         hint = next(a for a in typing.get_args(hint) if a is not type(None))
@@ -156,7 +214,7 @@ def parse_field(name: str, raw: str) -> Any:
             if lowered not in ("1", "0", "true", "false", "yes", "no", "on", "off"):
                 raise ValueError(raw)
             return lowered in ("1", "true", "yes", "on")
-        if kind is dict:
+        if kind in (dict, SpeculativeConfig):
             value = json.loads(raw)
             if not isinstance(value, dict):
                 raise ValueError(raw)

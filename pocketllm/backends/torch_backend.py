@@ -86,6 +86,7 @@ class TorchBackend:
             prefix_caching=self.core.blocks.enable_prefix_caching,   # off for hybrid (recurrent-state) models
             max_logprobs=MAX_LOGPROBS,
             structured_outputs=self.core.grammar_compiler is not None,
+            speculative=(args.speculative_config.method,) if args.speculative_config is not None else (),
             details={
                 "eos_source": eos_source,
                 "eos_token_ids": sorted(eos_ids),

@@ -4,7 +4,8 @@ Reports time to first token, decode tokens/s, the step time split into device-bu
 time (CUDA: kernel time from the PyTorch profiler), and the achieved weight bandwidth (weight bytes × decode
 tokens/s) against the memory bandwidth measured on the same device with a large copy. ``--peer hf`` times
 HF transformers' ``generate`` on the same prompt and prints the ratio; ``--peer llama.cpp`` does the same with
-llama.cpp on the same GGUF (``bench/llamacpp_peer.py``).
+llama.cpp on the same GGUF (``bench/llamacpp_peer.py``). With ``--speculative-config`` it compares decoding with
+and without speculation over a prompt set instead (``bench/speculative.py``).
 """
 
 from __future__ import annotations
@@ -98,6 +99,10 @@ def run(args: argparse.Namespace, engine_args) -> dict[str, Any]:
     from pocketllm.api import LLM
     from pocketllm.runner.model_runner import resolve_device
 
+    if engine_args.speculative_config is not None:
+        from pocketllm.bench import speculative
+
+        return speculative.run(args, engine_args)
     if engine_args.max_model_len is None:
         engine_args = engine_args.replace(max_model_len=args.input_len + args.output_len + 8)
     # Every run sends the same prompt: with prefix caching on, TTFT would time a cache hit, not a prefill.

@@ -172,6 +172,20 @@ class BlockManager:
         if block.ref_count == 0:
             self.free[block_id] = None
 
+    def truncate(self, request: Request, num_tokens: int) -> None:
+        """Give back the request's blocks past its first ``num_tokens`` tokens (speculative slots of rejected
+        tokens). Such blocks were never hashed (they hold no computed token) and go first in line for reuse,
+        ahead of freed blocks the prefix cache still finds."""
+        keep = self.blocks_needed(num_tokens)
+        for block_id in reversed(request.block_table[keep:]):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free[block_id] = None
+                if block.key is None:
+                    self.free.move_to_end(block_id, last=False)
+        del request.block_table[keep:]
+
     def free_request(self, request: Request) -> None:
         """Drop the request's references; blocks reaching zero go to the free list (most recent last)."""
         for block_id in reversed(request.block_table[request.num_released_blocks:]):

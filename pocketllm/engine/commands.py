@@ -14,8 +14,9 @@ from pocketllm.step.sampled import SampledToken
 class OutputSink(Protocol):
     """Receives a request's outputs on the engine thread; must not block."""
 
-    def on_output(self, request: Request, token: SampledToken | None) -> bool:
-        """Handle one step's result (``token`` None: ended without a new token, e.g. cancelled).
+    def on_output(self, request: Request, token: SampledToken | None, last: bool = True) -> bool:
+        """Handle one step's result (``token`` None: ended without a new token, e.g. cancelled); ``last``: no
+        later token of this request follows in the step (a verify step emits several, in order).
 
         Return True to end the request now (the front end found a stop string).
         """

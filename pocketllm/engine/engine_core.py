@@ -12,6 +12,7 @@ import torch
 from pocketllm.config import EngineArgs
 from pocketllm.distributed import min_over_ranks
 from pocketllm.engine.block_manager import BlockManager
+from pocketllm.engine.ngram_proposer import NgramProposer
 from pocketllm.engine.request import FinishReason, Request, RequestStatus
 from pocketllm.engine.scheduler import Scheduler, SchedulerLimits
 from pocketllm.engine.state_pool import StatePool
@@ -88,14 +89,18 @@ class PendingStep:
 
     chunks: list
     sampled: SampleResult | None
+    # A step with verify chunks (speculative decoding): each sampling chunk's tokens, read back already.
+    verified: list[list[SampledToken]] | None = None
 
 
 @dataclass(frozen=True)
 class StepOutput:
-    """One request's result of a step: the token it sampled (None when it ended without one)."""
+    """One request's result of a step: the token it sampled (None when it ended without one). A verify chunk
+    gives several, in order; ``last``: no later output of this request follows in the step."""
 
     request: Request
     token: SampledToken | None
+    last: bool = True
 
 
 def _one_token_rows_longest_first(chunk: ScheduledChunk) -> int:
@@ -162,18 +167,25 @@ class EngineCore:
                         window)
         limits = SchedulerLimits(args.max_num_seqs, args.max_num_batched_tokens, max_model_len)
         chunk = args.max_num_batched_tokens if args.enable_chunked_prefill else 0
-        self.scheduler = Scheduler(limits, self.blocks, chunk, self.state_pool)
+        self.speculative = args.speculative_config
+        self.scheduler = Scheduler(limits, self.blocks, chunk, self.state_pool, self._proposer())
         self.requests: dict[str, Request] = {}
         self.vocab_size = int(hf_config.vocab_size)
         # Set by the backend when it can constrain outputs (runner.grammar.GrammarCompiler).
         self.grammar_compiler = None
         self.num_steps = 0
+        # Speculative decoding: verify chunks run, tokens proposed, proposals accepted.
+        self.num_verify_chunks = self.num_proposed_tokens = self.num_accepted_tokens = 0
         # CUDA: the engine loop schedules and launches step N+1 before reading step N's tokens back.
         # (Not under tensor parallelism: rank 0 broadcasts each step's finished inputs.)
         if args.async_scheduling == "on" and self.runner.tp_size > 1:
             raise UnsupportedFeatureError("async_scheduling='on' is not available with tensor parallelism "
                                           "(rank 0 sends each step's inputs once they are known); use 'auto'")
-        self.pipelined = self.runner.tp_size == 1 and (
+        if args.async_scheduling == "on" and self.speculative is not None:
+            raise UnsupportedFeatureError("async_scheduling='on' is not available with speculative decoding (a "
+                                          "verify step's accepted tokens decide the next step's inputs); use "
+                                          "'auto'")
+        self.pipelined = self.runner.tp_size == 1 and self.speculative is None and (
             args.async_scheduling == "on" or (args.async_scheduling == "auto" and self.device.type == "cuda"))
         self.in_flight: PendingStep | None = None
         # CUDA: a step's decode rows run longest context first. The decode kernel's programs start in row
@@ -188,6 +200,20 @@ class EngineCore:
         compiled_step = self.runner.compiled_cpu_decode if args.cpu_compile else None
         if compiled_step is not None:
             self._compile_cpu_decode(compiled_step)
+
+    def _proposer(self) -> NgramProposer | None:
+        """The proposer of ``speculative_config`` (None without one); methods not built yet are refused."""
+        spec = self.speculative
+        if spec is None:
+            return None
+        if spec.method != "ngram":
+            raise UnsupportedFeatureError(f"speculative_config.method {spec.method!r} is not available yet; "
+                                          "use 'ngram'")
+        if self.state_pool is not None:
+            raise UnsupportedFeatureError("speculative decoding is not available for models with recurrent state "
+                                          "(a rejected proposal would need the state rolled back); drop "
+                                          "speculative_config")
+        return NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max, spec.num_speculative_tokens)
 
     def _compile_cpu_decode(self, step: CpuDecodeStep) -> None:
         """``cpu_compile``: run throwaway requests now, so that every kind of compiled decode step compiles at
@@ -272,6 +298,9 @@ class EngineCore:
             "prefix_cache_hits": blocks.prefix_hits,
             "num_preemptions": self.scheduler.num_preemptions,
             "num_steps": self.num_steps,
+            "spec_verify_chunks": self.num_verify_chunks,
+            "spec_proposed_tokens": self.num_proposed_tokens,
+            "spec_accepted_tokens": self.num_accepted_tokens,
         }
 
     def has_work(self) -> bool:
@@ -318,7 +347,11 @@ class EngineCore:
             chunks.sort(key=_one_token_rows_longest_first)
         previous = self.in_flight.sampled if self.in_flight is not None else None
         logits = self.runner.launch(chunks, previous.tokens if previous is not None else None)
-        sampled = self.runner.sample_async(chunks, logits)
+        verified = None
+        if any(chunk.draft for chunk in chunks):
+            verified, sampled = self.runner.verify(chunks, logits), None
+        else:
+            sampled = self.runner.sample_async(chunks, logits)
         row = 0
         for chunk in chunks:
             request = chunk.request
@@ -327,7 +360,7 @@ class EngineCore:
                 request.num_pending_tokens += 1
                 request.pending_row = row
                 row += 1
-        pending = PendingStep(chunks, sampled)
+        pending = PendingStep(chunks, sampled, verified)
         self.in_flight = pending
         return pending
 
@@ -335,7 +368,10 @@ class EngineCore:
         """Read the launched step's tokens back and advance its requests. A request that ended after the launch
         (cancelled, or stopped by the front end while the step ran) is skipped and its token dropped."""
         chunks = pending.chunks
-        sampled = iter(pending.sampled.to_host() if pending.sampled is not None else ())
+        if pending.verified is not None:
+            emitted = iter(pending.verified)
+        else:
+            emitted = ([token] for token in (pending.sampled.to_host() if pending.sampled is not None else ()))
         if self.in_flight is pending:
             self.in_flight = None
         now = time.monotonic()
@@ -343,31 +379,52 @@ class EngineCore:
         outputs: list[StepOutput] = []
         for chunk in chunks:
             request = chunk.request
-            samples = chunk.samples
-            token = next(sampled) if samples else None
-            if token is not None:
+            tokens = next(emitted) if chunk.samples else []
+            if tokens:
                 request.num_pending_tokens -= 1
             if request.is_finished:
                 continue
             running = request.status is RequestStatus.RUNNING
-            if token is None:
+            if chunk.draft and tokens:
+                accepted = len(tokens) - 1
+                self.num_verify_chunks += 1
+                self.num_proposed_tokens += len(chunk.draft)
+                self.num_accepted_tokens += accepted
+                # Propose as far as this request's proposals have lately held: every rejected proposal costs a
+                # row of the verify step.
+                limit = self.speculative.num_speculative_tokens
+                request.speculative_window = (min(limit, len(chunk.draft) + 1) if accepted == len(chunk.draft)
+                                              else accepted + 1)
+            if chunk.draft and running:
+                # Keep the KV of the accepted proposals only; the rejected ones' slots go back.
+                request.num_computed_tokens = chunk.start + len(tokens)
+                self.blocks.truncate(request, request.num_computed_tokens)
+            if not tokens:
                 if running:
                     self._cache_and_release(request, chunk.end)
                 continue
-            request.output_token_ids.append(token.token_id)
-            off_grammar = request.grammar is not None and not request.grammar.accept(token.token_id)
             if request.first_token_time is None:
                 request.first_token_time = now
+            reason = None
+            mine: list[StepOutput] = []
+            for token in tokens:
+                request.output_token_ids.append(token.token_id)
+                off_grammar = request.grammar is not None and not request.grammar.accept(token.token_id)
+                reason = self._check_finished(request, token.token_id)
+                if off_grammar and reason is None:
+                    # Cannot happen while the sampler masks the row; end the request rather than let it drift.
+                    logger.error("request %s: token %d is outside its grammar; ending it", request.request_id,
+                                 token.token_id)
+                    reason = FinishReason.STOP
+                mine.append(StepOutput(request, token, last=False))
+                if reason is not None:
+                    break
+            mine[-1] = StepOutput(request, mine[-1].token)
             if running:
-                self._cache_and_release(request, chunk.end)
-            reason = self._check_finished(request, token.token_id)
-            if off_grammar and reason is None:
-                # Cannot happen while the sampler masks the row; end the request rather than let it drift.
-                logger.error("request %s: token %d is outside its grammar; ending it", request.request_id,
-                             token.token_id)
-                reason = FinishReason.STOP
+                # A verify chunk's KV stands at what it accepted (the rejected slots went back above).
+                self._cache_and_release(request, chunk.start + len(tokens) if chunk.draft else chunk.end)
             if reason is not None:
                 self.requests.pop(request.request_id, None)
                 self.scheduler.finish(request, reason)
-            outputs.append(StepOutput(request, token))
+            outputs.extend(mine)
         return outputs

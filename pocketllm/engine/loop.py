@@ -166,12 +166,16 @@ class EngineLoop:
         if request is not None:
             self._deliver(request, None)
 
-    def _deliver(self, request: Request, token: SampledToken | None) -> None:
+    def _deliver(self, request: Request, token: SampledToken | None, last: bool = True,
+                 num_outputs: int | None = None) -> None:
+        """Hand one output to the request's sink. ``last``: no later output of the request follows in this step
+        (a verify step gives several); ``num_outputs``: its output tokens up to this one, so that a stop string
+        the sink finds here drops the ones after it."""
         sink = self.sinks.get(request.request_id)
         if sink is None:
             return
         try:
-            end_now = sink.on_output(request, token)
+            end_now = sink.on_output(request, token, last)
         except Exception:
             logger.exception("output handler of request %s failed; cancelling it", request.request_id)
             end_now = not request.is_finished
@@ -180,8 +184,10 @@ class EngineLoop:
             self._release(request.request_id)
             return
         if end_now and not request.is_finished:
+            if num_outputs is not None:
+                del request.output_token_ids[num_outputs:]
             self.core.finish(request, FinishReason.STOP)
-        if request.is_finished:
+        if request.is_finished and (last or end_now):
             self._release(request.request_id)
 
     def _release(self, request_id: str) -> None:
@@ -216,8 +222,15 @@ class EngineLoop:
             self._deliver_all(self.core.complete(previous))
 
     def _deliver_all(self, outputs: list[StepOutput]) -> None:
+        # A request's outputs of the step are its last output tokens, in order.
+        ahead: dict[str, int] = {}
         for output in outputs:
-            self._deliver(output.request, output.token)
+            ahead[output.request.request_id] = ahead.get(output.request.request_id, 0) + 1
+        for output in outputs:
+            request = output.request
+            ahead[request.request_id] -= 1
+            self._deliver(request, output.token, output.last,
+                          len(request.output_token_ids) - ahead[request.request_id])
 
     def _fail_queued(self, message: str) -> None:
         """Fail the futures of the commands still queued (after a crash or a shutdown they will never run)."""
@@ -266,9 +279,7 @@ class EngineLoop:
             while self._drain(block=not self.core.has_work()):
                 if self.step_delay:
                     time.sleep(self.step_delay)
-                outputs: list[StepOutput] = self.core.step()
-                for output in outputs:
-                    self._deliver(output.request, output.token)
+                self._deliver_all(self.core.step())
         except BaseException as exc:
             logger.exception("engine loop crashed")
             with self._queue_lock:

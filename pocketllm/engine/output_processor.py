@@ -15,15 +15,18 @@ from pocketllm.protocol.tool_parsers import ToolCallStream
 from pocketllm.step.sampled import SampledToken
 
 
-def usage_of(request: Request) -> Usage:
-    """Token counts (the EOS step included) and the request's prefill and decode wall times."""
+def usage_of(request: Request, completion_tokens: int | None = None) -> Usage:
+    """Token counts (the EOS step included) and the request's prefill and decode wall times; ``completion_tokens``:
+    the output tokens the caller received (default: all the request's)."""
     first = request.first_token_time
     scheduled = request.first_scheduled_time
     end = request.finished_time or time.monotonic()
     prefill = (first - scheduled) if first is not None and scheduled is not None else 0.0
     decode = (end - first) if first is not None and end is not None else 0.0
     queue = (scheduled - request.arrival_time) if scheduled is not None else 0.0
-    return Usage(prompt_tokens=request.num_prompt_tokens, completion_tokens=len(request.output_token_ids),
+    if completion_tokens is None:
+        completion_tokens = len(request.output_token_ids)
+    return Usage(prompt_tokens=request.num_prompt_tokens, completion_tokens=completion_tokens,
                  prefill_time_s=prefill, decode_time_s=decode, cached_tokens=request.num_cached_tokens,
                  queue_time_s=queue)
 
@@ -50,6 +53,8 @@ class RequestStream:
         self.emit = emit
         self.stream = stream
         self.token_ids: list[int] = []
+        # Tokens handed to this stream: a verify step's tokens after a stop string never reach it.
+        self.num_received = 0
         self.token_starts: list[int] = []
         self.logprobs: list[TokenLogprob] = []
         self.text = ""
@@ -96,12 +101,14 @@ class RequestStream:
         shown = self.calls.push(emitted) if self.calls else emitted
         return reasoning, shown, stopped
 
-    def on_output(self, request: Request, token: SampledToken | None) -> bool:
-        excluded = request.finish_reason is FinishReason.STOP and request.stop_reason is not None
+    def on_output(self, request: Request, token: SampledToken | None, last: bool = True) -> bool:
+        # Only the request's last token of the step can be the one that ended it.
+        excluded = last and request.finish_reason is FinishReason.STOP and request.stop_reason is not None
         new_ids: list[int] = []
         new_logprobs: list[TokenLogprob] = []
         delta, reasoning, stopped = "", "", False
         if token is not None:
+            self.num_received += 1
             now = time.monotonic()
             if self._last_token_time is not None:
                 self.token_gaps.append(now - self._last_token_time)
@@ -111,7 +118,7 @@ class RequestStream:
             reasoning, delta, stopped = self._push_token(token)
             new_ids = [token.token_id]
             new_logprobs = self.logprobs[count:]
-        finished = request.is_finished or stopped
+        finished = (request.is_finished and last) or stopped
         if finished and not stopped:
             tail_reasoning, tail, stopped = self._route(self.detok.flush() if self.detok else "", final=True)
             reasoning += tail_reasoning
@@ -158,7 +165,8 @@ class RequestStream:
         return RequestOutput(
             request_id=self.request_id, prompt_token_ids=self.prompt_token_ids, text=self.text,
             token_ids=list(self.token_ids), finish_reason=self._finish_reason(request, stopped),
-            usage=usage_of(request), logprobs=list(self.logprobs) if asked else None, stop_reason=stop_reason,
+            usage=usage_of(request, self.num_received), logprobs=list(self.logprobs) if asked else None,
+            stop_reason=stop_reason,
             metadata={"inter_token_latencies": self.token_gaps},
             reasoning_content="".join(self._reasoning_parts) if self.reasoning and self.reasoning.saw_reasoning
             else None,

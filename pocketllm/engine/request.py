@@ -46,6 +46,9 @@ class Request:
     num_pending_tokens: int = 0   # sampled by a launched step, not yet appended (0 or 1)
     pending_row: int = -1         # that token's row in the launched step's sampled-token tensor
     num_cached_tokens: int = 0
+    # Speculative decoding: the most tokens the next verify step proposes (None: the configured number). A step
+    # that rejects a proposal shrinks it to what was accepted plus one; one that accepts all grows it by one.
+    speculative_window: int | None = None
     block_table: list[int] = field(default_factory=list)
     # Leading block-table entries released because every layer's window has passed them (they read 0).
     num_released_blocks: int = 0

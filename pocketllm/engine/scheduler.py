@@ -8,6 +8,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from pocketllm.engine.block_manager import BlockManager
+from pocketllm.engine.ngram_proposer import NgramProposer
 from pocketllm.engine.request import FinishReason, Request, RequestStatus
 from pocketllm.engine.state_pool import StatePool
 from pocketllm.step.scheduled_chunk import ScheduledChunk
@@ -35,11 +36,12 @@ class Scheduler:
     """
 
     def __init__(self, limits: SchedulerLimits, block_manager: BlockManager, prefill_chunk: int,
-                 state_pool: StatePool | None = None) -> None:
+                 state_pool: StatePool | None = None, proposer: NgramProposer | None = None) -> None:
         self.limits = limits
         self.blocks = block_manager
         self.state_pool = state_pool    # hybrid models: a recurrent-state slot per running request
         self.prefill_chunk = prefill_chunk
+        self.proposer = proposer        # speculative decoding: decode rows become verify chunks where it proposes
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -87,6 +89,13 @@ class Scheduler:
                 continue
             computed = request.num_computed_tokens
             remaining = request.num_scheduled_tokens - computed
+            if remaining == 1 and budget > 1 and self.proposer is not None:
+                chunk = self._verify_chunk(request, budget)
+                if chunk is not None:
+                    chunks.append(chunk)
+                    scheduled.add(request.request_id)
+                    budget -= chunk.num_tokens
+                    continue
             if remaining == 1 and budget > 0 and computed < len(request.block_table) * block_size:
                 # The common decode row: one token into a block the request already holds.
                 chunks.append(ScheduledChunk(request, 1, computed, True))
@@ -144,6 +153,25 @@ class Scheduler:
                          request.request_id, request.num_tokens, computed, n)
         self.waiting.extendleft(reversed(deferred))
         return chunks
+
+    def _verify_chunk(self, request: Request, budget: int) -> ScheduledChunk | None:
+        """A decode row as a verify chunk: the last token and the proposer's tokens, with their KV slots (None
+        when nothing is proposed, the request is constrained by a grammar or waits on a pending token, or the
+        slots are not free: then it decodes one token as usual, preempting if it must)."""
+        if request.num_pending_tokens or request.grammar is not None:
+            return None
+        # Never propose past the budget: the step emits at most one token more than it accepts.
+        room = budget - 1
+        if request.params.max_tokens is not None:
+            room = min(room, request.params.max_tokens - len(request.output_token_ids) - 1)
+        room = min(room, self.limits.max_model_len - request.num_tokens - 1)
+        if request.speculative_window is not None:
+            room = min(room, request.speculative_window)
+        draft = self.proposer.propose(request.all_token_ids, room) if room > 0 else []
+        if not draft or not self.blocks.can_allocate(request, 1 + len(draft)):
+            return None
+        self.blocks.allocate(request, 1 + len(draft))
+        return ScheduledChunk(request, 1 + len(draft), request.num_computed_tokens, True, tuple(draft))
 
     def _uncached_keys(self, request: Request) -> set:
         """Prefix-cache keys of the request's full blocks of known tokens that are not registered yet."""

@@ -169,16 +169,18 @@ def decode_layers(hidden: torch.Tensor, weights: list[torch.Tensor], qkv_bias: l
                   caches: list[torch.Tensor], slots: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                   rows: list[torch.Tensor], row_index: torch.Tensor | None, span_start: int, lengths: torch.Tensor,
                   heads: int, kv_heads: int, eps: float, scale: float, final_norm: torch.Tensor,
-                  final_eps: float, windows: list[int] | None = None) -> torch.Tensor:
+                  final_eps: float, windows: list[int] | None = None, row_seq: torch.Tensor | None = None
+                  ) -> torch.Tensor:
     """Every layer of a decode step (``decode_step.cpp``): ``hidden`` [R, H] float32 embeddings in, the final
     norm's output out. Stores each row's new K/V at ``slots`` of the per-layer ``caches`` (K, V, ... as
     ``[slots, KV heads, D]``) and, with dense ``rows`` (K, V, ... as ``[rows, tokens, KV heads, D]``), at
-    ``row_index`` of those; row r attends to its first ``lengths[r]`` positions of its dense row, or (one row) of
-    the cache from slot ``span_start``; a layer whose ``windows`` entry ``w`` is not 0 attends to the last ``w``
-    of those only."""
+    ``row_index`` of those; row r attends to its first ``lengths[r]`` positions of its dense row, or of the cache
+    from slot ``span_start`` (rows over a span are positions of one sequence); a layer whose ``windows`` entry
+    ``w`` is not 0 attends to the last ``w`` of those only. ``row_seq`` (dense rows): row r's dense row, where
+    several rows are positions of one sequence (a speculative verify step); default: row r's own."""
     return torch.ops.pocketllm_cpu.decode_layers(hidden, weights, qkv_bias, caches, slots, cos, sin, rows, row_index,
                                                  span_start, lengths, heads, kv_heads, eps, scale, final_norm,
-                                                 final_eps, windows or [])
+                                                 final_eps, windows or [], row_seq)
 
 
 def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor,

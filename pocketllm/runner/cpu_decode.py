@@ -81,6 +81,7 @@ class DecodeBatch(NamedTuple):
     lengths: torch.Tensor | None = None
     window_starts: dict[int, torch.Tensor] | None = None
     window_bias: dict[int, torch.Tensor] | None = None
+    row_seq: torch.Tensor | None = None     # a verify step over dense rows: each row's dense row
 
 
 class FusedLayers(NamedTuple):
@@ -197,14 +198,71 @@ class CpuDecodeStep:
         return all(layer.attention.shape == first.attention.shape and layer.qkv.out_dtype == first.qkv.out_dtype
                    for layer in plan.layers)
 
-    @staticmethod
-    def handles(chunks: list[Any]) -> bool:
+    def handles(self, chunks: list[Any]) -> bool:
         """Every chunk is one known new token that samples (a pure decode step; a token still pending from an
-        asynchronously scheduled step goes through the reference path)."""
+        asynchronously scheduled step goes through the reference path), or, with verify chunks (speculative
+        decoding) among them, a step that ``verifies``."""
+        if any(c.draft for c in chunks):
+            return self.verifies(chunks)
         return all(c.num_tokens == 1 and c.samples and not c.last_token_pending for c in chunks)
+
+    def verifies(self, chunks: list[Any]) -> bool:
+        """Whether a step of decode rows and verify chunks runs here: every position as a row of one
+        ``decode_layers`` call (q4 weights, PocketLLM's attention), over one request's cache span or the
+        requests' dense rows (when they fit)."""
+        if self.fused is None or not self.native_attention() or any(
+                c.last_token_pending or not c.samples or (c.num_tokens > 1 and not c.draft) for c in chunks):
+            return False
+        if len(chunks) == 1 and self._span_table(chunks[0]) is not None:
+            return True
+        return self._dense_rows().fits(len(chunks), max(c.end for c in chunks) + 1,
+                                       self.first_attention.k_cache.dtype)
+
+    def _span_table(self, chunk: Any) -> list[int] | None:
+        """The chunk's blocks up to its last position when they are consecutive (a cache span), else None."""
+        table = chunk.request.block_table[: (chunk.end - 1) // self.block_size + 1]
+        return table if all(b == table[0] + i for i, b in enumerate(table)) else None
+
+    def _verify_metadata(self, chunks: list[Any]) -> DecodeBatch:
+        """A step with verify chunks: one row per position (a decode row's token; a verify chunk's last known
+        token and proposals), each attending to its sequence up to itself."""
+        bs = self.block_size
+        ids, positions, slots, seqs, tables = [], [], [], [], []
+        for i, chunk in enumerate(chunks):
+            request = chunk.request
+            output = request.output_token_ids
+            ids.append(output[-1] if output else request.prompt_token_ids[-1])
+            ids.extend(chunk.draft)
+            table = request.block_table
+            for p in range(chunk.start, chunk.end):
+                positions.append(p)
+                slots.append(table[p // bs] * bs + p % bs)
+            seqs.extend([i] * chunk.num_tokens)
+            tables.append(table[: (chunk.end - 1) // bs + 1])
+        lengths = [p + 1 for p in positions]
+        starts, _ = self._windows(lengths, max(lengths), True)
+        pos = torch.tensor(positions)
+        span = self._span_table(chunks[0]) if len(chunks) == 1 else None
+        dense_index = row_seq = None
+        if span is not None:
+            span = (span[0] * bs, span[0] * bs + chunks[0].end)
+        else:
+            first = self._dense_rows().prepare([c.request for c in chunks], [c.start for c in chunks], tables, bs,
+                                               self._cache_views(), adds=[c.num_tokens for c in chunks])
+            if first is None:
+                raise RuntimeError("a verify step's context does not fit the dense rows")
+            starts_of = first.tolist()
+            dense_index = torch.tensor([starts_of[i] + p - chunks[i].start for i, p in zip(seqs, positions)])
+            row_seq = torch.tensor(seqs)
+        return DecodeBatch(torch.tensor(ids), torch.tensor(slots), self.cos[pos][:, None, :],
+                           self.sin_signed[pos][:, None, :], span, None, None, dense_index,
+                           max(lengths) if dense_index is not None else 0, torch.tensor(lengths), starts,
+                           row_seq=row_seq)
 
     def _metadata(self, chunks: list[Any]) -> DecodeBatch:
         """Token ids, positions, cache slots and the attention context of a decode step (built once)."""
+        if any(c.draft for c in chunks):
+            return self._verify_metadata(chunks)
         bs = self.block_size
         ids, positions, slots, tables = [], [], [], []
         for chunk in chunks:
@@ -327,7 +385,7 @@ class CpuDecodeStep:
             self._flat_views, batch.slots, batch.cos.reshape(rows, -1), batch.sin.reshape(rows, -1),
             self.dense_rows.flat if dense else [], batch.dense_index, 0 if dense else batch.span[0], batch.lengths,
             self.num_heads, self.num_kv_heads, fused.eps, self.scale, fused.final_norm, fused.final_eps,
-            fused.windows)
+            fused.windows, batch.row_seq)
 
     def compiled_all(self) -> None:
         """Start-up has compiled every kind of step (``EngineCore``): from now on a batch that matches none of

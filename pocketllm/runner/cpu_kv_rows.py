@@ -36,6 +36,10 @@ class DenseDecodeRows:
     def stored(self) -> list[int]:
         return [count for _, _, count in self.held]
 
+    def fits(self, rows: int, tokens: int, dtype: torch.dtype) -> bool:
+        """Whether ``rows`` sequences of ``tokens`` positions fit the rows' limits."""
+        return self._fits(rows, tokens, dtype)
+
     def _fits(self, rows: int, tokens: int, dtype: torch.dtype) -> bool:
         per_token = self.kv_shape[0] * self.kv_shape[1] * dtype.itemsize * 2 * self.num_layers
         return rows <= self.max_rows and rows * tokens * per_token <= self.max_bytes
@@ -48,16 +52,23 @@ class DenseDecodeRows:
         self.held = []
 
     def prepare(self, requests: Sequence[object], positions: Sequence[int], tables: Sequence[Sequence[int]],
-                block_size: int, paged: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor | None:
+                block_size: int, paged: Sequence[tuple[torch.Tensor, torch.Tensor]],
+                adds: Sequence[int] | None = None) -> torch.Tensor | None:
         """Make row ``i`` hold every layer's K/V of ``requests[i]`` before ``positions[i]`` (gathering from the
         ``paged`` per-layer ``[slots, kv heads, head dim]`` views where a row is stale) and record that the
-        step adds position ``positions[i]``. Returns each row's flat index of that position in the rows (for
-        ``index_copy_``), or None when the batch does not fit the rows' limits (the caller gathers)."""
+        step adds positions ``positions[i]`` on (``adds[i]`` of them, default 1: a verify step adds its proposals).
+        Returns each row's flat index of its first added position in the rows (for ``index_copy_``), or None
+        when the batch does not fit the rows' limits (the caller gathers).
+
+        A row holding more positions than asked for is current: those past the request's position are ones a
+        verify step wrote for proposals it rejected, which the request's later steps write again before any
+        step attends to them."""
         rows = len(requests)
         # One position beyond the longest context stays spare: a compiled step (``cpu_compile``) that met rows
         # exactly as long as the attended context would take them as equal sizes and compile again when they
         # differ.
-        needed = max(positions) + 2
+        adds = [1] * rows if adds is None else adds
+        needed = max(pos + add for pos, add in zip(positions, adds)) + 1
         dtype = paged[0][0].dtype
         if not self._fits(rows, needed, dtype):
             return None
@@ -69,13 +80,14 @@ class DenseDecodeRows:
             self._allocate(new_rows, next(t for t in choices if self._fits(new_rows, t, dtype)), dtype)
         width = self.layers[0][0].shape[1]
         source, target, held = [], [], []
-        for i, (request, pos, table) in enumerate(zip(requests, positions, tables)):
+        for i, (request, pos, table, add) in enumerate(zip(requests, positions, tables, adds)):
             preemptions = getattr(request, "num_preemptions", 0)
-            current = i < len(self.held) and self.held[i][0] is request and self.held[i][1:] == (preemptions, pos)
+            current = (i < len(self.held) and self.held[i][0] is request and self.held[i][1] == preemptions
+                       and self.held[i][2] >= pos)
             if not current:   # the row holds another sequence, or this one missed a step: regather it
                 source.extend(table[p // block_size] * block_size + p % block_size for p in range(pos))
                 target.extend(range(i * width, i * width + pos))
-            held.append((request, preemptions, pos + 1))
+            held.append((request, preemptions, pos + add))
         if source:
             src, dst = torch.tensor(source), torch.tensor(target)
             for (k_rows, v_rows), (k_paged, v_paged) in zip(self.layers, paged):

@@ -21,6 +21,7 @@ from pocketllm.layers.attention_backend import TritonAttentionBackend
 from pocketllm.models.registry import model_class
 from pocketllm.models.weights import init_dummy_weights, load_weights
 from pocketllm.runner.sampler import Sampler, SamplingRow
+from pocketllm.runner.spec_verify import verify
 from pocketllm.runner.step_backend import (
     CpuDecodeBackend,
     CudaGraphStep,
@@ -411,3 +412,9 @@ class ModelRunner:
         rows = [SamplingRow(c.request.params, c.request.prompt_token_ids, c.request.output_token_ids,
                             c.request.generator, c.request.grammar) for c in chunks if c.samples]
         return self.sampler.sample_async(logits, rows).start_copy()
+
+    @torch.inference_mode()
+    def verify(self, chunks: list[ScheduledChunk], logits: torch.Tensor | None) -> list[list[SampledToken]]:
+        """A step with verify chunks (speculative decoding): the tokens each sampling chunk emits, by the
+        acceptance rule of ``spec_verify.py`` (waits for the step)."""
+        return [] if logits is None else verify(self.sampler, logits, chunks)

@@ -274,6 +274,54 @@ class Sampler:
 
             temps = device_tensor([p.temperature for p in params], torch.float32, device)
             return gumbel_argmax(base, temps, self._seeds(rows, sample_rows, device))
+        s = self._truncated(base, params)
+        if device.type == "cpu":
+            return self._inverse_cdf(s, self._uniforms(rows, sample_rows))
+        # Exponential race: token = argmax(p / q) = argmax(logit - log q), q ~ Exp(1) per token.
+        q = torch.empty(n, vocab, dtype=torch.float32, device=device)
+        shared = [j for j, i in enumerate(sample_rows) if rows[i].generator is None]
+        if shared:
+            gen = self.shared_generator(device)
+            draw = torch.empty(len(shared), vocab, dtype=torch.float32, device=device).exponential_(
+                generator=gen)
+            if len(shared) == n:
+                q = draw
+            else:
+                q.index_copy_(0, self._index(shared, device), draw)
+        for j, i in enumerate(sample_rows):
+            gen = rows[i].generator
+            if gen is None:
+                continue
+            own = torch.empty(vocab, dtype=torch.float32, device=gen.device).exponential_(generator=gen)
+            q[j].copy_(own)
+        q.clamp_(min=torch.finfo(torch.float32).tiny).log_()
+        return (s - q).argmax(dim=-1)
+
+    def processed_scores(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+        """``[B, V]`` float32 scores of what each row samples from: the logits after its grammar mask, bias and
+        penalties, and for a sampling row its temperature and min-p / top-k / top-p masks (the row draws from
+        their softmax; a greedy row takes their argmax)."""
+        params = [row.params for row in rows]
+        x = logits.to(torch.float32, copy=True)
+        grammar_rows = [i for i, row in enumerate(rows) if row.grammar is not None]
+        if grammar_rows:
+            matchers = [rows[i].grammar for i in grammar_rows]
+            bitmask = fill_bitmask(matchers, math.ceil(matchers[0].vocab_size / 32))
+            if bitmask is not None:
+                apply_bitmask(x, bitmask, grammar_rows)
+        if any(_needs_processing(p) for p in params):
+            self._apply_logit_bias(x, params)
+            self._apply_penalties(x, rows)
+        sample_rows = [i for i, p in enumerate(params) if not p.greedy]
+        if sample_rows:
+            idx = self._index(sample_rows, x.device)
+            x.index_copy_(0, idx, self._truncated(x.index_select(0, idx), [params[i] for i in sample_rows]))
+        return x
+
+    def _truncated(self, base: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+        """Sampling rows' logits divided by their temperature, with min-p, top-k and top-p masks (a new tensor)."""
+        device = base.device
+        vocab = base.shape[-1]
         temps = device_tensor([p.temperature for p in params], torch.float32, device).unsqueeze(1)
         s = base / temps  # a fresh tensor: safe to modify in place below
 
@@ -296,28 +344,7 @@ class Sampler:
             top_k = [params[j].top_k if 0 < params[j].top_k < vocab else vocab for j in trunc_rows]
             top_p = [params[j].top_p for j in trunc_rows]
             s.index_copy_(0, idx, self._truncate(sub, top_k, top_p))
-
-        if device.type == "cpu":
-            return self._inverse_cdf(s, self._uniforms(rows, sample_rows))
-        # Exponential race: token = argmax(p / q) = argmax(logit - log q), q ~ Exp(1) per token.
-        q = torch.empty(n, vocab, dtype=torch.float32, device=device)
-        shared = [j for j, i in enumerate(sample_rows) if rows[i].generator is None]
-        if shared:
-            gen = self.shared_generator(device)
-            draw = torch.empty(len(shared), vocab, dtype=torch.float32, device=device).exponential_(
-                generator=gen)
-            if len(shared) == n:
-                q = draw
-            else:
-                q.index_copy_(0, self._index(shared, device), draw)
-        for j, i in enumerate(sample_rows):
-            gen = rows[i].generator
-            if gen is None:
-                continue
-            own = torch.empty(vocab, dtype=torch.float32, device=gen.device).exponential_(generator=gen)
-            q[j].copy_(own)
-        q.clamp_(min=torch.finfo(torch.float32).tiny).log_()
-        return (s - q).argmax(dim=-1)
+        return s
 
     def _uniforms(self, rows: Sequence[SamplingRow], sample_rows: list[int]) -> torch.Tensor:
         """One float64 uniform in [0, 1) per sampling row (CPU): rows with their own generator draw it from

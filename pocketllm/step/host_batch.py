@@ -65,7 +65,15 @@ def gather_host_batch(chunks: Sequence, block_size: int) -> HostBatch:
         request = chunk.request
         start, count, end = chunk.start, chunk.num_tokens, chunk.end
         table = request.block_table
-        if chunk.last_token_pending:
+        if chunk.draft:
+            # A verify chunk: the last known token, then the proposals; every position is scored.
+            n_prompt = len(request.prompt_token_ids)
+            ids.append(request.prompt_token_ids[start] if start < n_prompt
+                       else request.output_token_ids[start - n_prompt])
+            ids.extend(chunk.draft)
+            positions.extend(range(start, end))
+            slots.extend(table[p // block_size] * block_size + p % block_size for p in range(start, end))
+        elif chunk.last_token_pending:
             # Only a decode chunk can end with a pending token (a prefill chunk never follows a sampled one).
             pending.add(len(ids), request.pending_row)
             ids.append(0)
@@ -86,7 +94,9 @@ def gather_host_batch(chunks: Sequence, block_size: int) -> HostBatch:
         total += count
         query_start.append(total)
         context_lens.append(end)
-        if chunk.samples:
+        if chunk.draft:
+            sample_index.extend(range(total - count, total))
+        elif chunk.samples:
             sample_index.append(total - 1)
         tables.append(table)
         state_slots.append(request.state_slot)

@@ -8,12 +8,16 @@ from typing import Any, NamedTuple
 class ScheduledChunk(NamedTuple):
     """Tokens ``start:start + num_tokens`` of ``request`` run this step; ``samples``: the chunk reaches the
     end of the request's tokens, so a new token is sampled after it. (A tuple: a step builds one per running
-    request, hundreds per step.)"""
+    request, hundreds per step.)
+
+    A verify chunk (speculative decoding) runs the request's last known token followed by ``draft``, the proposed
+    tokens (``num_tokens == 1 + len(draft)``), and every one of its positions is scored."""
 
     request: Any        # the engine's Request (the engine sits above this package)
     num_tokens: int
     start: int
     samples: bool
+    draft: tuple[int, ...] = ()
 
     @classmethod
     def of(cls, request: Any, num_tokens: int) -> ScheduledChunk:
@@ -27,4 +31,4 @@ class ScheduledChunk(NamedTuple):
     @property
     def last_token_pending(self) -> bool:
         """The chunk's last input is the token the previous step sampled, still only on the device."""
-        return self.end > self.request.num_tokens
+        return self.end - len(self.draft) > self.request.num_tokens

@@ -20,11 +20,12 @@ inline int64_t q4_scratch_bytes(int64_t rows, int64_t k) { return rows * k + 8 *
 // out [rows, N] = x [rows, k] @ W.T for W the records [N / 16, k / 32, 320]; scratch of q4_scratch_bytes.
 void q4_matmul(const float* x, int64_t rows, const at::Tensor& records, float* out, uint8_t* scratch);
 
-// Decode attention (decode_attention.cpp's header): q [R, KVH, G, D] float32 over k, v [R, L, KVH, D] bfloat16 or
-// float32, row r to its positions starts[r] .. lengths[r] - 1 (starts null: from 0); out [R, KVH, G, D] float32,
-// contiguous.
+// Decode attention (decode_attention.cpp's header): q [R, KVH, G, D] float32 over k, v [S, L, KVH, D] bfloat16 or
+// float32, row r over sequence seqs[r] of k and v (seqs null: sequence r) to its positions starts[r] ..
+// lengths[r] - 1 (starts null: from 0); out [R, KVH, G, D] float32, contiguous. Each row's result depends on its
+// own query, sequence, length and start only (not on the other rows).
 void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const int64_t* lengths,
-            const int64_t* starts, float scale, at::Tensor& out);
+            const int64_t* starts, float scale, at::Tensor& out, const int64_t* seqs = nullptr);
 
 // e^x for x <= 0 (scores minus their maximum): 2^n * 2^f, 2^f by its Taylor polynomial on [-0.5, 0.5] (relative
 // error ~2e-7); below -87 the result is 0.

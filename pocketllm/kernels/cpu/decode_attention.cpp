@@ -145,15 +145,21 @@ void attend_range(const float* q, int64_t q_step, const T* k, const T* v, int64_
 
 template <typename T, int DV, int G>
 void attend_all(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const int64_t* lengths,
-                const int64_t* starts, float scale, at::Tensor& out) {
+                const int64_t* starts, float scale, at::Tensor& out, const int64_t* seqs) {
   constexpr int D = 16 * DV;
   const int64_t rows = q.size(0), heads = q.size(1), longest = k.size(1);
   // A task is a range of one row's positions over all its KV heads, so that the positions' K/V rows are read in
   // order (a task per head read 128 of every 384 bytes of SmolLM2's rows: 4.3 against 3.7 ms for 8 rows of 256
   // positions over 30 layers on two cores). Ranges: enough tasks for every thread twice, none shorter than 32
   // positions, none longer than 256 (their K/V stay in L2 from the first head to the last).
-  const int64_t want = (2 * at::get_num_threads() + rows - 1) / rows;
-  const int64_t splits = std::max<int64_t>({1, std::min<int64_t>(want, (longest + 31) / 32), (longest + 255) / 256});
+  // A row splits as a one-row step of its length would, whatever else the batch holds, so that its result is the
+  // same bit for bit in any batch (a speculative verify step's rows equal the decode steps they stand for); the
+  // task grid has the longest row's splits, and the tasks past a row's own are empty.
+  const int64_t want = 2 * at::get_num_threads();
+  auto splits_of = [want](int64_t length) {
+    return std::max<int64_t>({1, std::min<int64_t>(want, (length + 31) / 32), (length + 255) / 256});
+  };
+  const int64_t splits = splits_of(longest);
   const int64_t stride = G * (D + 2);
   std::vector<float> partials(static_cast<size_t>(rows * heads * splits * stride));
   const float* qp = q.data_ptr<float>();
@@ -165,7 +171,8 @@ void attend_all(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, c
     for (int64_t task = begin; task < end; ++task) {
       const int64_t r = task / splits, s = task % splits;
       const int64_t length = lengths[r], first = starts != nullptr ? starts[r] : 0;
-      const int64_t chunk = (length - first + splits - 1) / splits;
+      const int64_t own = splits_of(length);
+      const int64_t chunk = (length - first + own - 1) / own;
       const int64_t p0 = std::min(length, first + s * chunk), p1 = std::min(length, p0 + chunk);
       for (int64_t h = 0; h < heads; ++h) {
         float* base = partials.data() + ((r * heads + h) * splits + s) * stride;
@@ -174,8 +181,9 @@ void attend_all(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, c
           for (int g = 0; g < G; ++g) part.sum[g] = 0.f, part.max[g] = -std::numeric_limits<float>::infinity();
           continue;
         }
-        const T* kh = kp + r * k.stride(0) + h * k.stride(2);
-        const T* vh = vp + r * v.stride(0) + h * v.stride(2);
+        const int64_t seq = seqs != nullptr ? seqs[r] : r;
+        const T* kh = kp + seq * k.stride(0) + h * k.stride(2);
+        const T* vh = vp + seq * v.stride(0) + h * v.stride(2);
         const size_t prefetch = packed ? (h == 0 ? heads * D * sizeof(T) : 0) : D * sizeof(T);
         attend_range<T, DV, G>(qp + r * q.stride(0) + h * q.stride(1), q.stride(2), kh, vh, k.stride(1), v.stride(1),
                                p0, p1, scale, scores, part, prefetch);
@@ -204,39 +212,39 @@ void attend_all(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, c
 
 template <typename T, int DV>
 void by_group(int64_t group, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const int64_t* lengths,
-              const int64_t* starts, float scale, at::Tensor& out) {
+              const int64_t* starts, float scale, at::Tensor& out, const int64_t* seqs) {
   switch (group) {
-    case 1: return attend_all<T, DV, 1>(q, k, v, lengths, starts, scale, out);
-    case 2: return attend_all<T, DV, 2>(q, k, v, lengths, starts, scale, out);
-    case 3: return attend_all<T, DV, 3>(q, k, v, lengths, starts, scale, out);
-    case 4: return attend_all<T, DV, 4>(q, k, v, lengths, starts, scale, out);
-    case 5: return attend_all<T, DV, 5>(q, k, v, lengths, starts, scale, out);
-    case 6: return attend_all<T, DV, 6>(q, k, v, lengths, starts, scale, out);
-    case 7: return attend_all<T, DV, 7>(q, k, v, lengths, starts, scale, out);
-    default: return attend_all<T, DV, 8>(q, k, v, lengths, starts, scale, out);
+    case 1: return attend_all<T, DV, 1>(q, k, v, lengths, starts, scale, out, seqs);
+    case 2: return attend_all<T, DV, 2>(q, k, v, lengths, starts, scale, out, seqs);
+    case 3: return attend_all<T, DV, 3>(q, k, v, lengths, starts, scale, out, seqs);
+    case 4: return attend_all<T, DV, 4>(q, k, v, lengths, starts, scale, out, seqs);
+    case 5: return attend_all<T, DV, 5>(q, k, v, lengths, starts, scale, out, seqs);
+    case 6: return attend_all<T, DV, 6>(q, k, v, lengths, starts, scale, out, seqs);
+    case 7: return attend_all<T, DV, 7>(q, k, v, lengths, starts, scale, out, seqs);
+    default: return attend_all<T, DV, 8>(q, k, v, lengths, starts, scale, out, seqs);
   }
 }
 
 template <typename T>
 void by_dim(int64_t dim, int64_t group, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-            const int64_t* lengths, const int64_t* starts, float scale, at::Tensor& out) {
+            const int64_t* lengths, const int64_t* starts, float scale, at::Tensor& out, const int64_t* seqs) {
   switch (dim) {
-    case 16: return by_group<T, 1>(group, q, k, v, lengths, starts, scale, out);
-    case 32: return by_group<T, 2>(group, q, k, v, lengths, starts, scale, out);
-    case 64: return by_group<T, 4>(group, q, k, v, lengths, starts, scale, out);
-    default: return by_group<T, 8>(group, q, k, v, lengths, starts, scale, out);
+    case 16: return by_group<T, 1>(group, q, k, v, lengths, starts, scale, out, seqs);
+    case 32: return by_group<T, 2>(group, q, k, v, lengths, starts, scale, out, seqs);
+    case 64: return by_group<T, 4>(group, q, k, v, lengths, starts, scale, out, seqs);
+    default: return by_group<T, 8>(group, q, k, v, lengths, starts, scale, out, seqs);
   }
 }
 
 }  // namespace
 
 void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const int64_t* lengths,
-            const int64_t* starts, float scale, at::Tensor& out) {
+            const int64_t* starts, float scale, at::Tensor& out, const int64_t* seqs) {
   const int64_t dim = q.size(3), group = q.size(2);
   if (k.scalar_type() == at::kBFloat16) {
-    by_dim<at::BFloat16>(dim, group, q, k, v, lengths, starts, scale, out);
+    by_dim<at::BFloat16>(dim, group, q, k, v, lengths, starts, scale, out, seqs);
   } else {
-    by_dim<float>(dim, group, q, k, v, lengths, starts, scale, out);
+    by_dim<float>(dim, group, q, k, v, lengths, starts, scale, out, seqs);
   }
 }
 

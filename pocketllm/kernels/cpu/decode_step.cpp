@@ -97,7 +97,8 @@ at::Tensor decode_layers(const at::Tensor& hidden, at::TensorList weights, at::T
                          at::TensorList caches, const at::Tensor& slots, const at::Tensor& cos, const at::Tensor& sin,
                          at::TensorList rows_kv, const std::optional<at::Tensor>& row_index, int64_t span_start,
                          const at::Tensor& lengths, int64_t heads, int64_t kv_heads, double eps, double scale,
-                         const at::Tensor& final_norm, double final_eps, at::IntArrayRef windows) {
+                         const at::Tensor& final_norm, double final_eps, at::IntArrayRef windows,
+                         const std::optional<at::Tensor>& row_seq) {
   const int64_t layers = static_cast<int64_t>(weights.size()) / kPerLayer;
   TORCH_CHECK(layers > 0 && static_cast<int64_t>(weights.size()) == layers * kPerLayer,
               "decode_layers: six weights per layer");
@@ -118,8 +119,16 @@ at::Tensor decode_layers(const at::Tensor& hidden, at::TensorList weights, at::T
               "decode_layers: weight shapes do not match the heads");
   TORCH_CHECK(slots.size(0) == rows && lengths.size(0) == rows && cos.size(0) == rows && sin.size(0) == rows,
               "decode_layers: one slot, length and rotary row per row");
-  TORCH_CHECK(!rows_kv.empty() ? row_index.has_value() : rows == 1,
-              "decode_layers: several rows attend over dense rows (a span serves one row)");
+  TORCH_CHECK(rows_kv.empty() || row_index.has_value(), "decode_layers: dense rows need their row index");
+  TORCH_CHECK(!row_seq.has_value() || (!rows_kv.empty() && row_seq->size(0) == rows &&
+                                        row_seq->scalar_type() == at::kLong),
+              "decode_layers: row_seq (int64 [R]) names each row's dense row");
+  at::Tensor seq_c;
+  const int64_t* seq_p = nullptr;
+  if (row_seq.has_value()) {
+    seq_c = row_seq->contiguous();
+    seq_p = seq_c.data_ptr<int64_t>();
+  }
   const at::ScalarType kv_type = caches[0].scalar_type();
   TORCH_CHECK(kv_type == at::kBFloat16 || kv_type == at::kFloat, "decode_layers: the KV cache is bfloat16 or float32");
 
@@ -187,17 +196,21 @@ at::Tensor decode_layers(const at::Tensor& hidden, at::TensorList weights, at::T
     }
     at::Tensor keys, values;
     if (k_rows != nullptr) {
-      keys = k_rows->narrow(0, 0, rows).narrow(1, 0, longest);
-      values = v_rows->narrow(0, 0, rows).narrow(1, 0, longest);
+      // With row_seq, rows of one sequence (a verify chunk's positions) read its dense row.
+      const int64_t held = seq_p != nullptr ? k_rows->size(0) : rows;
+      keys = k_rows->narrow(0, 0, held).narrow(1, 0, longest);
+      values = v_rows->narrow(0, 0, held).narrow(1, 0, longest);
     } else {
-      keys = k_cache.narrow(0, span_start, longest).view({1, longest, kv_heads, dim});
-      values = v_cache.narrow(0, span_start, longest).view({1, longest, kv_heads, dim});
+      // Several rows over a span are positions of one sequence (a verify step): each attends to its length.
+      keys = k_cache.narrow(0, span_start, longest).view({1, longest, kv_heads, dim}).expand({rows, -1, -1, -1});
+      values = v_cache.narrow(0, span_start, longest).view({1, longest, kv_heads, dim}).expand({rows, -1, -1, -1});
     }
     const int64_t window = windows.empty() ? 0 : windows[l];
     if (window > 0) {
       for (int64_t r = 0; r < rows; ++r) starts[r] = std::max<int64_t>(0, length_p[r] - window);
     }
-    attend(q, keys, values, length_p, window > 0 ? starts.data() : nullptr, static_cast<float>(scale), attended);
+    attend(q, keys, values, length_p, window > 0 ? starts.data() : nullptr, static_cast<float>(scale), attended,
+           seq_p);
     q4_matmul(attended.data_ptr<float>(), rows, w[2], proj_p, scratch_p);
     add_into(res_p, proj_p, rows * width);
     rms_norm_rows(res_p, rows, width, w[3].data_ptr<float>(), static_cast<float>(eps), x_p);
@@ -218,7 +231,8 @@ at::Tensor decode_layers(const at::Tensor& hidden, at::TensorList weights, at::T
 TORCH_LIBRARY_FRAGMENT(pocketllm_cpu, m) {
   m.def("decode_layers(Tensor hidden, Tensor[] weights, Tensor[] qkv_bias, Tensor(a!)[] caches, Tensor slots, "
         "Tensor cos, Tensor sin, Tensor(b!)[] rows, Tensor? row_index, int span_start, Tensor lengths, int heads, "
-        "int kv_heads, float eps, float scale, Tensor final_norm, float final_eps, int[] windows=[]) -> Tensor");
+        "int kv_heads, float eps, float scale, Tensor final_norm, float final_eps, int[] windows=[], "
+        "Tensor? row_seq=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(pocketllm_cpu, CPU, m) {

@@ -1,0 +1,100 @@
+"""Speculative decoding's acceptance rule: which proposed tokens a request keeps, from one forward's scores.
+
+A verify chunk scores the request's last token and its ``k`` proposals in one forward: row ``j`` holds the
+target's scores for the token after proposal ``j - 1``. Each row is processed as the request's sampler would
+process it at that point (penalties count the proposals before it). Greedy: accept while the target's argmax
+equals the proposal, then emit the target's own token. Sampling (a proposal is a point mass): accept proposal
+``x`` with probability ``p(x)``; on rejection draw from ``p`` without ``x``, renormalised; with every proposal
+accepted, draw a bonus token from the last row. Each emitted token is then distributed as the plain sampler's
+would be. Draws come from the request's own generator (or the shared one), one uniform each.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from pocketllm.runner.sampler import Sampler, SamplingRow
+from pocketllm.step.sampled import SampledToken
+from pocketllm.step.scheduled_chunk import ScheduledChunk
+
+
+def _uniform(sampler: Sampler, generator: torch.Generator | None, device: torch.device) -> torch.Tensor:
+    """One float64 uniform in [0, 1) of shape [1] on the CPU, from the request's generator or the shared one."""
+    gen = generator if generator is not None else sampler.shared_generator(device)
+    return torch.rand(1, dtype=torch.float64, generator=gen, device=gen.device).cpu()
+
+
+def _draw(probs: torch.Tensor, u: torch.Tensor) -> int:
+    """Token ``i`` with probability ``probs[i] / probs.sum()`` by inverting the cumulative sum at ``u``."""
+    cdf = probs.cumsum(0)
+    total = cdf[-1]
+    target = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
+    return int(torch.searchsorted(cdf, target, right=True).clamp_(max=probs.numel() - 1))
+
+
+def accept(scores: torch.Tensor, draft: Sequence[int], greedy: bool, sampler: Sampler,
+           generator: torch.Generator | None, device: torch.device) -> list[int]:
+    """The tokens a request emits from its ``[k + 1, V]`` processed scores (CPU float32) and its ``k``
+    proposals: the accepted proposals, then the target's token (a correction or the bonus)."""
+    if greedy:
+        targets = scores.argmax(dim=-1).tolist()
+        out: list[int] = []
+        for j, proposal in enumerate(draft):
+            if targets[j] != proposal:
+                return out + [targets[j]]
+            out.append(proposal)
+        return out + [targets[len(draft)]]
+    out = []
+    for j, proposal in enumerate(draft):
+        probs = torch.softmax(scores[j].double(), dim=-1)
+        if _uniform(sampler, generator, device).item() < probs[proposal].item():
+            out.append(proposal)
+            continue
+        probs[proposal] = 0.0
+        return out + [_draw(probs, _uniform(sampler, generator, device))]
+    # The bonus token is drawn exactly as the plain sampler draws on the CPU.
+    last = scores[len(draft):len(draft) + 1]
+    return out + [int(Sampler._inverse_cdf(last, _uniform(sampler, generator, device))[0])]
+
+
+def _with_logprobs(raw: torch.Tensor, tokens: list[int], count: int | None) -> list[SampledToken]:
+    """Tokens with their raw log-probabilities (row ``j`` of ``raw`` scored token ``j``) and ``count`` ranked
+    alternatives; plain tokens when ``count`` is None."""
+    if count is None:
+        return [SampledToken(t) for t in tokens]
+    lp = torch.log_softmax(raw[:len(tokens)].float(), dim=-1)
+    out = []
+    for j, token in enumerate(tokens):
+        sampled = SampledToken(token, float(lp[j, token]))
+        if count > 0:
+            values, ids = lp[j].topk(min(count, lp.shape[-1]))
+            sampled.top_ids, sampled.top_logprobs = ids.tolist(), values.tolist()
+        out.append(sampled)
+    return out
+
+
+def verify(sampler: Sampler, logits: torch.Tensor, chunks: Sequence[ScheduledChunk]) -> list[list[SampledToken]]:
+    """The tokens each sampling chunk emits, from ``logits`` (``1 + len(draft)`` rows per sampling chunk, in
+    chunk order); a chunk without proposals emits one token, drawn as the plain sampler draws it."""
+    rows: list[SamplingRow] = []
+    spans: list[tuple[ScheduledChunk, int]] = []
+    for chunk in chunks:
+        if not chunk.samples:
+            continue
+        request = chunk.request
+        spans.append((chunk, len(rows)))
+        output = list(request.output_token_ids)
+        for j in range(len(chunk.draft) + 1):
+            rows.append(SamplingRow(request.params, request.prompt_token_ids,
+                                    output + list(chunk.draft[:j]), request.generator, request.grammar))
+    scores = sampler.processed_scores(logits, rows).cpu()
+    results = []
+    for chunk, start in spans:
+        request = chunk.request
+        width = len(chunk.draft) + 1
+        tokens = accept(scores[start:start + width], chunk.draft, request.params.greedy, sampler,
+                        request.generator, logits.device)
+        results.append(_with_logprobs(logits[start:start + width].cpu(), tokens, request.params.logprobs))
+    return results
