@@ -4,6 +4,7 @@ distribution)."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import math
@@ -12,7 +13,7 @@ import threading
 import pytest
 import torch
 
-from pocketllm import LLM, EngineArgs, SamplingParams
+from pocketllm import LLM, AsyncLLM, EngineArgs, SamplingParams
 from pocketllm.config import SpeculativeConfig, parse_field
 from pocketllm.engine.block_manager import BlockManager
 from pocketllm.engine.ngram_proposer import NgramProposer
@@ -232,18 +233,18 @@ def test_default_model_structured_output_next_to_speculating_requests(smollm2_gg
             (COPY_TEXT.replace("lighthouse", "castle"), free)]
 
     def run(args: EngineArgs) -> tuple[list, dict]:
-        with LLM(args) as llm:
-            results: dict[int, object] = {}
+        # The three requests are submitted from one event-loop turn, so that both engines see them arrive
+        # together and prefill them in the same steps (threads would race the engine for each submission, and
+        # a prompt prefilled beside a different batch may round differently).
+        async def together(llm: AsyncLLM) -> list:
+            return list(await asyncio.gather(*(llm.generate([text], params) for text, params in jobs)))
 
-            def one(i: int, text: str, params: SamplingParams) -> None:
-                results[i] = llm.generate([text], params)[0]
+        async def main() -> tuple[list, dict]:
+            async with AsyncLLM(args) as llm:
+                outputs = await together(llm)
+                return [o[0] for o in outputs], llm.stats()
 
-            threads = [threading.Thread(target=one, args=(i, *job)) for i, job in enumerate(jobs)]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join()
-            return [results[i] for i in range(len(jobs))], llm.stats()
+        return asyncio.run(main())
 
     plain, _ = run(EngineArgs(model=smollm2_gguf))
     spec, stats = run(EngineArgs(model=smollm2_gguf, speculative_config=NGRAM))
