@@ -250,6 +250,22 @@ def write_checkpoint(out_dir: str, config: dict, weights: dict[str, torch.Tensor
                 dst.write(src.read())
 
 
+def gguf_writer(gguf: Any, path: str, arch: str, config: dict) -> Any:
+    """A ``gguf.GGUFWriter`` for ``arch`` holding the llama.cpp shape keys every test GGUF shares (layers,
+    context, widths, heads, head size, RMSNorm epsilon) read from an HF ``config``."""
+    writer = gguf.GGUFWriter(path, arch)
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(config["num_attention_heads"])
+    writer.add_head_count_kv(config["num_key_value_heads"])
+    writer.add_key_length(config["head_dim"])
+    writer.add_value_length(config["head_dim"])
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    return writer
+
+
 def tiny_config(arch: str) -> Any:
     """The transformers config of a tiny test model."""
     from transformers import AutoConfig

@@ -11,7 +11,7 @@ import shutil
 import numpy as np
 import pytest
 import torch
-from conftest import tiny_config, write_checkpoint
+from conftest import gguf_writer, tiny_config, write_checkpoint
 from safetensors.torch import load_file
 
 from pocketllm import LLM, EngineArgs, SamplingParams
@@ -166,16 +166,7 @@ def _write_gemma3_gguf(path: str, config: dict, state: dict[str, torch.Tensor]) 
     """The checkpoint as llama.cpp's converter writes a Gemma 3 GGUF (F32): norms stored as ``1 + w``, no
     output tensor (tied), the window, its pattern, both rotary bases and the soft-capping in the metadata."""
     gguf = pytest.importorskip("gguf")
-    writer = gguf.GGUFWriter(path, "gemma3")
-    writer.add_block_count(config["num_hidden_layers"])
-    writer.add_context_length(config["max_position_embeddings"])
-    writer.add_embedding_length(config["hidden_size"])
-    writer.add_feed_forward_length(config["intermediate_size"])
-    writer.add_head_count(config["num_attention_heads"])
-    writer.add_head_count_kv(config["num_key_value_heads"])
-    writer.add_key_length(config["head_dim"])
-    writer.add_value_length(config["head_dim"])
-    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    writer = gguf_writer(gguf, path, "gemma3", config)
     rope = config["rope_parameters"]
     writer.add_rope_freq_base(rope["full_attention"]["rope_theta"])
     writer.add_rope_freq_base_swa(rope["sliding_attention"]["rope_theta"])

@@ -9,7 +9,7 @@ import shutil
 import numpy as np
 import pytest
 import torch
-from conftest import TINY_ARCHS, TINY_EOS_ID
+from conftest import TINY_ARCHS, TINY_EOS_ID, gguf_writer
 
 from pocketllm.errors import CheckpointError, InvalidRequestError
 from pocketllm.loaders import default_model as default_model_module
@@ -63,17 +63,8 @@ def write_gguf(path: str, arch: str, config: dict, tensors: dict[str, tuple[np.n
                tokenizer: bool = False) -> None:
     """A GGUF file with llama.cpp metadata keys and the given (name -> (HF-layout array, type)) tensors."""
     rng = np.random.default_rng(0)
-    writer = gguf.GGUFWriter(path, arch)
-    writer.add_block_count(config["num_hidden_layers"])
-    writer.add_context_length(config["max_position_embeddings"])
-    writer.add_embedding_length(config["hidden_size"])
-    writer.add_feed_forward_length(config["intermediate_size"])
-    writer.add_head_count(config["num_attention_heads"])
-    writer.add_head_count_kv(config["num_key_value_heads"])
-    writer.add_key_length(config["head_dim"])
-    writer.add_value_length(config["head_dim"])
+    writer = gguf_writer(gguf, path, arch, config)
     writer.add_rope_freq_base(config["rope_theta"])
-    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
     writer.add_vocab_size(config["vocab_size"])
     if "num_experts" in config:
         writer.add_expert_count(config["num_experts"])

@@ -12,7 +12,7 @@ import os
 
 import pytest
 import torch
-from conftest import QWEN3_5_TEMPLATE, TINY_HYBRID_ARCHS, write_checkpoint
+from conftest import QWEN3_5_TEMPLATE, TINY_HYBRID_ARCHS, gguf_writer, write_checkpoint
 from safetensors.torch import load_file
 
 from pocketllm import LLM, EngineArgs, SamplingParams
@@ -317,16 +317,7 @@ def _qwen3_5_gguf_tensor(name: str, tensor: torch.Tensor, config: dict) -> tuple
 def _write_qwen3_5_gguf(path: str, config: dict, state: dict[str, torch.Tensor]) -> None:
     """The checkpoint as llama.cpp's converter writes a dense Qwen3.5 GGUF (F32)."""
     gguf = pytest.importorskip("gguf")
-    writer = gguf.GGUFWriter(path, "qwen35")
-    writer.add_block_count(config["num_hidden_layers"])
-    writer.add_context_length(config["max_position_embeddings"])
-    writer.add_embedding_length(config["hidden_size"])
-    writer.add_feed_forward_length(config["intermediate_size"])
-    writer.add_head_count(config["num_attention_heads"])
-    writer.add_head_count_kv(config["num_key_value_heads"])
-    writer.add_key_length(config["head_dim"])
-    writer.add_value_length(config["head_dim"])
-    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    writer = gguf_writer(gguf, path, "qwen35", config)
     rope = config["rope_parameters"]
     writer.add_rope_freq_base(rope["rope_theta"])
     writer.add_rope_dimension_count(int(config["head_dim"] * rope["partial_rotary_factor"]))
