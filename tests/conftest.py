@@ -11,6 +11,7 @@ import copy
 import glob
 import importlib.util
 import json
+import math
 import os
 import sys
 from collections.abc import Callable
@@ -264,6 +265,20 @@ def gguf_writer(gguf: Any, path: str, arch: str, config: dict) -> Any:
     writer.add_value_length(config["head_dim"])
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
     return writer
+
+
+def assert_logprobs_match(reference: Any, directory: str, prompts: list[list[int]], outputs: list[Any],
+                          top: int) -> None:
+    """Every generated position's chosen token and top-``top`` log-probabilities equal transformers' (fp32,
+    ``reference`` is the ``hf_reference`` fixture) within 1e-4."""
+    for prompt, out in zip(prompts, outputs):
+        logprobs = torch.log_softmax(reference.logits(directory, prompt + out.token_ids, all_positions=True), -1)
+        for i, entry in enumerate(out.logprobs):
+            row = logprobs[len(prompt) - 1 + i]
+            assert entry.token_id == int(row.argmax())
+            assert [alt.token_id for alt in entry.top] == torch.topk(row, top).indices.tolist()
+            for alt in entry.top:
+                assert math.isclose(alt.logprob, row[alt.token_id].item(), abs_tol=1e-4)
 
 
 def tiny_config(arch: str) -> Any:

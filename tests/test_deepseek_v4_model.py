@@ -11,12 +11,11 @@ mask, a lost state) moves them by 1e-2 or more.
 from __future__ import annotations
 
 import json
-import math
 import os
 
 import pytest
 import torch
-from conftest import tiny_config, write_checkpoint
+from conftest import assert_logprobs_match, tiny_config, write_checkpoint
 from safetensors.torch import load_file
 
 from pocketllm import LLM, EngineArgs, SamplingParams
@@ -199,14 +198,7 @@ def test_logprobs_match_transformers(tiny_checkpoint, hf_reference):
     prompts = [_prompts()[1], _prompts()[4]]
     with LLM(EngineArgs(model=directory, max_num_batched_tokens=16, **KV)) as llm:
         outputs = llm.generate(prompts, params)
-    for prompt, out in zip(prompts, outputs):
-        reference = torch.log_softmax(hf_reference.logits(directory, prompt + out.token_ids, all_positions=True), -1)
-        for i, entry in enumerate(out.logprobs):
-            row = reference[len(prompt) - 1 + i]
-            assert entry.token_id == int(row.argmax())
-            assert [alt.token_id for alt in entry.top] == torch.topk(row, TOP).indices.tolist()
-            for alt in entry.top:
-                assert math.isclose(alt.logprob, row[alt.token_id].item(), abs_tol=1e-4)
+    assert_logprobs_match(hf_reference, directory, prompts, outputs, TOP)
 
 
 def test_chat_is_encoded_by_our_encoder_end_to_end(tiny_checkpoint, hf_reference):

@@ -4,14 +4,13 @@ transformers (fp32, CPU); greedy parity over the scheduling regimes is in test_e
 from __future__ import annotations
 
 import json
-import math
 import os
 import shutil
 
 import numpy as np
 import pytest
 import torch
-from conftest import gguf_writer, tiny_config, write_checkpoint
+from conftest import assert_logprobs_match, gguf_writer, tiny_config, write_checkpoint
 from safetensors.torch import load_file
 
 from pocketllm import LLM, EngineArgs, SamplingParams
@@ -59,14 +58,7 @@ def test_logprobs_match_transformers(device_args, tiny_checkpoint, hf_reference)
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, logprobs=TOP, ignore_eos=True)
     with LLM(EngineArgs(model=directory, **device_args)) as llm:
         outputs = llm.generate(_prompts(), params)
-    for prompt, out in zip(_prompts(), outputs):
-        reference = torch.log_softmax(hf_reference.logits(directory, prompt + out.token_ids, all_positions=True), -1)
-        for i, entry in enumerate(out.logprobs):
-            row = reference[len(prompt) - 1 + i]
-            assert entry.token_id == int(row.argmax())
-            assert [alt.token_id for alt in entry.top] == torch.topk(row, TOP).indices.tolist()
-            for alt in entry.top:
-                assert math.isclose(alt.logprob, row[alt.token_id].item(), abs_tol=1e-4)
+    assert_logprobs_match(hf_reference, directory, _prompts(), outputs, TOP)
 
 
 def test_full_prompt_logits_match_transformers(tiny_checkpoint, hf_reference):
