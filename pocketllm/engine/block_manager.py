@@ -178,12 +178,9 @@ class BlockManager:
         ahead of freed blocks the prefix cache still finds."""
         keep = self.blocks_needed(num_tokens)
         for block_id in reversed(request.block_table[keep:]):
-            block = self.blocks[block_id]
-            block.ref_count -= 1
-            if block.ref_count == 0:
-                self.free[block_id] = None
-                if block.key is None:
-                    self.free.move_to_end(block_id, last=False)
+            self._drop(block_id)
+            if block_id in self.free and self.blocks[block_id].key is None:
+                self.free.move_to_end(block_id, last=False)
         del request.block_table[keep:]
 
     def free_request(self, request: Request) -> None:
