@@ -96,11 +96,13 @@ class PendingStep:
 @dataclass(frozen=True)
 class StepOutput:
     """One request's result of a step: the token it sampled (None when it ended without one). A verify chunk
-    gives several, in order; ``last``: no later output of this request follows in the step."""
+    gives several, in order; ``last``: no later output of this request follows in the step; ``num_outputs``: the
+    request's output tokens up to this one (None: all of them)."""
 
     request: Request
     token: SampledToken | None
     last: bool = True
+    num_outputs: int | None = None
 
 
 def _one_token_rows_longest_first(chunk: ScheduledChunk) -> int:
@@ -416,10 +418,10 @@ class EngineCore:
                     logger.error("request %s: token %d is outside its grammar; ending it", request.request_id,
                                  token.token_id)
                     reason = FinishReason.STOP
-                mine.append(StepOutput(request, token, last=False))
+                mine.append(StepOutput(request, token, last=False, num_outputs=len(request.output_token_ids)))
                 if reason is not None:
                     break
-            mine[-1] = StepOutput(request, mine[-1].token)
+            mine[-1] = replace(mine[-1], last=True)
             if running:
                 # A verify chunk's KV stands at what it accepted (the rejected slots went back above).
                 self._cache_and_release(request, chunk.start + len(tokens) if chunk.draft else chunk.end)

@@ -222,15 +222,8 @@ class EngineLoop:
             self._deliver_all(self.core.complete(previous))
 
     def _deliver_all(self, outputs: list[StepOutput]) -> None:
-        # A request's outputs of the step are its last output tokens, in order.
-        ahead: dict[str, int] = {}
         for output in outputs:
-            ahead[output.request.request_id] = ahead.get(output.request.request_id, 0) + 1
-        for output in outputs:
-            request = output.request
-            ahead[request.request_id] -= 1
-            self._deliver(request, output.token, output.last,
-                          len(request.output_token_ids) - ahead[request.request_id])
+            self._deliver(output.request, output.token, output.last, output.num_outputs)
 
     def _fail_queued(self, message: str) -> None:
         """Fail the futures of the commands still queued (after a crash or a shutdown they will never run)."""
