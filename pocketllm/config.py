@@ -17,6 +17,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "dummy")
 DEVICES = ("auto", "cpu", "cuda")
 CPU_WEIGHT_FORMATS = ("auto", "float32", "bfloat16", "int4", "int8")
+QUANTIZATIONS = ("fp8",)
 
 
 SPECULATIVE_METHODS = ("ngram", "draft_model", "mtp")
@@ -105,6 +106,10 @@ class EngineArgs:
     num_kv_blocks: int | None = _opt(None, "Size the KV cache in blocks explicitly (default: from memory).")
     cpu_kv_cache_gb: float = _opt(2.0, "KV-cache size on CPU, in GiB.")
     gpu_memory_utilization: float = _opt(0.9, "Fraction of GPU memory the engine may use.")
+    quantization: str | None = _opt(None, "Weights of the linear layers (default: the compute dtype): fp8 (float8 e4m3 "
+                                          "with one scale per output row, quantised at load: half the bytes of "
+                                          "bfloat16 for decode-bound steps; the embedding and LM head keep the "
+                                          "compute dtype; quality in docs/benchmarks.md; dense models).")
     kv_cache_dtype: str = _opt("auto", "auto (the compute dtype; on CPU with bfloat16/int4/int8 weights, bfloat16) | "
                                        "bfloat16 | fp8 (CUDA: float8 e4m3 with scale 1, half the KV bytes of "
                                        "bfloat16; magnitudes beyond 448 saturate).")
@@ -144,6 +149,12 @@ class EngineArgs:
         self._choice("async_scheduling", ("auto", "on", "off"))
         self._choice("kv_cache_dtype", ("auto", "bfloat16", "fp8"))
         self._choice("cpu_weight_format", CPU_WEIGHT_FORMATS)
+        if self.quantization is not None:
+            self._choice("quantization", QUANTIZATIONS)
+            if self.cpu_weight_format not in ("auto", "float32"):
+                raise InvalidRequestError(f"quantization={self.quantization!r} and cpu_weight_format="
+                                          f"{self.cpu_weight_format!r} both choose the linear layers' weights: "
+                                          "give one of them", param="quantization")
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "tensor_parallel_size"):
             self._positive(name)
         for name in ("max_model_len", "num_kv_blocks"):

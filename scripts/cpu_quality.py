@@ -108,7 +108,8 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="Model (default: the engine's default model).")
-    parser.add_argument("--formats", nargs="+", default=["auto", "int4"], help="cpu_weight_format values.")
+    parser.add_argument("--formats", nargs="+", default=["auto", "int4"],
+                        help="cpu_weight_format values, or fp8 (quantization='fp8').")
     parser.add_argument("--rows", nargs="+", type=int, default=[1, 8], help="Rows per teacher-forced step.")
     parser.add_argument("--length", type=int, default=128, help="Tokens per window.")
     parser.add_argument("--tokens", type=int, default=64, help="Greedy tokens per chat prompt.")
@@ -119,8 +120,11 @@ def main() -> None:
         extra = {} if args.model is None else {"model": args.model}
         kernels = cpu_native.switched_off() if fmt == "int4-torch" else contextlib.nullcontext()
         with kernels:   # the kernels are chosen while the layers and the decode step are built
-            llm = LLM(EngineArgs(device="cpu", cpu_weight_format=fmt.removesuffix("-torch"), max_model_len=512,
-                                 **extra))
+            if fmt == "fp8":    # quantization="fp8": float8 weights, widened per product on CPU (a reference)
+                extra.update(quantization="fp8", cpu_weight_format="float32")
+            else:
+                extra.update(cpu_weight_format=fmt.removesuffix("-torch"))
+            llm = LLM(EngineArgs(device="cpu", max_model_len=512, **extra))
         with llm:
             resolved = llm.engine_caps().details.get("cpu_weight_format", fmt)
             ids = llm._client.encode_prompt(TEXT)

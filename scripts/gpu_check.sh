@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, profiles and the three H200 benchmark numbers; logs and JSON under $OUT.
-# Usage (on the GPU machine, repository root): bash scripts/gpu_check.sh [tests|gdn|gemv|profile|latency|throughput|hybrid ...]
+# Usage (on the GPU machine, repository root): bash scripts/gpu_check.sh [tests|gdn|gemv|profile|latency|fp8|throughput|hybrid|serve ...]
 # fla-core (optional, for Qwen3.5 prefill) is picked up from PYTHONPATH if installed or unpacked there.
 set -u
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
@@ -90,6 +90,12 @@ for stage in $stages; do
       for preset in qwen3-0.6b llama3-8b; do
         timeout 130 $PY -m pocketllm bench latency --model $preset --load-format dummy --peer hf \
           --output-json "$OUT/latency-$preset.json" --plot "$PLOTS/latency-$preset.png" 2>&1 | grep -v Warning | tee -a "$OUT/bench.log"
+      done ;;
+    fp8)
+      # quantization="fp8": float8 weights with per-row scales, batch 1 (the bound halves with the bytes)
+      for preset in ${FP8_PRESETS:-llama3-8b qwen3-0.6b}; do
+        timeout 150 $PY -m pocketllm bench latency --model $preset --load-format dummy --quantization fp8 \
+          --output-json "$OUT/latency-fp8-$preset.json" 2>&1 | grep -v Warning | tee -a "$OUT/bench.log"
       done ;;
     hybrid)
       for preset in qwen3.5-9b qwen3.5-35b-a3b; do

@@ -740,3 +740,94 @@ def test_skinny_products_write_into_a_given_buffer(rows):
     with pytest.raises(ValueError, match="output buffer"):
         skinny_linear(x, weight, out=buffer[:, :200])
 
+
+
+# ------------------------------------------------------------------------------------------- float8 weights
+
+FP8_PRODUCTS = [(rows, prologue) for rows in (1, 3, 16) for prologue in ("none", "silu", "norm")]
+
+
+@pytest.mark.parametrize("rows,prologue", [*FP8_PRODUCTS, (1, "epilogue"), (1, "epilogue+norm")])  # epilogue: 1 row
+def test_fp8_weight_products(rows, prologue):
+    """The skinny kernels on float8 codes with per-row scales equal the product with the dequantised weight
+    (the codes widen exactly; only the accumulation order differs)."""
+    dtype = torch.float32 if INTERPRET else torch.bfloat16
+    _need_kernels(dtype, uses_dot=rows > 1)
+    from pocketllm.kernels.fp8 import dequantize_weight, quantize_weight
+    from pocketllm.kernels.fused import rms_norm, silu_and_mul
+    from pocketllm.kernels.gemv import (
+        OneRowConfig,
+        one_row_silu_product,
+        skinny_linear,
+        skinny_rms_norm_linear,
+        skinny_silu_mul_linear,
+    )
+
+    n, k = 300, 600
+    codes, scale = quantize_weight(torch.randn(n, k, device=DEVICE) * torch.rand(n, 1, device=DEVICE))
+    weight = dequantize_weight(codes, scale, torch.float64)
+    config = OneRowConfig(4, 128, True, 4, 1)
+    x, residual = torch.randn(2, rows, k, dtype=dtype, device=DEVICE)
+    norm_weight = (torch.rand(k, device=DEVICE) + 0.5).to(dtype)
+    if prologue.startswith("epilogue"):
+        if prologue == "epilogue+norm":
+            out, _ = one_row_silu_product(x, codes, config, residual, norm_weight, 1e-6, scale=scale)
+            x = rms_norm(x, norm_weight, 1e-6, residual)[0]
+        else:
+            out, _ = one_row_silu_product(x, codes, config, scale=scale)
+        ref = silu_and_mul((x.double() @ weight.T).to(dtype)).double()
+    elif prologue == "silu":
+        gate_up = torch.randn(rows, 2 * k, dtype=dtype, device=DEVICE)
+        out = skinny_silu_mul_linear(gate_up, codes, config, scale=scale)
+        ref = silu_and_mul(gate_up).double() @ weight.T
+    elif prologue == "norm":
+        out, summed = skinny_rms_norm_linear(x, residual, norm_weight, 1e-6, codes, config=config, scale=scale)
+        torch.testing.assert_close(summed, x + residual)
+        ref = rms_norm(x, norm_weight, 1e-6, residual)[0].double() @ weight.T
+    else:
+        out, ref = skinny_linear(x, codes, config, scale=scale), x.double() @ weight.T
+    assert _rel(out, ref) < TOL[dtype]
+    with pytest.raises(ValueError, match="per-row scales"):
+        skinny_linear(x, codes, config)
+
+
+def test_fp8_scaled_product_for_many_rows():
+    """More rows than the skinny kernels take: cuBLAS's float8 product on activations quantised per row (H100/
+    H200), within the activations' float8 rounding of the dequantised product."""
+    _need_cuda()
+    from pocketllm.kernels.fp8 import dequantize_weight, quantize_weight, scaled_product, uses_scaled_mm
+
+    codes, scale = quantize_weight(torch.randn(2048, 1024, device="cuda"))
+    x = torch.randn(70, 1024, dtype=torch.bfloat16, device="cuda")
+    bias = torch.randn(2048, dtype=torch.bfloat16, device="cuda")
+    ref = x.double() @ dequantize_weight(codes, scale, torch.float64).T + bias.double()
+    out = scaled_product(x, codes, scale, bias)
+    assert out.dtype == torch.bfloat16 and out.shape == (70, 2048)
+    assert _rel(out, ref) < (0.05 if uses_scaled_mm(x, codes) else TOL[torch.bfloat16])
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("regime", ["graphs", "eager"])
+def test_engine_fp8_weights_diverge_only_at_near_ties(arch, regime):
+    """bf16 CUDA with ``quantization="fp8"``: every token is the argmax of the fp32 model running the same float8
+    weights, or within float8-activation noise of it (the many-row product quantises activations per row;
+    margin as for the float8 KV cache)."""
+    _need_cuda()
+    from pocketllm.kernels.fp8 import dequantize_weight, quantize_weight
+
+    outputs = _greedy(arch, "cuda", "bfloat16", 24, quantization="fp8", **REGIMES[regime])
+    model = _tiny_model(arch)
+    with torch.no_grad():
+        for module in model.model.layers.modules():
+            if isinstance(module, torch.nn.Linear):
+                module.weight.copy_(dequantize_weight(*quantize_weight(module.weight)))
+    worst = 0.0
+    for prompt, out in zip(PROMPTS, outputs):
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + out])).logits[0, len(prompt) - 1:-1].float()
+        for step, token in enumerate(out):
+            row = logits[step]
+            gap = float(row.max() - row[token])
+            worst = max(worst, gap / float(row.abs().max()))
+            assert gap <= 0.25 * float(row.abs().max()) + 1e-3, (prompt[:3], step, gap)
+    print(f"fp8 weights, {arch} {regime}: largest gap {worst:.1%} of the largest |logit|")

@@ -95,6 +95,7 @@ class TorchBackend:
                 "device": str(self.core.device),
                 "dtype": str(self.core.dtype).removeprefix("torch."),
                 "cpu_weight_format": self.core.cpu_weight_format.name,
+                "quantization": args.quantization,
                 "max_model_len": self.core.max_model_len,
                 "vocab_size": self.core.vocab_size,
                 "block_size": args.block_size,

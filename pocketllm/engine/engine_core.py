@@ -57,6 +57,9 @@ def resolve_cpu_weight_format(args: EngineArgs, device: torch.device, dtype: tor
         return CpuWeightFormat("auto", f"{device.type}: weights in {dense}")
     # The weights as loaded: "float32" when that is the compute dtype, else "auto" (setup_cpu leaves both alone).
     as_loaded = "float32" if dtype == torch.float32 else "auto"
+    if args.quantization is not None:
+        return CpuWeightFormat(as_loaded, f"quantization={args.quantization}: linear layers quantised at load, "
+                                          f"the rest as loaded ({dense})")
     if weight_type not in INT4_EXACT_WEIGHT_TYPES:
         kind = "float weights" if weight_type is None else f"{weight_type} weights"
         return CpuWeightFormat(as_loaded, f"{kind}: as loaded ({dense})")
@@ -133,7 +136,7 @@ class EngineCore:
             raise UnsupportedFeatureError("kv_cache_dtype='fp8' needs the CUDA kernel path (a CUDA device and "
                                           "Triton); use kv_cache_dtype='auto'")
         self.runner.load(weights, dummy_seed=args.seed, weight_format=self.cpu_weight_format.name,
-                         cpu_compile=args.cpu_compile)
+                         cpu_compile=args.cpu_compile, quantization=args.quantization)
         # Hybrid models (recurrent-state layers): one state slot per request that may run, allocated before
         # the KV cache is sized from what memory is left.
         self.state_pool = StatePool(args.max_num_seqs) if self.runner.state_layers else None

@@ -45,11 +45,14 @@ def num_parameters(model: torch.nn.Module) -> int:
 def decode_weight_bytes(model: torch.nn.Module) -> int:
     """Bytes a batch-1 decode step reads from the weights: every parameter once, except an untied embedding
     table (one row per token is read from it) and routed experts (``top_k`` of ``num_experts`` per layer), plus
-    the layers held in a CPU weight format (bfloat16, int4), whose own LM head then replaces the tied table."""
+    the layers held in a CPU weight format (bfloat16, int4), whose own LM head then replaces the tied table,
+    and the scales of float8 weights."""
     from pocketllm.layers.embedding import ParallelLMHead
     from pocketllm.layers.quantized_linear import CpuLinear, RescoredLMHead
 
     total = sum(m.weight_bytes() for m in model.modules() if isinstance(m, (CpuLinear, RescoredLMHead)))
+    # float8 weights (``quantization="fp8"``): their per-row scales, held beside the parameters
+    total += sum(m.weight_scale.nbytes for m in model.modules() if getattr(m, "weight_scale", None) is not None)
     own_head = hasattr(model, "lm_head") and not isinstance(model.lm_head, ParallelLMHead)
     seen = set()
     tied = bool(getattr(model, "tie_word_embeddings", False)) and not own_head

@@ -68,10 +68,13 @@ def _inverse_rms(x_ptr, res_ptr, rows, m_mask, K, stride_xm, stride_rm, eps, HAS
 
 
 @triton.jit(do_not_specialize=["M"])   # the row count changes step to step: one compiled variant for all
-def _skinny_kernel(x_ptr, w_ptr, out_ptr, res_ptr, nw_ptr, res_out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
-                   stride_rm, eps, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+def _skinny_kernel(x_ptr, w_ptr, scale_ptr, out_ptr, res_ptr, nw_ptr, res_out_ptr, M, N, K, stride_xm, stride_wn,
+                   stride_om, stride_rm, eps, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                    PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, NORM_OFFSET: tl.constexpr,
-                   PDL: tl.constexpr):
+                   HAS_SCALE: tl.constexpr, PDL: tl.constexpr):
+    """A few rows times a weight, [BLOCK_M, BLOCK_K] x [BLOCK_K, BLOCK_N] tiles on the tensor cores. With
+    ``HAS_SCALE`` the weight is float8 with one scale per output row: tiles widen to the activations' dtype and
+    the scales multiply the finished dot products."""
     if PDL:   # dependents may launch now: each waits on this kernel before it reads this kernel's output
         gdc_launch_dependents()
     pid = tl.program_id(0)
@@ -93,12 +96,15 @@ def _skinny_kernel(x_ptr, w_ptr, out_ptr, res_ptr, nw_ptr, res_out_ptr, M, N, K,
         rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
     x = _input_tile(x_ptr, res_ptr, nw_ptr, res_out_ptr, rows, m_mask, 0, K, stride_xm, stride_rm, rstd, pid, eps,
                     PROLOGUE, HAS_RESIDUAL, NORM_OFFSET, BLOCK_K)
-    acc = tl.dot(x.to(w_first.dtype), tl.trans(w_first))
+    dot_dtype = x_ptr.dtype.element_ty if HAS_SCALE else w_first.dtype
+    acc = tl.dot(x.to(dot_dtype), tl.trans(w_first.to(dot_dtype)))
     for k0 in range(BLOCK_K, K, BLOCK_K):
         x = _input_tile(x_ptr, res_ptr, nw_ptr, res_out_ptr, rows, m_mask, k0, K, stride_xm, stride_rm, rstd,
                         pid, eps, PROLOGUE, HAS_RESIDUAL, NORM_OFFSET, BLOCK_K)
         w = tl.load(w_rows + (k0 + rk)[None, :], mask=n_mask[:, None] & ((k0 + rk) < K)[None, :], other=0.0)
-        acc += tl.dot(x.to(w.dtype), tl.trans(w))
+        acc += tl.dot(x.to(dot_dtype), tl.trans(w.to(dot_dtype)))
+    if HAS_SCALE:
+        acc = acc * tl.load(scale_ptr + rn, mask=n_mask, other=0.0)[None, :]
     tl.store(out_ptr + rows[:, None] * stride_om + rn[None, :], acc.to(out_ptr.dtype.element_ty),
              mask=m_mask[:, None] & n_mask[None, :])
 
@@ -152,15 +158,16 @@ def _row_sums(acc, REDUCE_EACH: tl.constexpr):
 
 
 @triton.jit
-def _one_row_kernel(x_ptr, w_ptr, out_ptr, res_ptr, nw_ptr, res_out_ptr, N, K, stride_wn, eps,
+def _one_row_kernel(x_ptr, w_ptr, scale_ptr, out_ptr, res_ptr, nw_ptr, res_out_ptr, N, K, stride_wn, eps,
                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, REDUCE_EACH: tl.constexpr,
                     PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, NORM_OFFSET: tl.constexpr,
-                    SILU_EPILOGUE: tl.constexpr, PDL: tl.constexpr):
+                    SILU_EPILOGUE: tl.constexpr, HAS_SCALE: tl.constexpr, PDL: tl.constexpr):
     """One activation row times a weight: each program streams BLOCK_N whole weight rows in [BLOCK_N, BLOCK_K]
     tiles. ``REDUCE_EACH`` sums each tile's products at once (an accumulator of BLOCK_N values, so more
     programs fit on a multiprocessor) instead of once at the end. With ``SILU_EPILOGUE`` the weight is
     [gate; up] (2N rows) and the output ``silu(gate) * up`` (N values): a program streams the matching
-    gate and up rows, so the activation needs no launch of its own."""
+    gate and up rows, so the activation needs no launch of its own. With ``HAS_SCALE`` the weight is float8
+    with one scale per weight row, applied to the finished dot products."""
     if PDL:   # dependents may launch now: each waits on this kernel before it reads this kernel's output
         gdc_launch_dependents()
     pid = tl.program_id(0)
@@ -193,11 +200,15 @@ def _one_row_kernel(x_ptr, w_ptr, out_ptr, res_ptr, nw_ptr, res_out_ptr, N, K, s
         if SILU_EPILOGUE:
             acc_up += _partial(tl.load(u_rows + ck[None, :], mask=k_tile_mask, other=0.0), x, REDUCE_EACH)
     out = _row_sums(acc, REDUCE_EACH)
+    if HAS_SCALE:
+        out = out * tl.load(scale_ptr + rn, mask=n_mask, other=0.0)
     if PROLOGUE == 2:
         rstd = tl.rsqrt(tl.sum(squares, 0) / K + eps)
         out = out * rstd
     if SILU_EPILOGUE:
         up = _row_sums(acc_up, REDUCE_EACH)
+        if HAS_SCALE:
+            up = up * tl.load(scale_ptr + N + rn, mask=n_mask, other=0.0)
         if PROLOGUE == 2:
             up = up * rstd
         # rounded as the unfused path rounds: the product to the output dtype, then the activation
@@ -251,11 +262,13 @@ NO_PROLOGUE, SILU_MUL, RMS_NORM = 0, 1, 2
 def _launch(x: torch.Tensor, weight: torch.Tensor, prologue: int, residual: torch.Tensor | None = None,
             norm_weight: torch.Tensor | None = None, eps: float = 0.0, norm_offset: bool = False,
             config: OneRowConfig | None = None, silu_epilogue: bool = False, out: torch.Tensor | None = None,
-            ) -> tuple[torch.Tensor, torch.Tensor | None]:
+            scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     m = x.shape[0]
     n, k = weight.shape
     if not 0 < m <= MAX_ROWS or weight.stride(1) != 1:
         raise ValueError(f"skinny product needs 1..{MAX_ROWS} rows and a row-major weight")
+    if (scale is None) == (weight.dtype == torch.float8_e4m3fn) or (scale is not None and scale.shape != (n,)):
+        raise ValueError("a float8 weight needs its per-row scales (float32, one per weight row), and only it")
     if silu_epilogue and (m != 1 or n % 2):
         raise ValueError("the SiLU·mul epilogue needs one row and a [gate; up] weight")
     if x.stride(1) != 1:
@@ -273,57 +286,63 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, prologue: int, residual: torc
     res_arg = x if residual is None else residual
     nw_arg = x if norm_weight is None else norm_weight
     res_out_arg = out if res_out is None else res_out
+    scale_arg = out if scale is None else scale
     if m == 1:
         c = config or one_row_config(k)
         _one_row_kernel[(triton.cdiv(n_out, c.block_n),)](
-            x, weight, out, res_arg, nw_arg, res_out_arg, n_out, k, weight.stride(0), eps, BLOCK_N=c.block_n,
-            BLOCK_K=c.block_k, REDUCE_EACH=c.reduce_each, PROLOGUE=prologue, HAS_RESIDUAL=residual is not None,
-            NORM_OFFSET=norm_offset, SILU_EPILOGUE=silu_epilogue, PDL=pdl, num_warps=c.num_warps,
+            x, weight, scale_arg, out, res_arg, nw_arg, res_out_arg, n_out, k, weight.stride(0), eps,
+            BLOCK_N=c.block_n, BLOCK_K=c.block_k, REDUCE_EACH=c.reduce_each, PROLOGUE=prologue,
+            HAS_RESIDUAL=residual is not None, NORM_OFFSET=norm_offset, SILU_EPILOGUE=silu_epilogue,
+            HAS_SCALE=scale is not None, PDL=pdl, num_warps=c.num_warps,
             num_stages=c.num_stages, **launch)
         return out, res_out
     _skinny_kernel[(triton.cdiv(n, 64),)](
-        x, weight, out, res_arg, nw_arg, res_out_arg, m, n, k, x.stride(0), weight.stride(0), out.stride(0),
-        0 if residual is None else residual.stride(0), eps,
+        x, weight, scale_arg, out, res_arg, nw_arg, res_out_arg, m, n, k, x.stride(0), weight.stride(0),
+        out.stride(0), 0 if residual is None else residual.stride(0), eps,
         BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, PROLOGUE=prologue,
-        HAS_RESIDUAL=residual is not None, NORM_OFFSET=norm_offset, PDL=pdl, num_warps=4, num_stages=4,
-        **launch)
+        HAS_RESIDUAL=residual is not None, NORM_OFFSET=norm_offset, HAS_SCALE=scale is not None, PDL=pdl,
+        num_warps=4, num_stages=4, **launch)
     return out, res_out
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, config: OneRowConfig | None = None,
-                  out: torch.Tensor | None = None) -> torch.Tensor:
+                  out: torch.Tensor | None = None, scale: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ weight.T`` for ``x`` [M ≤ 16, K] and ``weight`` [N, K] (row-major), bf16/fp16 (fp32 accumulate),
-    written into ``out`` if given."""
-    return _launch(x, weight, NO_PROLOGUE, config=config, out=out)[0]
+    written into ``out`` if given. A float8 weight comes with ``scale`` [N] (float32): ``x @ (weight *
+    scale[:, None]).T``. Every function below takes ``scale`` the same way."""
+    return _launch(x, weight, NO_PROLOGUE, config=config, out=out, scale=scale)[0]
 
 
 def skinny_silu_mul_linear(gate_up: torch.Tensor, weight: torch.Tensor, config: OneRowConfig | None = None,
-                           ) -> torch.Tensor:
+                           scale: torch.Tensor | None = None) -> torch.Tensor:
     """``(silu(gate) * up) @ weight.T`` for ``gate_up`` [M ≤ 16, 2K] holding [gate | up]: the activation is
     computed while loading the product's input, so it costs no launch of its own."""
-    return _launch(gate_up, weight, SILU_MUL, config=config)[0]
+    return _launch(gate_up, weight, SILU_MUL, config=config, scale=scale)[0]
 
 
 def skinny_rms_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
                            weight: torch.Tensor, norm_offset: bool = False, config: OneRowConfig | None = None,
-                           out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                           out: torch.Tensor | None = None, scale: torch.Tensor | None = None,
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(rms_norm(x + residual) @ weight.T, x + residual)`` in one launch (without ``residual``: of ``x``,
     which is then returned as the residual). Each program recomputes the row's RMS; program 0 writes the sum.
     One row is read in a single pass (``1 / rms`` applied to the dot products); more rows in two.
     ``norm_offset`` scales by ``1 + norm_weight`` (the zero-centred norms of Qwen3.5 and Gemma)."""
-    out, summed = _launch(x, weight, RMS_NORM, residual, norm_weight, eps, norm_offset, config, out=out)
+    out, summed = _launch(x, weight, RMS_NORM, residual, norm_weight, eps, norm_offset, config, out=out, scale=scale)
     return out, x if summed is None else summed
 
 
 def one_row_silu_product(x: torch.Tensor, weight: torch.Tensor, config: OneRowConfig | None = None,
                          residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None,
-                         eps: float = 0.0, norm_offset: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                         eps: float = 0.0, norm_offset: bool = False, scale: torch.Tensor | None = None,
+                         ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``silu(gate) * up`` of ``x @ weight.T`` for one row ``x`` [1, K] and ``weight`` [gate; up] [2N, K], in
     one launch: (activation [1, N], None). With ``norm_weight`` the input is first RMS-normed (of ``x +
     residual``), as ``skinny_rms_norm_linear`` does, and the second value is ``x + residual`` (or ``x``)."""
     if norm_weight is None:
-        return _launch(x, weight, NO_PROLOGUE, config=config, silu_epilogue=True)[0], None
-    out, summed = _launch(x, weight, RMS_NORM, residual, norm_weight, eps, norm_offset, config, silu_epilogue=True)
+        return _launch(x, weight, NO_PROLOGUE, config=config, silu_epilogue=True, scale=scale)[0], None
+    out, summed = _launch(x, weight, RMS_NORM, residual, norm_weight, eps, norm_offset, config, silu_epilogue=True,
+                          scale=scale)
     return out, x if summed is None else summed
 
 
@@ -351,7 +370,7 @@ def _rotating(weight: torch.Tensor):
     small weights are not timed out of L2 when in a model every layer brings its own weight."""
     copies = [weight]
     if weight.numel() * weight.element_size() < (64 << 20):
-        copies += [torch.randn_like(weight) for _ in range(7)]
+        copies += [torch.randn(weight.shape, device=weight.device).to(weight.dtype) for _ in range(7)]
     turn = [0]
 
     def next_weight() -> torch.Tensor:
@@ -361,43 +380,63 @@ def _rotating(weight: torch.Tensor):
     return next_weight
 
 
+SKINNY_WEIGHT_DTYPES = (torch.bfloat16, torch.float16, torch.float8_e4m3fn)
+
+
 def _times_skinny(weight: torch.Tensor) -> bool:
-    return weight.dtype in (torch.bfloat16, torch.float16) and weight.dim() == 2 and weight.stride(1) == 1
+    return weight.dtype in SKINNY_WEIGHT_DTYPES and weight.dim() == 2 and weight.stride(1) == 1
+
+
+def _activation_dtype(weight: torch.Tensor) -> torch.dtype:
+    """The activations' dtype for timing a product with ``weight`` (bfloat16 for a float8 weight)."""
+    return torch.bfloat16 if weight.dtype == torch.float8_e4m3fn else weight.dtype
+
+
+def _library_product(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    """The product a layer runs where the skinny kernel does not: cuBLAS (a float8 weight: ``fp8``'s)."""
+    if scale is None:
+        return torch.nn.functional.linear(x, weight)
+    from pocketllm.kernels.fp8 import scaled_product
+
+    return scaled_product(x, weight, scale)
 
 
 def best_one_row_config(weight: torch.Tensor, prologue: int = NO_PROLOGUE,
-                        candidates: list[OneRowConfig] | None = None) -> OneRowConfig:
-    """The fastest of ``candidates`` (default: ``one_row_candidates``) for one row times this weight, with
-    ``prologue`` fused, timed on the weight and copies of it in turn."""
+                        candidates: list[OneRowConfig] | None = None,
+                        scale: torch.Tensor | None = None) -> OneRowConfig:
+    """The fastest of ``candidates`` (default: ``one_row_candidates``) for one row times this weight (float8:
+    with its ``scale``), with ``prologue`` fused, timed on the weight and copies of it in turn."""
     k = weight.shape[1]
     candidates = candidates or one_row_candidates(k)
     next_weight = _rotating(weight)
-    x = torch.randn(1, 2 * k if prologue == SILU_MUL else k, dtype=weight.dtype, device=weight.device)
-    residual = torch.randn(1, k, dtype=weight.dtype, device=weight.device)
-    norm_weight = torch.rand(k, dtype=weight.dtype, device=weight.device) + 0.5
+    dtype = _activation_dtype(weight)
+    x = torch.randn(1, 2 * k if prologue == SILU_MUL else k, dtype=dtype, device=weight.device)
+    residual = torch.randn(1, k, dtype=dtype, device=weight.device)
+    norm_weight = torch.rand(k, dtype=dtype, device=weight.device) + 0.5
     times = {}
     for config in dict.fromkeys(candidates):
         if prologue == SILU_MUL:
-            times[config] = time_in_graph(lambda c=config: skinny_silu_mul_linear(x, next_weight(), c))
+            times[config] = time_in_graph(lambda c=config: skinny_silu_mul_linear(x, next_weight(), c, scale))
         elif prologue == RMS_NORM:
-            times[config] = time_in_graph(lambda c=config: skinny_rms_norm_linear(x, residual, norm_weight, 1e-6,
-                                                                                   next_weight(), config=c))
+            times[config] = time_in_graph(lambda c=config: skinny_rms_norm_linear(
+                x, residual, norm_weight, 1e-6, next_weight(), config=c, scale=scale))
         else:
-            times[config] = time_in_graph(lambda c=config: skinny_linear(x, next_weight(), c))
+            times[config] = time_in_graph(lambda c=config: skinny_linear(x, next_weight(), c, scale=scale))
     return min(times, key=times.get)
 
 
-def skinny_rows_for(weight: torch.Tensor, config: OneRowConfig | None = None) -> int:
+def skinny_rows_for(weight: torch.Tensor, config: OneRowConfig | None = None,
+                    scale: torch.Tensor | None = None) -> int:
     """Most rows (1, 2, 4, 8 or 16; 0 = none) up to which the skinny kernel (one row: with ``config``) beats
-    ``F.linear`` by 5% on this weight's shape, timed on the weight (and copies of it in turn)."""
+    the library's product by 5% on this weight's shape, timed on the weight (and copies of it in turn)."""
     if not _times_skinny(weight):
         return 0
     next_weight = _rotating(weight)
     rows = 0
     for m in (1, 2, 4, 8, 16):
-        x = torch.randn(m, weight.shape[1], dtype=weight.dtype, device=weight.device)
-        ours = time_in_graph(lambda x=x: skinny_linear(x, next_weight(), config))
-        theirs = time_in_graph(lambda x=x: torch.nn.functional.linear(x, next_weight()))
+        x = torch.randn(m, weight.shape[1], dtype=_activation_dtype(weight), device=weight.device)
+        ours = time_in_graph(lambda x=x: skinny_linear(x, next_weight(), config, scale=scale))
+        theirs = time_in_graph(lambda x=x: _library_product(x, next_weight(), scale))
         if ours >= 0.95 * theirs:
             break
         rows = m
@@ -405,7 +444,7 @@ def skinny_rows_for(weight: torch.Tensor, config: OneRowConfig | None = None) ->
 
 
 def fused_rows_for(weight: torch.Tensor, prologue: int, plain_rows: int, plain: OneRowConfig | None = None,
-                   fused: OneRowConfig | None = None) -> int:
+                   fused: OneRowConfig | None = None, scale: torch.Tensor | None = None) -> int:
     """Most rows up to which the product with its prologue (``SILU_MUL`` or ``RMS_NORM``) fused in one launch
     (one row: with setting ``fused``) beats the prologue's own kernel followed by the product the layer would
     otherwise run (skinny up to ``plain_rows`` rows, with setting ``plain`` for one row; cuBLAS beyond)."""
@@ -415,23 +454,24 @@ def fused_rows_for(weight: torch.Tensor, prologue: int, plain_rows: int, plain: 
 
     next_weight = _rotating(weight)
     k = weight.shape[1]
-    norm_weight = torch.rand(k, dtype=weight.dtype, device=weight.device) + 0.5
+    dtype = _activation_dtype(weight)
+    norm_weight = torch.rand(k, dtype=dtype, device=weight.device) + 0.5
 
     def product(x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] <= plain_rows:
-            return skinny_linear(x, next_weight(), plain)
-        return torch.nn.functional.linear(x, next_weight())
+            return skinny_linear(x, next_weight(), plain, scale=scale)
+        return _library_product(x, next_weight(), scale)
 
     rows = 0
     for m in (1, 2, 4, 8, 16):
-        x = torch.randn(m, 2 * k if prologue == SILU_MUL else k, dtype=weight.dtype, device=weight.device)
-        residual = torch.randn(m, k, dtype=weight.dtype, device=weight.device)
+        x = torch.randn(m, 2 * k if prologue == SILU_MUL else k, dtype=dtype, device=weight.device)
+        residual = torch.randn(m, k, dtype=dtype, device=weight.device)
         if prologue == SILU_MUL:
-            ours = time_in_graph(lambda x=x: skinny_silu_mul_linear(x, next_weight(), fused))
+            ours = time_in_graph(lambda x=x: skinny_silu_mul_linear(x, next_weight(), fused, scale))
             theirs = time_in_graph(lambda x=x: product(silu_and_mul(x)))
         else:
-            ours = time_in_graph(lambda x=x, r=residual: skinny_rms_norm_linear(x, r, norm_weight, 1e-6,
-                                                                                 next_weight(), config=fused))
+            ours = time_in_graph(lambda x=x, r=residual: skinny_rms_norm_linear(
+                x, r, norm_weight, 1e-6, next_weight(), config=fused, scale=scale))
             theirs = time_in_graph(lambda x=x, r=residual: product(rms_norm(x, norm_weight, 1e-6, r)[0]))
         if ours >= theirs:
             break
@@ -446,7 +486,8 @@ def silu_epilogue_candidates(k: int) -> list[OneRowConfig]:
 
 
 def silu_epilogue_choice(weight: torch.Tensor, norm: bool, plain: OneRowConfig | None, plain_rows: int,
-                         fused: OneRowConfig | None, fused_rows: int) -> tuple[OneRowConfig | None, bool]:
+                         fused: OneRowConfig | None, fused_rows: int,
+                         scale: torch.Tensor | None = None) -> tuple[OneRowConfig | None, bool]:
     """For one row times the [gate; up] ``weight``: the launch settings of the product with its SiLU·mul
     epilogue, and whether the RMSNorm before it (``norm``: the layer has one) runs in that kernel too; or
     (None, False) when the path the layer runs otherwise is faster: the product as chosen (skinny with
@@ -456,25 +497,27 @@ def silu_epilogue_choice(weight: torch.Tensor, norm: bool, plain: OneRowConfig |
 
     next_weight = _rotating(weight)
     k = weight.shape[1]
-    x, residual = torch.randn(2, 1, k, dtype=weight.dtype, device=weight.device)
-    norm_weight = torch.rand(k, dtype=weight.dtype, device=weight.device) + 0.5
+    dtype = _activation_dtype(weight)
+    x, residual = torch.randn(2, 1, k, dtype=dtype, device=weight.device)
+    norm_weight = torch.rand(k, dtype=dtype, device=weight.device) + 0.5
 
     def normed() -> torch.Tensor:
         return rms_norm(x, norm_weight, 1e-6, residual)[0] if norm else x
 
     def baseline() -> torch.Tensor:
         if norm and fused_rows >= 1:
-            return silu_and_mul(skinny_rms_norm_linear(x, residual, norm_weight, 1e-6, next_weight(), config=fused)[0])
+            return silu_and_mul(skinny_rms_norm_linear(x, residual, norm_weight, 1e-6, next_weight(), config=fused,
+                                                       scale=scale)[0])
         h = normed()
-        return silu_and_mul(skinny_linear(h, next_weight(), plain) if plain_rows >= 1
-                            else torch.nn.functional.linear(h, next_weight()))
+        return silu_and_mul(skinny_linear(h, next_weight(), plain, scale=scale) if plain_rows >= 1
+                            else _library_product(h, next_weight(), scale))
 
     best: tuple[float, OneRowConfig | None, bool] = (time_in_graph(baseline), None, False)
     for config in silu_epilogue_candidates(k):
-        options = [(False, lambda c=config: one_row_silu_product(normed(), next_weight(), c))]
+        options = [(False, lambda c=config: one_row_silu_product(normed(), next_weight(), c, scale=scale))]
         if norm:
             options.append((True, lambda c=config: one_row_silu_product(x, next_weight(), c, residual, norm_weight,
-                                                                        1e-6)))
+                                                                        1e-6, scale=scale)))
         for fused_norm, fn in options:
             t = time_in_graph(fn)
             if t < best[0]:

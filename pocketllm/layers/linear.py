@@ -69,12 +69,28 @@ class LinearBase(nn.Module):
     # faster (None: not used), and whether the norm before it (if any) runs in that kernel too.
     silu_epilogue = None
     silu_epilogue_norm = False
+    # Float8 weights (``quantize_fp8``): the weight holds e4m3 codes and this its per-row scales (float32).
+    weight_scale: torch.Tensor | None = None
+    compute_dtype: torch.dtype | None = None
+
+    def quantize_fp8(self) -> None:
+        """Hold the weight as float8 e4m3 codes with one scale per output row (``kernels/fp8.py``)."""
+        from pocketllm.kernels.fp8 import quantize_weight
+
+        codes, scale = quantize_weight(self.weight.data)
+        self.compute_dtype = self.weight.dtype
+        self.weight = nn.Parameter(codes, requires_grad=False)
+        self.weight_scale = scale
 
     def _product(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if x.dim() == 2 and 0 < x.shape[0] <= self.skinny_rows:
             from pocketllm.kernels.gemv import skinny_linear
 
-            return _add_bias(skinny_linear(x, self.weight, self.one_row), bias)
+            return _add_bias(skinny_linear(x, self.weight, self.one_row, scale=self.weight_scale), bias)
+        if self.weight_scale is not None:
+            from pocketllm.kernels.fp8 import scaled_product
+
+            return scaled_product(x, self.weight, self.weight_scale, bias)
         return F.linear(x, self.weight, bias)
 
     def _bias(self) -> torch.Tensor | None:
@@ -91,7 +107,12 @@ class LinearBase(nn.Module):
         """This layer as a decode step's plain ``F.linear`` (None when split across ranks)."""
         if self.tp_size != 1:
             return None
-        weight, bias = self.weight, self.bias
+        weight, bias, scale = self.weight, self.bias, self.weight_scale
+        if scale is not None:
+            from pocketllm.kernels.fp8 import scaled_product
+
+            dtype = self.compute_dtype
+            return ProductPlan(lambda x: scaled_product(x.to(dtype), weight, scale, bias), dtype, bias)
         return ProductPlan(lambda x: F.linear(x, weight, bias), weight.dtype, bias)
 
     def fuses(self, x: torch.Tensor) -> bool:
@@ -113,21 +134,22 @@ class LinearBase(nn.Module):
             x, residual = (norm(x), x) if residual is None else norm(x, residual)
             norm = None
         if norm is None:
-            return one_row_silu_product(x, self.weight, self.silu_epilogue)[0], residual
+            return one_row_silu_product(x, self.weight, self.silu_epilogue, scale=self.weight_scale)[0], residual
         return one_row_silu_product(x, self.weight, self.silu_epilogue, residual, norm.weight, norm.eps,
-                                    norm.offset)
+                                    norm.offset, scale=self.weight_scale)
 
     def forward_fused_silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         from pocketllm.kernels.gemv import skinny_silu_mul_linear
 
-        return self._finish(_add_bias(skinny_silu_mul_linear(gate_up, self.weight, self.fused_one_row), self._bias()))
+        out = skinny_silu_mul_linear(gate_up, self.weight, self.fused_one_row, scale=self.weight_scale)
+        return self._finish(_add_bias(out, self._bias()))
 
     def forward_fused_norm(self, x: torch.Tensor, residual: torch.Tensor | None,
                            norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
         from pocketllm.kernels.gemv import skinny_rms_norm_linear
 
         out, residual = skinny_rms_norm_linear(x, residual, norm.weight, norm.eps, self.weight, norm.offset,
-                                               self.fused_one_row)
+                                               self.fused_one_row, scale=self.weight_scale)
         return self._finish(_add_bias(out, self._bias())), residual
 
 

@@ -140,13 +140,21 @@ class ModelRunner:
         self.step_backends: list[StepBackend] = [self.host_step]
 
     def load(self, weights: Iterable[tuple[str, torch.Tensor]] | None, dummy_seed: int | None = None,
-             weight_format: str = "auto", cpu_compile: bool = False) -> None:
-        """Load checkpoint weights, or fill random ones when ``weights`` is None; on CPU, convert the linear
-        layers to ``weight_format`` and set up the decode fast path (compiled with ``cpu_compile``)."""
+             weight_format: str = "auto", cpu_compile: bool = False, quantization: str | None = None) -> None:
+        """Load checkpoint weights, or fill random ones when ``weights`` is None; with ``quantization="fp8"``
+        hold the linear layers as float8; on CPU, convert the linear layers to ``weight_format`` and set up the
+        decode fast path (compiled with ``cpu_compile``)."""
         if weights is None:
             init_dummy_weights(self.model, dummy_seed or 0)
         else:
             load_weights(self.model, weights)
+        if quantization == "fp8":
+            from pocketllm.layers.fp8_weights import quantize_model_fp8
+
+            count = quantize_model_fp8(self.model)
+            logger.info("fp8 weights: %d linear layers as float8 e4m3 with per-row scales", count)
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
         if self.device.type == "cpu":
             from pocketllm.runner.cpu_decode import setup_cpu
 
@@ -240,6 +248,7 @@ class ModelRunner:
         from pocketllm.kernels.gemv import (
             RMS_NORM,
             SILU_MUL,
+            SKINNY_WEIGHT_DTYPES,
             OneRowConfig,
             best_one_row_config,
             fused_candidates,
@@ -259,10 +268,12 @@ class ModelRunner:
             weight = getattr(module, "weight", None)
             if not hasattr(module, "skinny_rows") or weight is None or weight.dim() != 2:
                 continue
-            shape = tuple(weight.shape)
-            if shape not in chosen and weight.dtype in (torch.bfloat16, torch.float16) and weight.stride(1) == 1:
-                config = best_one_row_config(weight)
-                chosen[shape] = config, skinny_rows_for(weight, config)
+            # float8 weights (``quantization="fp8"``) are timed with their per-row scales, apart from others
+            scale = getattr(module, "weight_scale", None)
+            shape = (*weight.shape, *(() if scale is None else ("fp8",)))
+            if shape not in chosen and weight.dtype in SKINNY_WEIGHT_DTYPES and weight.stride(1) == 1:
+                config = best_one_row_config(weight, scale=scale)
+                chosen[shape] = config, skinny_rows_for(weight, config, scale)
                 logger.info("%s %s: Triton skinny kernel up to %d rows (one row: %s), cuBLAS beyond", name,
                             list(shape), chosen[shape][1], config)
             module.one_row, module.skinny_rows = chosen.get(shape, (None, 0))
@@ -271,9 +282,9 @@ class ModelRunner:
                 key = (prologue, *shape)
                 if key not in fused:
                     candidates = fused_candidates(shape[1], module.one_row)
-                    config = best_one_row_config(weight, prologues[prologue], candidates)
+                    config = best_one_row_config(weight, prologues[prologue], candidates, scale)
                     fused[key] = config, fused_rows_for(weight, prologues[prologue], module.skinny_rows,
-                                                        module.one_row, config)
+                                                        module.one_row, config, scale)
                     logger.info("%s %s: %s fused into the product up to %d rows (one row: %s)", name,
                                 list(shape), prologue, fused[key][1], config)
                 module.fused_one_row, module.fused_rows = fused[key]
@@ -281,7 +292,8 @@ class ModelRunner:
                 key = ("silu_epilogue", prologue or "", *shape)
                 if key not in epilogues:
                     epilogues[key] = silu_epilogue_choice(weight, prologue == "rms_norm", module.one_row,
-                                                          module.skinny_rows, module.fused_one_row, module.fused_rows)
+                                                          module.skinny_rows, module.fused_one_row, module.fused_rows,
+                                                          scale)
                     logger.info("%s %s: SiLU·mul in the product's kernel for one row: %s (norm in it too: %s)",
                                 name, list(shape), *epilogues[key])
                 module.silu_epilogue, module.silu_epilogue_norm = epilogues[key]

@@ -1,0 +1,69 @@
+"""Float8 (e4m3) weights with one scale per output row: quantisation and the many-row product (torch ops only).
+
+A weight ``W`` [N, K] is held as ``codes`` (float8_e4m3fn) and ``scale`` [N] (float32) with ``W ≈ codes *
+scale[:, None]``; each row's largest magnitude maps to 448, e4m3's largest finite value. A few rows of
+activations go through the skinny Triton kernels (``gemv``), which widen the codes as they load them. More
+rows go through ``scaled_product``: on a GPU with float8 tensor cores (compute capability 8.9 and later) the
+activations are quantised per row to float8 and multiplied by cuBLAS's scaled product; elsewhere (CPU, older
+GPUs) the codes are widened to the activations' dtype first, which gives the same values with more traffic.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0
+
+
+def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(codes, scale)`` of ``weight`` [N, K]: one float32 scale per row (its largest magnitude over 448; an
+    all-zero row gets scale 1)."""
+    w = weight.float()
+    amax = w.abs().amax(dim=1)
+    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    codes = (w / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    return codes, scale
+
+
+def dequantize_weight(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``codes * scale[:, None]`` in ``dtype``."""
+    return (codes.float() * scale[:, None]).to(dtype)
+
+
+@functools.cache
+def _has_scaled_mm(device: torch.device) -> bool:
+    """Whether cuBLAS's float8 product with per-row scales runs on ``device`` (CUDA, capability 8.9 or later)."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9) and hasattr(
+        torch, "_scaled_mm")
+
+
+def uses_scaled_mm(x: torch.Tensor, codes: torch.Tensor) -> bool:
+    """Whether ``scaled_product`` runs on the float8 tensor cores for these operands (cuBLAS needs both of the
+    weight's dimensions to be multiples of 16)."""
+    n, k = codes.shape
+    return x.is_cuda and x.dtype == torch.bfloat16 and n % 16 == 0 and k % 16 == 0 and _has_scaled_mm(x.device)
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(codes, scale)`` of activations ``x`` [M, K] with one scale per row ([M, 1], float32)."""
+    amax = x.abs().amax(dim=1, keepdim=True).float().clamp(min=1e-12)
+    scale = amax / FP8_MAX
+    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+
+
+def scaled_product(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
+                   bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ (codes * scale[:, None]).T + bias`` in ``x``'s dtype, for ``x`` [..., K]."""
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1])
+    if x2.shape[0] and uses_scaled_mm(x2, codes):
+        xq, x_scale = quantize_rows(x2)
+        out = torch._scaled_mm(xq, codes.t(), scale_a=x_scale, scale_b=scale[None, :], out_dtype=x.dtype)
+    else:
+        out = torch.nn.functional.linear(x2, codes.to(x.dtype)) * scale.to(x.dtype)
+    if bias is not None:
+        out = out + bias
+    return out.reshape(*shape[:-1], codes.shape[0])
