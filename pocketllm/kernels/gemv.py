@@ -235,20 +235,31 @@ def _one_row(block_n: int, block_k: int, reduce_each: bool, num_warps: int, k: i
     return OneRowConfig(block_n, min(block_k, max(128, triton.next_power_of_2(k))), reduce_each, num_warps, 1)
 
 
-def one_row_candidates(k: int) -> list[OneRowConfig]:
+def one_row_candidates(k: int, float8: bool = False) -> list[OneRowConfig]:
     """The settings the model runner times on each weight shape. Swept on an H200 over 172 settings on the
     decode shapes of Qwen3-0.6B and Llama-3-8B, one of these was within 3% of the fastest on nine of the ten
     shapes and within 8% on the tenth: narrow tiles (1-8 weight rows) 1024-2048 columns wide, many programs.
     (4096-column tiles, which leave no weight of a 3072-wide row to read after the ``PDL`` wait, were timed
-    on Qwen3-0.6B and Llama-3-8B in the engine and never chosen.)"""
-    return [_one_row(1, 2048, False, 8, k), _one_row(2, 2048, False, 8, k), _one_row(4, 1024, False, 4, k),
-            _one_row(8, 1024, True, 4, k), _one_row(8, 2048, True, 4, k)]
+    on Qwen3-0.6B and Llama-3-8B in the engine and never chosen.) A ``float8`` weight also gets each setting
+    with the same bytes a tile: twice the columns, twice the warps."""
+    plain = [_one_row(1, 2048, False, 8, k), _one_row(2, 2048, False, 8, k), _one_row(4, 1024, False, 4, k),
+             _one_row(8, 1024, True, 4, k), _one_row(8, 2048, True, 4, k)]
+    return plain + [_same_bytes_in_float8(c, k) for c in plain] if float8 else plain
 
 
-def fused_candidates(k: int, plain: OneRowConfig) -> list[OneRowConfig]:
+def _same_bytes_in_float8(config: OneRowConfig, k: int) -> OneRowConfig:
+    """``config`` with tiles of twice the weights (as many bytes of a float8 weight as ``config`` reads of a
+    bfloat16 one: twice the columns, or twice the rows where the row is not that wide) and twice the warps."""
+    warps = min(16, 2 * config.num_warps)
+    if 2 * config.block_k <= max(128, triton.next_power_of_2(k)):
+        return _one_row(config.block_n, 2 * config.block_k, config.reduce_each, warps, k)
+    return _one_row(2 * config.block_n, config.block_k, config.reduce_each, warps, k)
+
+
+def fused_candidates(k: int, plain: OneRowConfig, float8: bool = False) -> list[OneRowConfig]:
     """Settings timed for a product with a fused prologue: the plain product's best and the 8-row ones (every
     program recomputes the prologue over its input, which fewer, wider programs do less often)."""
-    return [plain, *(c for c in one_row_candidates(k) if c.block_n == 8)]
+    return [plain, *(c for c in one_row_candidates(k, float8) if c.block_n == 8)]
 
 
 def one_row_config(k: int) -> OneRowConfig:
@@ -407,7 +418,7 @@ def best_one_row_config(weight: torch.Tensor, prologue: int = NO_PROLOGUE,
     """The fastest of ``candidates`` (default: ``one_row_candidates``) for one row times this weight (float8:
     with its ``scale``), with ``prologue`` fused, timed on the weight and copies of it in turn."""
     k = weight.shape[1]
-    candidates = candidates or one_row_candidates(k)
+    candidates = candidates or one_row_candidates(k, weight.dtype == torch.float8_e4m3fn)
     next_weight = _rotating(weight)
     dtype = _activation_dtype(weight)
     x = torch.randn(1, 2 * k if prologue == SILU_MUL else k, dtype=dtype, device=weight.device)
@@ -479,10 +490,11 @@ def fused_rows_for(weight: torch.Tensor, prologue: int, plain_rows: int, plain: 
     return rows
 
 
-def silu_epilogue_candidates(k: int) -> list[OneRowConfig]:
+def silu_epilogue_candidates(k: int, float8: bool = False) -> list[OneRowConfig]:
     """Settings timed for the product with the SiLU·mul epilogue: 2-8 weight rows a program (each program
     streams twice that, gate and up)."""
-    return one_row_candidates(k)[1:4]
+    plain = one_row_candidates(k)[1:4]
+    return plain + [_same_bytes_in_float8(c, k) for c in plain] if float8 else plain
 
 
 def silu_epilogue_choice(weight: torch.Tensor, norm: bool, plain: OneRowConfig | None, plain_rows: int,
@@ -513,7 +525,7 @@ def silu_epilogue_choice(weight: torch.Tensor, norm: bool, plain: OneRowConfig |
                             else _library_product(h, next_weight(), scale))
 
     best: tuple[float, OneRowConfig | None, bool] = (time_in_graph(baseline), None, False)
-    for config in silu_epilogue_candidates(k):
+    for config in silu_epilogue_candidates(k, weight.dtype == torch.float8_e4m3fn):
         options = [(False, lambda c=config: one_row_silu_product(normed(), next_weight(), c, scale=scale))]
         if norm:
             options.append((True, lambda c=config: one_row_silu_product(x, next_weight(), c, residual, norm_weight,

@@ -281,7 +281,7 @@ class ModelRunner:
             if prologue is not None and module.one_row is not None:
                 key = (prologue, *shape)
                 if key not in fused:
-                    candidates = fused_candidates(shape[1], module.one_row)
+                    candidates = fused_candidates(shape[1], module.one_row, scale is not None)
                     config = best_one_row_config(weight, prologues[prologue], candidates, scale)
                     fused[key] = config, fused_rows_for(weight, prologues[prologue], module.skinny_rows,
                                                         module.one_row, config, scale)
@@ -300,15 +300,15 @@ class ModelRunner:
             # The one-row settings the module's path at one row runs with: the product with the SiLU·mul epilogue
             # where chosen, else with its norm prologue fused where chosen, else the plain product (a SiLU·mul
             # prologue is fused or not as the [gate; up] product before it decides: both).
-            k = shape[1]
+            k, float8 = shape[1], scale is not None
             if getattr(module, "silu_epilogue", None) is not None:
-                used = [("silu_epilogue", silu_epilogue_candidates(k))]
+                used = [("silu_epilogue", silu_epilogue_candidates(k, float8))]
             elif prologue == "rms_norm" and module.fused_rows >= 1:
-                used = [("fused_one_row", fused_candidates(k, module.one_row))]
+                used = [("fused_one_row", fused_candidates(k, module.one_row, float8))]
             else:
-                used = [("one_row", one_row_candidates(k))] if module.skinny_rows >= 1 else []
+                used = [("one_row", one_row_candidates(k, float8))] if module.skinny_rows >= 1 else []
                 if prologue is not None and module.fused_rows >= 1:
-                    used.append(("fused_one_row", fused_candidates(k, module.one_row)))
+                    used.append(("fused_one_row", fused_candidates(k, module.one_row, float8)))
             for attribute, candidates in used:
                 settings.setdefault((attribute, prologue or "", shape),
                                     OneRowSetting(attribute, [], candidates)).modules.append(module)
