@@ -24,7 +24,7 @@ from pocketllm.errors import UnsupportedFeatureError
 ARCH = "deepseek_v4"
 NEW_TOKENS = 32
 TOP = 10
-# The model runs on the CPU reference path (a CUDA device is refused); the default CPU cache would cost more
+# The model runs on the reference step (no CPU decode plan); the default CPU cache would cost more
 # than the test itself.
 CPU = {"device": "cpu"}
 KV = {**CPU, "num_kv_blocks": 256}

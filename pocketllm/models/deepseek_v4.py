@@ -48,8 +48,9 @@ Where the per-request state lives
       caching is therefore off for this model (a cached prefix would lack that state), while chunked prefill
       and preemption (recompute) keep it consistent.
 
-Runs on the PyTorch reference path on CPU (no CPU decode plan, no CUDA kernels; a CUDA device is refused), on
-one rank. The multi-token-prediction layers (``mtp.*``) are skipped at load. Config features transformers'
+Runs on the PyTorch reference step on CPU and on CUDA (``kernel_step = False``: no CPU decode plan, no Triton
+attention or decode CUDA graphs, since its attention is its own; plain torch ops on the device, in the engine's
+dtype), on one rank. The multi-token-prediction layers (``mtp.*``) are skipped at load. Config features transformers'
 reference does not compute, or that we do not, are refused at load by name.
 """
 
@@ -112,8 +113,6 @@ def check_supported(config: Any) -> None:
 
     if tp_size() != 1:
         refuse("tensor parallelism")
-    if torch.empty(0).device.type not in ("cpu", "meta"):   # meta: shape-only construction
-        refuse("a non-CPU device (the model runs on the PyTorch reference path on CPU)")
     if getattr(config, "quantization_config", None):
         refuse("quantization_config (quantized checkpoints)")
     if getattr(config, "num_key_value_heads", 1) != 1:
@@ -643,6 +642,9 @@ class DeepseekV4DecoderLayer(nn.Module):
 
 class DeepseekV4ForCausalLM(nn.Module):
     """Embedding expanded to ``hc_mult`` streams, the decoder layers, the hyper-head, final norm and LM head."""
+
+    # On CUDA the model runner runs the reference step (this attention is not the Triton kernels').
+    kernel_step = False
 
     def __init__(self, config: Any) -> None:
         super().__init__()
