@@ -258,3 +258,18 @@ def test_transformers_module_names_load_too(tiny_checkpoint, hf_reference, tmp_p
     ids = _prompts()[2]
     expected = hf_reference.logits(source, ids, all_positions=True)
     torch.testing.assert_close(_run_in_chunks(model, ids, 16), expected, rtol=0, atol=1e-4)
+
+
+def test_dummy_weights_give_each_token_distinct_hashed_experts(tiny_checkpoint):
+    """``load_format="dummy"`` (the benchmark presets): the hash routing table is drawn as a table — each token's
+    experts distinct and in range, tokens spread over every expert — not as a weight (which would round to
+    expert 0 for all), and the model generates."""
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    with LLM(EngineArgs(model=tiny_checkpoint(ARCH), load_format="dummy", **KV)) as llm:
+        [out] = llm.generate([_prompts()[1]], params)
+        table = llm._client.backend.core.runner.model.layers[0].mlp.gate.tid2eid
+    assert len(out.token_ids) == 4
+    experts = tiny_config(ARCH).n_routed_experts
+    assert table.shape == (49152, 2) and int(table.min()) == 0 and int(table.max()) == experts - 1
+    assert bool((table[:, 0] != table[:, 1]).all())
+    assert len(torch.unique(table[:, 0])) == experts

@@ -56,6 +56,7 @@ reference does not compute, or that we do not, are refused at load by name.
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from typing import Any, NoReturn
@@ -562,6 +563,13 @@ class SharedExpert(nn.Module):
         return self.down_proj(clamped_swiglu(self.gate_proj(x), self.up_proj(x), self.limit))
 
 
+def hash_routing_table(table: torch.Tensor, generator: torch.Generator, experts: int) -> None:
+    """Dummy weights' ``tid2eid`` [vocab, k]: each token's k experts distinct and in range, ``k`` consecutive ones
+    (modulo ``experts``) from a random first one (a weight-like draw would route every token to expert 0)."""
+    first = torch.randint(0, experts, (table.shape[0], 1), generator=generator, device=table.device)
+    table.copy_((first + torch.arange(table.shape[1], device=table.device)) % experts)
+
+
 class Router(nn.Module):
     """Expert choice and weights: scores ``score_fn(x W^T)``; top-k of scores plus ``e_score_correction_bias``,
     or (hashed) the experts ``tid2eid[token]``; chosen scores renormalised, times ``routed_scaling_factor``."""
@@ -576,6 +584,7 @@ class Router(nn.Module):
         if hashed:
             self.tid2eid = nn.Parameter(torch.zeros(config.vocab_size, self.top_k, dtype=torch.int64),
                                         requires_grad=False)
+            self.tid2eid.dummy_fill = functools.partial(hash_routing_table, experts=experts)
         else:
             self.e_score_correction_bias = nn.Parameter(torch.zeros(experts, dtype=torch.float32),
                                                         requires_grad=False)
