@@ -50,8 +50,8 @@ Where the per-request state lives
 
 Runs on the PyTorch reference step on CPU and on CUDA (``kernel_step = False``: no CPU decode plan, no Triton
 attention or decode CUDA graphs, since its attention is its own; plain torch ops on the device, in the engine's
-dtype), on one rank. The multi-token-prediction layers (``mtp.*``) are skipped at load. Config features transformers'
-reference does not compute, or that we do not, are refused at load by name.
+dtype), on one rank. The multi-token-prediction layers (``mtp.*``) are skipped at load. Config features
+transformers' reference does not compute, or that we do not, are refused at load by name.
 """
 
 from __future__ import annotations

@@ -106,8 +106,8 @@ def _init_dummy_sharded(model: nn.Module, seed: int) -> None:
     for module_name, module in model.named_modules():
         for local_name, param in module.named_parameters(recurse=False):
             name = f"{module_name}.{local_name}" if module_name else local_name
-            if name not in twin_params:  # a tied weight, filled through its first name
-                continue
+            if name not in twin_params or _fill_table(param, generator):  # a tied weight (filled through
+                continue                                                   # its first name) or a table
             shape = twin_params[name].shape
             if _is_norm_like(name, param):
                 full = torch.ones(shape, dtype=param.dtype, device=device)
