@@ -1,5 +1,6 @@
 """A chat request with tools to a tiny DeepSeek-V4 checkpoint, served by the real app and engine, comes back as
-``message.tool_calls`` read from the DSML the model wrote.
+``message.tool_calls`` read from the DSML the model wrote (streamed or not; a Responses request with the same
+conversation as a ``function_call`` item).
 
 Nothing on the serving path is replaced: the checkpoint ships no chat template, so the server renders the
 conversation with our DeepSeek-V4 encoder, the DeepSeek-V4 model computes every step (prefill, then one decode
@@ -151,3 +152,18 @@ def test_streamed_chat_with_tools_streams_the_same_call(client):
             finish = choice.get("finish_reason") or finish
     assert (name, json.loads(arguments), content, finish) == ("get_weather", ARGUMENTS, "", "tool_calls")
 
+
+
+def test_responses_request_with_tools_returns_the_dsml_call_as_a_function_call_item(client):
+    """The Responses API runs on the same chat path: the instructions and input become the same conversation,
+    the flat function tool the same tool, so the model writes the same DSML, returned as a function_call item."""
+    function = WEATHER["function"]
+    response = client.post("/v1/responses", json={
+        "model": "tiny", "instructions": MESSAGES[0]["content"], "input": MESSAGES[1]["content"],
+        "tools": [{"type": "function", **function}], "temperature": 0, "max_output_tokens": 200})
+    assert response.status_code == 200, response.text
+    body = response.json()
+    assert body["status"] == "completed"
+    (call,) = body["output"]
+    assert call["type"] == "function_call" and call["name"] == "get_weather"
+    assert json.loads(call["arguments"]) == ARGUMENTS
