@@ -509,6 +509,8 @@ PRESET_FACTS = {
     "qwen3-8b": ("Qwen3ForCausalLM", 4096, 36, 32, 8, 128, 12288, 151936),
     "llama3-8b": ("LlamaForCausalLM", 4096, 32, 32, 8, 128, 14336, 128256),
     "gemma3-27b": ("Gemma3ForCausalLM", 5376, 62, 32, 16, 128, 21504, 262208),
+    "gemma3-1b": ("Gemma3ForCausalLM", 1152, 26, 4, 1, 256, 6912, 262144),
+    "deepseek-v4-flash": ("DeepseekV4ForCausalLM", 4096, 43, 64, 1, 512, 2048, 129280),
 }
 
 

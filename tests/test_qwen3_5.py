@@ -12,7 +12,7 @@ import os
 
 import pytest
 import torch
-from conftest import QWEN3_5_TEMPLATE, TINY_HYBRID_ARCHS, gguf_writer, write_checkpoint
+from conftest import QWEN3_5_TEMPLATE, TINY_HYBRID_ARCHS, write_checkpoint
 from safetensors.torch import load_file
 
 from pocketllm import LLM, EngineArgs, SamplingParams
@@ -267,108 +267,3 @@ def test_dummy_presets(preset, cls, moe):
     assert config.layer_types.count("full_attention") * 4 == config.num_hidden_layers
     assert config.rope_parameters["partial_rotary_factor"] == 0.25
     assert (getattr(config, "num_experts", 0) == 256) is moe
-
-
-# --- GGUF ------------------------------------------------------------------------------------------------
-
-def _grouped_to_tiled(tensor: torch.Tensor, k_heads: int, v_heads: int, dim: int = 0) -> torch.Tensor:
-    """llama.cpp's converter's value-head order: from grouped by key head to tiled (see gguf_loader.py)."""
-    per_k = v_heads // k_heads
-    moved = tensor.movedim(dim, 0)
-    head = moved.shape[0] // v_heads
-    tiled = moved.reshape(k_heads, per_k, head, *moved.shape[1:]).transpose(0, 1).reshape(moved.shape)
-    return tiled.movedim(0, dim)
-
-
-def _qwen3_5_gguf_tensor(name: str, tensor: torch.Tensor, config: dict) -> tuple[str, torch.Tensor]:
-    """(llama.cpp's qwen35 tensor name, the tensor as its converter writes it) for a checkpoint entry."""
-    globals_ = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-                "lm_head.weight": "output.weight"}
-    k_heads, v_heads = config["linear_num_key_heads"], config["linear_num_value_heads"]
-    qk_rows = 2 * k_heads * config["linear_key_head_dim"]
-    if name.endswith("norm.weight") and ".linear_attn." not in name:
-        tensor = tensor + 1.0
-    if name in globals_:
-        return globals_[name], tensor
-    parts = {"input_layernorm": "attn_norm", "post_attention_layernorm": "post_attention_norm",
-             "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-             "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
-             "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
-             "linear_attn.in_proj_qkv": "attn_qkv", "linear_attn.in_proj_z": "attn_gate",
-             "linear_attn.in_proj_a": "ssm_alpha", "linear_attn.in_proj_b": "ssm_beta",
-             "linear_attn.conv1d": "ssm_conv1d", "linear_attn.norm": "ssm_norm", "linear_attn.out_proj": "ssm_out"}
-    _, _, layer, rest = name.split(".", 3)
-    if rest == "linear_attn.A_log":
-        return f"blk.{layer}.ssm_a", _grouped_to_tiled(-tensor.exp(), k_heads, v_heads)
-    if rest == "linear_attn.dt_bias":
-        return f"blk.{layer}.ssm_dt.bias", _grouped_to_tiled(tensor, k_heads, v_heads)
-    module, suffix = rest.rsplit(".", 1)
-    part = parts[module]
-    if part in ("attn_gate", "ssm_alpha", "ssm_beta"):
-        tensor = _grouped_to_tiled(tensor, k_heads, v_heads)
-    elif part in ("attn_qkv", "ssm_conv1d"):
-        tensor = tensor.reshape(tensor.shape[0], -1)   # the conv kernel squeezed to [channels, K]
-        tensor = torch.cat([tensor[:qk_rows], _grouped_to_tiled(tensor[qk_rows:], k_heads, v_heads)])
-    elif part == "ssm_out":
-        tensor = _grouped_to_tiled(tensor, k_heads, v_heads, dim=1)
-    return f"blk.{layer}.{part}.{suffix}", tensor
-
-
-def _write_qwen3_5_gguf(path: str, config: dict, state: dict[str, torch.Tensor]) -> None:
-    """The checkpoint as llama.cpp's converter writes a dense Qwen3.5 GGUF (F32)."""
-    gguf = pytest.importorskip("gguf")
-    writer = gguf_writer(gguf, path, "qwen35", config)
-    rope = config["rope_parameters"]
-    writer.add_rope_freq_base(rope["rope_theta"])
-    writer.add_rope_dimension_count(int(config["head_dim"] * rope["partial_rotary_factor"]))
-    writer.add_full_attention_interval(config["layer_types"].index("full_attention") + 1)
-    writer.add_ssm_conv_kernel(config["linear_conv_kernel_dim"])
-    writer.add_ssm_state_size(config["linear_key_head_dim"])
-    writer.add_ssm_group_count(config["linear_num_key_heads"])
-    writer.add_ssm_time_step_rank(config["linear_num_value_heads"])
-    writer.add_ssm_inner_size(config["linear_num_value_heads"] * config["linear_value_head_dim"])
-    writer.add_tokenizer_model("llama")   # a placeholder vocabulary: the test runs on token ids
-    writer.add_token_list(["<unk>", "<s>", "</s>"] + [f"<tok{i}>" for i in range(3, config["vocab_size"])])
-    writer.add_token_scores([0.0] * config["vocab_size"])
-    writer.add_token_types([gguf.TokenType.NORMAL] * config["vocab_size"])
-    writer.add_bos_token_id(config["bos_token_id"])
-    writer.add_eos_token_id(config["eos_token_id"])
-    writer.add_unk_token_id(0)
-    for name, tensor in state.items():
-        gguf_name, converted = _qwen3_5_gguf_tensor(name, tensor.float(), config)
-        writer.add_tensor(gguf_name, converted.contiguous().numpy())
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-
-
-def test_gguf_equals_the_safetensors_checkpoint(tiny_checkpoint, references, tmp_path):
-    """A dense Qwen3.5 GGUF written as llama.cpp's converter writes one (norms as 1 + w, -exp(A_log), the conv
-    kernel squeezed, the value heads tiled: 4 value heads over 2 key heads) loads to the checkpoint's config and
-    weights, and generates the tokens transformers generates from the checkpoint."""
-    from pocketllm.loaders.checkpoint import load_checkpoint
-
-    directory = tiny_checkpoint("qwen3_5_text")
-    with open(os.path.join(directory, "config.json"), encoding="utf-8") as handle:
-        config = json.load(handle)
-    state = load_file(os.path.join(directory, "model.safetensors"))
-    path = str(tmp_path / "qwen3_5.gguf")
-    _write_qwen3_5_gguf(path, config, state)
-
-    checkpoint = load_checkpoint(path)
-    ours, original = checkpoint.hf_config, load_checkpoint(directory).hf_config
-    assert ours.architectures == ["Qwen3_5ForCausalLM"] and not ours.tie_word_embeddings
-    for key in ("layer_types", "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
-                "linear_value_head_dim", "linear_conv_kernel_dim", "head_dim", "num_key_value_heads"):
-        assert getattr(ours, key) == getattr(original, key), key
-    assert ours.partial_rotary_factor == original.rope_parameters["partial_rotary_factor"]
-    weights = dict(checkpoint.iter_weights())
-    assert set(weights) == set(state)
-    for name, tensor in weights.items():
-        torch.testing.assert_close(tensor, state[name].float(), rtol=1e-6, atol=1e-6, msg=name)
-
-    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
-    with LLM(EngineArgs(model=path, **KV)) as llm:
-        outputs = llm.generate(_prompts(), params)
-    assert [o.token_ids for o in outputs] == references("qwen3_5_text")

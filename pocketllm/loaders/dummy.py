@@ -84,6 +84,47 @@ PRESETS["gemma3-27b"] = {
                         "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0}},
 }
 
+# Gemma 3 1B: the published gemma-3-1b config (text only; five sliding layers of 512 tokens, then one full layer;
+# no rope scaling).
+PRESETS["gemma3-1b"] = {
+    "model_type": "gemma3_text", "architectures": ["Gemma3ForCausalLM"], "vocab_size": 262144,
+    "hidden_size": 1152, "intermediate_size": 6912, "num_hidden_layers": 26, "num_attention_heads": 4,
+    "num_key_value_heads": 1, "head_dim": 256, "query_pre_attn_scalar": 256, "sliding_window": 512,
+    "sliding_window_pattern": 6, "hidden_activation": "gelu_pytorch_tanh", "max_position_embeddings": 32768,
+    "rms_norm_eps": 1e-6, "attention_bias": False, "tie_word_embeddings": True, "final_logit_softcapping": None,
+    "attn_logit_softcapping": None, "bos_token_id": 2, "eos_token_id": [1, 106], "pad_token_id": 0,
+    "dtype": "bfloat16",
+    "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                        "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}},
+}
+
+# DeepSeek-V4-Flash: the published config (43 layers: two heavily compressed, then compressed sparse and heavily
+# compressed alternating, every layer also sliding over 128 tokens; three hash-routed MoE layers, then
+# score-routed; 256 experts, top 6, one shared). 284B parameters with its multi-token-prediction layer (skipped
+# here): about 568 GB in bfloat16, more than one GPU holds. ``deepseek-v4-flash-32e`` keeps every shape but 32
+# routed experts a layer (the same 13B active per token, about 42B in all: 84 GB in bfloat16, one H200).
+_DEEPSEEK_V4_LAYERS = 43
+PRESETS["deepseek-v4-flash"] = {
+    "model_type": "deepseek_v4", "architectures": ["DeepseekV4ForCausalLM"], "vocab_size": 129280,
+    "hidden_size": 4096, "moe_intermediate_size": 2048, "num_hidden_layers": _DEEPSEEK_V4_LAYERS,
+    "num_attention_heads": 64, "num_key_value_heads": 1, "head_dim": 512, "q_lora_rank": 1024,
+    "qk_rope_head_dim": 64, "num_experts_per_tok": 6, "n_routed_experts": 256, "n_shared_experts": 1,
+    "scoring_func": "sqrtsoftplus", "norm_topk_prob": True, "routed_scaling_factor": 1.5,
+    "max_position_embeddings": 1048576, "rope_theta": 10000.0, "compress_rope_theta": 160000.0,
+    "rope_scaling": {"rope_type": "yarn", "factor": 16.0, "original_max_position_embeddings": 65536,
+                     "beta_fast": 32, "beta_slow": 1},
+    "layer_types": ["heavily_compressed_attention"] * 2 + [
+        "compressed_sparse_attention" if i % 2 else "heavily_compressed_attention"
+        for i in range(_DEEPSEEK_V4_LAYERS - 2)],
+    "compress_rates": {"compressed_sparse_attention": 4, "heavily_compressed_attention": 128},
+    "mlp_layer_types": ["hash_moe"] * 3 + ["moe"] * (_DEEPSEEK_V4_LAYERS - 3),
+    "hc_mult": 4, "hc_sinkhorn_iters": 20, "hc_eps": 1e-6, "swiglu_limit": 10.0, "sliding_window": 128,
+    "o_groups": 8, "o_lora_rank": 1024, "index_n_heads": 64, "index_head_dim": 128, "index_topk": 512,
+    "hidden_act": "silu", "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "bos_token_id": 0,
+    "eos_token_id": 1, "dtype": "bfloat16",
+}
+PRESETS["deepseek-v4-flash-32e"] = {**PRESETS["deepseek-v4-flash"], "n_routed_experts": 32}
+
 
 def preset_names() -> list[str]:
     """Names accepted with ``load_format="dummy"``."""

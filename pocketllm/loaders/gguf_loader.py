@@ -20,6 +20,12 @@ Facts this module relies on (llama.cpp's converter conventions):
   k0v1, ...``) in every tensor that has them (the value rows of ``attn_qkv`` and of the conv kernel,
   ``attn_gate``, ``ssm_alpha``, ``ssm_beta``, ``ssm_a``, ``ssm_dt`` and the columns of ``ssm_out``); every
   ``full_attention_interval``-th layer attends fully; ``rope.dimension_count`` is the rotated part of a head.
+- Qwen3.5-MoE (``qwen35moe``) is laid out as dense Qwen3.5, plus: the routed experts stacked ``[experts, out,
+  in]`` as ``ffn_gate_exps`` / ``ffn_up_exps`` / ``ffn_down_exps`` (the checkpoint's fused gate-up tensor split
+  in halves, gate first) or, written with the converter's gate-up fusion, ``ffn_gate_up_exps`` (gate rows then
+  up rows); the router ``ffn_gate_inp``; the shared expert ``ffn_{gate,up,down}_shexp`` and its sigmoid gate
+  ``ffn_gate_inp_shexp`` (a ``[hidden]`` or ``[1, hidden]`` row); ``expert_shared_feed_forward_length`` its width.
+  The chosen experts' weights are always renormalised, as transformers does.
 """
 
 from __future__ import annotations
@@ -45,6 +51,7 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {
     "qwen3moe": ("qwen3_moe", "Qwen3MoeForCausalLM"),
     "gemma3": ("gemma3_text", "Gemma3ForCausalLM"),
     "qwen35": ("qwen3_5_text", "Qwen3_5ForCausalLM"),
+    "qwen35moe": ("qwen3_5_moe_text", "Qwen3_5MoeForCausalLM"),
 }
 # Layer parts an architecture names differently from the Llama layout.
 _ARCH_LAYER_NAMES: dict[str, dict[str, str]] = {
@@ -56,8 +63,14 @@ _ARCH_LAYER_NAMES: dict[str, dict[str, str]] = {
                "ssm_a": "linear_attn.A_log", "ssm_dt": "linear_attn.dt_bias", "ssm_norm": "linear_attn.norm",
                "ssm_out": "linear_attn.out_proj"},
 }
+_ARCH_LAYER_NAMES["qwen35moe"] = {
+    **_ARCH_LAYER_NAMES["qwen35"], "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj", "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+}
+_QWEN35_ARCHS = ("qwen35", "qwen35moe")
 # Architectures whose norm weights llama.cpp stores as ``1 + w`` (Qwen3.5: all but the DeltaNet's gated norm).
-_SHIFTED_NORMS = ("gemma3", "qwen35")
+_SHIFTED_NORMS = ("gemma3", *_QWEN35_ARCHS)
 _UNSHIFTED_NORM_PARTS = ("ssm_norm",)
 # Qwen3.5 tensors whose names carry no ``.weight``/``.bias`` of their own in the HF checkpoint.
 _BARE_PARAMETERS = {("ssm_a", "weight"), ("ssm_dt", "bias")}
@@ -84,7 +97,9 @@ _LAYER_NAMES = {
     "ffn_down": "mlp.down_proj",
     "ffn_gate_inp": "mlp.gate",
 }
-_EXPERT_NAMES = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
+_EXPERT_NAMES = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj",
+                 "ffn_gate_up_exps": "gate_up_proj"}
+_FUSED_EXPERTS = "ffn_gate_up_exps"   # [experts, 2 * width, hidden]: gate rows, then up rows
 _LAYER_TENSOR = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 _BARE_LAYER_TENSOR = re.compile(r"^blk\.(\d+)\.(ssm_a)$")   # llama.cpp names ssm_a without a suffix
 _ROPE_FREQS = "rope_freqs.weight"
@@ -294,8 +309,10 @@ def build_config(reader: GGUFFile) -> ModelConfig:
     scaling = _rope_scaling(reader, arch, theta, head_dim)
     if arch == "gemma3":
         params.update(_gemma3_params(reader, arch, params, scaling))
-    elif arch == "qwen35":
+    elif arch in _QWEN35_ARCHS:
         params.update(_qwen35_params(reader, arch, params))
+        if arch == "qwen35moe":
+            params.update(_qwen35_moe_params(reader, arch))
         if scaling is not None:
             params["rope_scaling"] = scaling
     elif scaling is not None:
@@ -356,6 +373,19 @@ def _qwen35_params(reader: GGUFFile, arch: str, params: dict[str, Any]) -> dict[
     }
 
 
+def _qwen35_moe_params(reader: GGUFFile, arch: str) -> dict[str, Any]:
+    """Qwen3.5-MoE's routed and shared experts (every layer sparse; the top-k weights renormalised)."""
+    if not metadata(reader, f"{arch}.expert_weights_norm", True):
+        raise CheckpointError("GGUF expert_weights_norm=false is not supported for Qwen3.5-MoE (its router always "
+                              "renormalises the chosen experts' weights)")
+    return {
+        "num_experts": int(metadata(reader, f"{arch}.expert_count")),
+        "num_experts_per_tok": int(metadata(reader, f"{arch}.expert_used_count")),
+        "moe_intermediate_size": int(metadata(reader, f"{arch}.expert_feed_forward_length")),
+        "shared_expert_intermediate_size": int(metadata(reader, f"{arch}.expert_shared_feed_forward_length")),
+    }
+
+
 def tiled_to_grouped(array: np.ndarray, num_k_heads: int, num_v_heads: int, axis: int = 0) -> np.ndarray:
     """Undo llama.cpp's Qwen3.5 value-head reorder along ``axis`` (value heads of equal size, in tiled order
     ``k0v0, k1v0, ..., k0v1, ...``) back to grouped by key head (``k0v0, k0v1, ..., k1v0, ...``)."""
@@ -378,7 +408,7 @@ class GGUFWeights:
         self.num_kv_heads = int(hf_config.num_key_value_heads)
         self.linear_heads = ((int(hf_config.linear_num_key_heads), int(hf_config.linear_num_value_heads),
                               2 * int(hf_config.linear_num_key_heads) * int(hf_config.linear_key_head_dim))
-                             if self.arch == "qwen35" else None)
+                             if self.arch in _QWEN35_ARCHS else None)
         self.check()
 
     def _tensors(self) -> list[GGUFTensor]:
@@ -395,12 +425,15 @@ class GGUFWeights:
         total = 0
         for tensor in self._tensors():
             _, part = hf_name(tensor.name, self.arch)
-            total += tensor.shape[0] if part in _EXPERT_NAMES else 1
+            per_expert = 2 if part == _FUSED_EXPERTS else 1
+            total += tensor.shape[0] * per_expert if part in _EXPERT_NAMES else 1
         return total
 
     def _fix_layout(self, array: np.ndarray, name: str, part: str | None) -> np.ndarray:
         if self.arch in _SHIFTED_NORMS and name.endswith("norm.weight") and part not in _UNSHIFTED_NORM_PARTS:
             return array - np.float32(1.0)
+        if part == "ffn_gate_inp_shexp":
+            return array.reshape(1, -1)
         if self.linear_heads is not None:
             return self._qwen35_linear(array, part)
         if self.arch == "llama" and part == "attn_q":
@@ -427,7 +460,12 @@ class GGUFWeights:
         for tensor in self._tensors():
             name, part = hf_name(tensor.name, self.arch)
             array = self._fix_layout(dequantize(tensor), name, part)
-            if part in _EXPERT_NAMES:
+            if part == _FUSED_EXPERTS:
+                gate, up = np.split(array, 2, axis=1)
+                for expert in range(array.shape[0]):
+                    yield name.format(expert).replace("gate_up_proj", "gate_proj"), torch.from_numpy(gate[expert])
+                    yield name.format(expert).replace("gate_up_proj", "up_proj"), torch.from_numpy(up[expert])
+            elif part in _EXPERT_NAMES:
                 for expert in range(array.shape[0]):
                     yield name.format(expert), torch.from_numpy(array[expert])
             else:

@@ -48,13 +48,15 @@ Where the per-request state lives
       caching is therefore off for this model (a cached prefix would lack that state), while chunked prefill
       and preemption (recompute) keep it consistent.
 
-Runs on the PyTorch reference path on CPU (no CPU decode plan, no CUDA kernels; a CUDA device is refused), on
-one rank. The multi-token-prediction layers (``mtp.*``) are skipped at load. Config features transformers'
-reference does not compute, or that we do not, are refused at load by name.
+Runs on the PyTorch reference step on CPU and on CUDA (``kernel_step = False``: no CPU decode plan, no Triton
+attention or decode CUDA graphs, since its attention is its own; plain torch ops on the device, in the engine's
+dtype), on one rank. The multi-token-prediction layers (``mtp.*``) are skipped at load. Config features
+transformers' reference does not compute, or that we do not, are refused at load by name.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from typing import Any, NoReturn
@@ -112,8 +114,6 @@ def check_supported(config: Any) -> None:
 
     if tp_size() != 1:
         refuse("tensor parallelism")
-    if torch.empty(0).device.type not in ("cpu", "meta"):   # meta: shape-only construction
-        refuse("a non-CPU device (the model runs on the PyTorch reference path on CPU)")
     if getattr(config, "quantization_config", None):
         refuse("quantization_config (quantized checkpoints)")
     if getattr(config, "num_key_value_heads", 1) != 1:
@@ -563,6 +563,13 @@ class SharedExpert(nn.Module):
         return self.down_proj(clamped_swiglu(self.gate_proj(x), self.up_proj(x), self.limit))
 
 
+def hash_routing_table(table: torch.Tensor, generator: torch.Generator, experts: int) -> None:
+    """Dummy weights' ``tid2eid`` [vocab, k]: each token's k experts distinct and in range, ``k`` consecutive ones
+    (modulo ``experts``) from a random first one (a weight-like draw would route every token to expert 0)."""
+    first = torch.randint(0, experts, (table.shape[0], 1), generator=generator, device=table.device)
+    table.copy_((first + torch.arange(table.shape[1], device=table.device)) % experts)
+
+
 class Router(nn.Module):
     """Expert choice and weights: scores ``score_fn(x W^T)``; top-k of scores plus ``e_score_correction_bias``,
     or (hashed) the experts ``tid2eid[token]``; chosen scores renormalised, times ``routed_scaling_factor``."""
@@ -577,6 +584,7 @@ class Router(nn.Module):
         if hashed:
             self.tid2eid = nn.Parameter(torch.zeros(config.vocab_size, self.top_k, dtype=torch.int64),
                                         requires_grad=False)
+            self.tid2eid.dummy_fill = functools.partial(hash_routing_table, experts=experts)
         else:
             self.e_score_correction_bias = nn.Parameter(torch.zeros(experts, dtype=torch.float32),
                                                         requires_grad=False)
@@ -643,6 +651,9 @@ class DeepseekV4DecoderLayer(nn.Module):
 
 class DeepseekV4ForCausalLM(nn.Module):
     """Embedding expanded to ``hc_mult`` streams, the decoder layers, the hyper-head, final norm and LM head."""
+
+    # On CUDA the model runner runs the reference step (this attention is not the Triton kernels').
+    kernel_step = False
 
     def __init__(self, config: Any) -> None:
         super().__init__()

@@ -60,6 +60,16 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) 
         raise CheckpointError(f"checkpoint lacks {len(missing)} parameters, e.g. {missing[:4]}")
 
 
+def _fill_table(param: nn.Parameter, generator: torch.Generator) -> bool:
+    """A parameter that is a table, not a weight (``dummy_fill``: DeepSeek-V4's hash routing), filled its own way
+    from ``generator``; whether it was one."""
+    fill = getattr(param, "dummy_fill", None)
+    if fill is None:
+        return False
+    fill(param.data, generator)
+    return True
+
+
 def _is_norm_like(name: str, param: torch.Tensor) -> bool:
     """Parameters dummy weights set to one (norm scales and other 1-D non-bias vectors)."""
     return name.endswith("norm.weight") or param.dim() == 1 and "bias" not in name
@@ -96,8 +106,8 @@ def _init_dummy_sharded(model: nn.Module, seed: int) -> None:
     for module_name, module in model.named_modules():
         for local_name, param in module.named_parameters(recurse=False):
             name = f"{module_name}.{local_name}" if module_name else local_name
-            if name not in twin_params:  # a tied weight, filled through its first name
-                continue
+            if name not in twin_params or _fill_table(param, generator):  # a tied weight (filled through
+                continue                                                   # its first name) or a table
             shape = twin_params[name].shape
             if _is_norm_like(name, param):
                 full = torch.ones(shape, dtype=param.dtype, device=device)
@@ -122,6 +132,8 @@ def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
     if first is not None and first.device.type != "cpu":
         generator = torch.Generator(device=first.device).manual_seed(seed)
         for name, param in model.named_parameters():
+            if _fill_table(param, generator):
+                continue
             if _is_norm_like(name, param):
                 param.data.fill_(1.0)
             else:
@@ -129,6 +141,8 @@ def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
         return
     generator = torch.Generator(device="cpu").manual_seed(seed)
     for name, param in model.named_parameters():
+        if _fill_table(param, generator):
+            continue
         if _is_norm_like(name, param):
             param.data.fill_(1.0)
             continue

@@ -121,13 +121,15 @@ class ModelRunner:
         self.tp_size = tp_size()
         self.step_channel = StepChannel() if self.tp_size > 1 and tp_rank() == 0 else None
         # CUDA with Triton: kernel metadata from one pinned copy per step, decode CUDA graphs (cuda_graphs.py),
-        # the attention layers on the Triton backend; else the reference step.
+        # the attention layers on the Triton backend; else the reference step. A model whose attention is its
+        # own (``kernel_step = False``: DeepSeek-V4) runs the reference step on CUDA too.
         self.cuda_step = None
         self.num_state_slots = 0
         self.reference_step = ReferenceStep(self.model, device, block_size, self.step_channel,
                                             bool(self.state_layers))
         self.host_step: HostBatchStep = self.reference_step
-        if device.type == "cuda" and kernels_available(device) and self.attention_layers:
+        if (device.type == "cuda" and kernels_available(device) and self.attention_layers
+                and getattr(self.model, "kernel_step", True)):
             from pocketllm.runner.cuda_graphs import CudaStepRunner
 
             self.cuda_step = CudaStepRunner(self.model, device, block_size,
@@ -167,7 +169,8 @@ class ModelRunner:
 
     @property
     def uses_kernels(self) -> bool:
-        """Whether steps run the Triton kernels (CUDA with Triton, a model with attention layers)."""
+        """Whether steps run the Triton kernels (CUDA with Triton, a model with attention layers that takes the
+        kernel step)."""
         return self.cuda_step is not None
 
     @property
