@@ -36,7 +36,8 @@ def main() -> None:
     parser.add_argument("--kv-gb", type=float, default=0.05, help="KV cache size (its pages count once touched)")
     args = parser.parse_args()
     cases = fuzz_cases(args.warmup + args.cases, random.Random(31))
-    with TestClient(build_app(ServerConfig(EngineArgs(max_model_len=512, cpu_kv_cache_gb=args.kv_gb))), raise_server_exceptions=False) as client:
+    app = build_app(ServerConfig(EngineArgs(max_model_len=512, cpu_kv_cache_gb=args.kv_gb)))
+    with TestClient(app, raise_server_exceptions=False) as client:
         while client.get("/ready").status_code != 200:
             time.sleep(0.05)
         statuses: dict[int, int] = {}
