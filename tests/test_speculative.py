@@ -66,12 +66,10 @@ def test_bad_config_is_refused(bad):
     assert info.value.param == "speculative_config"
 
 
-def test_unbuilt_method_and_recurrent_models_are_refused(tiny_checkpoint):
+def test_unbuilt_method_and_async_scheduling_are_refused(tiny_checkpoint):
     draft = {"method": "draft_model", "num_speculative_tokens": 2, "model": "draft"}
     with pytest.raises(UnsupportedFeatureError, match="draft_model"):
         LLM(EngineArgs(model=tiny_checkpoint("llama"), speculative_config=draft))
-    with pytest.raises(UnsupportedFeatureError, match="recurrent state"):
-        LLM(EngineArgs(model=tiny_checkpoint("qwen3_5_text"), speculative_config=NGRAM))
     with pytest.raises(UnsupportedFeatureError, match="async_scheduling"):
         LLM(EngineArgs(model=tiny_checkpoint("llama"), speculative_config=NGRAM, async_scheduling="on"))
 
@@ -286,9 +284,11 @@ def _with_proposer(llm: LLM, proposer: object) -> None:
     llm._client.backend.core.scheduler.proposer = proposer
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen3_5_text", "qwen3_5_moe_text"])
 @pytest.mark.parametrize("regime", ["default", "preemption", "penalties"])
 def test_tiny_greedy_equal_with_speculation(arch, regime, tiny_checkpoint):
+    """Qwen3.5 (recurrent Gated DeltaNet state beside the KV cache): a rejected proposal rolls the request's state
+    slot back to the verify step's checkpoint after its last accepted position."""
     extra = {"num_kv_blocks": 16, "block_size": 4, "max_num_batched_tokens": 24} if regime == "preemption" else {}
     params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True,
                             **({"repetition_penalty": 1.3, "frequency_penalty": 0.4} if regime == "penalties"

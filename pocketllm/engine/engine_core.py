@@ -138,12 +138,18 @@ class EngineCore:
         self.runner.load(weights, dummy_seed=args.seed, weight_format=self.cpu_weight_format.name,
                          cpu_compile=args.cpu_compile, quantization=args.quantization)
         # Hybrid models (recurrent-state layers): one state slot per request that may run, allocated before
-        # the KV cache is sized from what memory is left.
-        self.state_pool = StatePool(args.max_num_seqs) if self.runner.state_layers else None
+        # the KV cache is sized from what memory is left; with speculative decoding, each with a checkpoint slot
+        # per proposal a verify chunk may hold (its state rolls back to the last accepted one).
+        spec = args.speculative_config
+        checkpoints = spec.num_speculative_tokens if spec is not None else 0
+        self.state_pool = StatePool(args.max_num_seqs, checkpoints) if self.runner.state_layers else None
         if self.state_pool is not None:
-            self.runner.allocate_state_pool(args.max_num_seqs)
-            logger.info("recurrent state: %d slots of %.1f MiB", args.max_num_seqs,
-                        self.runner.state_bytes_per_slot() / (1 << 20))
+            if checkpoints and self.runner.tp_size > 1:
+                raise UnsupportedFeatureError("speculative decoding of a model with recurrent state runs on one "
+                                              "rank; drop speculative_config or tensor_parallel_size")
+            self.runner.allocate_state_pool(args.max_num_seqs, self.state_pool.num_bound_slots)
+            logger.info("recurrent state: %d slots of %.1f MiB (and %d checkpoint slots)", args.max_num_seqs,
+                        self.runner.state_bytes_per_slot() / (1 << 20), args.max_num_seqs * checkpoints)
         # Every tensor-parallel rank sizes its cache alike (the smallest of their budgets).
         num_blocks = min_over_ranks(args.num_kv_blocks or self._blocks_from_memory(), self.device)
         capacity = num_blocks * args.block_size
@@ -214,10 +220,6 @@ class EngineCore:
         if spec.method != "ngram":
             raise UnsupportedFeatureError(f"speculative_config.method {spec.method!r} is not available yet; "
                                           "use 'ngram'")
-        if self.state_pool is not None:
-            raise UnsupportedFeatureError("speculative decoding is not available for models with recurrent state "
-                                          "(a rejected proposal would need the state rolled back); drop "
-                                          "speculative_config")
         return NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max, spec.num_speculative_tokens)
 
     def _compile_cpu_decode(self, step: CpuDecodeStep) -> None:
@@ -404,6 +406,9 @@ class EngineCore:
                 # Keep the KV of the accepted proposals only; the rejected ones' slots go back.
                 request.num_computed_tokens = chunk.start + len(tokens)
                 self.blocks.truncate(request, request.num_computed_tokens)
+                if self.state_pool is not None and 0 < len(tokens) <= len(chunk.draft):
+                    # Recurrent state: back to its checkpoint after the last position kept.
+                    self.runner.restore_state(request.state_slot, request.state_checkpoints + len(tokens) - 1)
             if not tokens:
                 if running:
                     self._cache_and_release(request, chunk.end)

@@ -55,6 +55,9 @@ class Request:
     num_hashed_blocks: int = 0
     last_block_hash: int = 0
     state_slot: int = -1      # hybrid models: this request's slot in the recurrent-state pool while running
+    # Hybrid models with speculative decoding: the first of this request's checkpoint slots (the state after
+    # each position of a verify chunk but the last, so a rejected proposal rolls back to one of them; -1: none).
+    state_checkpoints: int = -1
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
     stop_reason: int | None = None

@@ -14,11 +14,20 @@ from pocketllm.engine.request import Request
 
 
 class StatePool:
-    """Free-list allocator of ``num_slots`` state slots (one per request that may run at once)."""
+    """Free-list allocator of ``num_slots`` state slots (one per request that may run at once). With
+    ``checkpoints`` (speculative decoding: the most proposals a verify chunk holds), slot ``s`` also owns the
+    ``checkpoints`` slots from ``num_slots + 1 + s * checkpoints`` on (after the runner's scratch slot), which a
+    verify chunk fills with the state after each of its positions but the last."""
 
-    def __init__(self, num_slots: int) -> None:
+    def __init__(self, num_slots: int, checkpoints: int = 0) -> None:
         self.num_slots = num_slots
+        self.checkpoints = checkpoints
         self.free = list(range(num_slots - 1, -1, -1))
+
+    @property
+    def num_bound_slots(self) -> int:
+        """Every slot the runner binds tensors for: the request slots, the scratch slot and the checkpoints."""
+        return self.num_slots + 1 + self.num_slots * self.checkpoints
 
     @property
     def num_free_slots(self) -> int:
@@ -31,9 +40,11 @@ class StatePool:
         if not self.free:
             raise RuntimeError(f"no free recurrent-state slot for {request.request_id} ({self.num_slots} slots)")
         request.state_slot = self.free.pop()
+        if self.checkpoints:
+            request.state_checkpoints = self.num_slots + 1 + request.state_slot * self.checkpoints
 
     def release(self, request: Request) -> None:
         """Return ``request``'s slot, if it holds one."""
         if request.state_slot >= 0:
             self.free.append(request.state_slot)
-            request.state_slot = -1
+            request.state_slot = request.state_checkpoints = -1

@@ -230,6 +230,15 @@ class GatedDeltaNet(nn.Module):
         if meta.state_slots is None:
             raise RuntimeError("GatedDeltaNet needs per-sequence state slots in the attention metadata")
         backend = gated_delta_backend(hidden, meta)
+        if meta.state_checkpoints_host is not None:
+            # A step with verify chunks (speculative decoding): those token by token, as decode steps run them,
+            # keeping the state after each position (``_checkpointed``); the other sequences as in any mixed step.
+            beta = b.float().sigmoid()
+            g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
+            core = torch.cat([self._checkpointed(mixed, g, beta, meta, i) if meta.state_checkpoints_host[i] >= 0
+                              else self._sequence(mixed, g, beta, meta, i) for i in range(meta.num_seqs)], dim=0)
+            core = self.norm(core.to(hidden.dtype), z.reshape(-1, self.num_v_heads, self.head_v_dim))
+            return self.out_proj(core.reshape(hidden.shape[0], self.value_dim))
         if backend.decode == "triton":
             from pocketllm.kernels.gated_delta import gated_delta_decode
 
@@ -285,6 +294,29 @@ class GatedDeltaNet(nn.Module):
             out, state = chunk_gated_delta_rule(qh, kh, vh, gs, bs, state, self.chunk_size)
         self.ssm_state[slot] = state
         return out.transpose(0, 1)                                   # [L, Hv, Dv]
+
+    def _checkpointed(self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, meta: AttentionMetadata,
+                      i: int) -> torch.Tensor:
+        """Verify chunk ``i`` one token at a time with the decode step's arithmetic (``_decode`` for one row), so
+        that its outputs equal the decode steps it stands for, writing its state after each position but the
+        last into consecutive checkpoint slots: the engine rolls the request's slot back to the one after its
+        last accepted proposal. (A verify chunk never starts a sequence.)"""
+        start, end = meta.query_start[i], meta.query_start[i + 1]
+        slot, first = meta.state_slots_host[i], meta.state_checkpoints_host[i]
+        conv, ssm = self.conv_state[slot:slot + 1], self.ssm_state[slot:slot + 1]
+        outs = []
+        for t in range(start, end):
+            conv_out, conv = causal_conv1d_step(mixed[t:t + 1], self.conv1d.weight, conv)
+            q, k, v = self._heads(conv_out)
+            out, ssm = recurrent_gated_delta_rule(q.unsqueeze(2), k.unsqueeze(2), v.unsqueeze(2),
+                                                  g[t:t + 1].unsqueeze(2), beta[t:t + 1].unsqueeze(2), ssm)
+            outs.append(out.squeeze(2))
+            if t < end - 1:
+                self.conv_state[first + t - start] = conv[0].to(self.conv_state.dtype)
+                self.ssm_state[first + t - start] = ssm[0]
+        self.conv_state[slot] = conv[0].to(self.conv_state.dtype)
+        self.ssm_state[slot] = ssm[0]
+        return torch.cat(outs, dim=0)                                # [L, Hv, Dv]
 
     def _prefill_fla(self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                      meta: AttentionMetadata) -> torch.Tensor:

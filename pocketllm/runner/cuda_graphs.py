@@ -182,7 +182,9 @@ class CudaStepRunner:
             num_splits=splits, decode_tile=self._tile(lead, splits) if lead else None,
             num_decode_rows=0 if decode else lead,
             split_counters=self._counters(lead) if lead else None,
-            state_slots=view("state") if hybrid else None, state_slots_host=host.state_slots if hybrid else None)
+            state_slots=view("state") if hybrid else None, state_slots_host=host.state_slots if hybrid else None,
+            state_checkpoints_host=(host.state_checkpoints if hybrid and any(c >= 0 for c in host.state_checkpoints)
+                                    else None))
         host.pending.fill(view("ids"), previous_tokens)
         return self.model.unnormed(view("ids"), view("pos"), meta), view("sample")
 

@@ -374,15 +374,25 @@ class ModelRunner:
         return sum(math.prod(shape) * torch.tensor([], dtype=dtype).element_size()
                    for layer in self.state_layers for shape, dtype in layer.state_specs(self.dtype).values())
 
-    def allocate_state_pool(self, num_slots: int) -> None:
-        """Bind ``[num_slots + 1, *shape]`` zeroed tensors to every state layer (hybrid models); the extra slot
-        is scratch for the padding rows of CUDA-graph replays."""
+    def allocate_state_pool(self, num_slots: int, num_bound: int | None = None) -> None:
+        """Bind ``[num_bound, *shape]`` zeroed tensors (default ``num_slots + 1``) to every state layer (hybrid
+        models): the request slots, then one slot of scratch for the padding rows of CUDA-graph replays, then
+        any checkpoint slots (``StatePool``)."""
         self.num_state_slots = num_slots
         for layer in self.state_layers:
             for name, (shape, dtype) in layer.state_specs(self.dtype).items():
-                setattr(layer, name, torch.zeros((num_slots + 1, *shape), dtype=dtype, device=self.device))
+                setattr(layer, name, torch.zeros((num_bound or num_slots + 1, *shape), dtype=dtype,
+                                                 device=self.device))
         if self.cuda_step is not None:
             self.cuda_step.state_padding_slot = num_slots
+
+    def restore_state(self, slot: int, checkpoint: int) -> None:
+        """Roll every state layer's ``slot`` back to the state held in slot ``checkpoint`` (a verify chunk's
+        checkpoint of its last accepted position)."""
+        for layer in self.state_layers:
+            for name in layer.state_specs(self.dtype):
+                state = getattr(layer, name)
+                state[slot].copy_(state[checkpoint])
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         self.num_blocks = num_blocks

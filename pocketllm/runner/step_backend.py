@@ -81,6 +81,8 @@ class ReferenceStep(HostBatchStep):
         if self.has_state:
             state = {"state_slots": torch.tensor(host.state_slots, dtype=torch.int64, device=device),
                      "state_slots_host": host.state_slots}
+            if any(c >= 0 for c in host.state_checkpoints):
+                state["state_checkpoints_host"] = host.state_checkpoints
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(host.slots, dtype=torch.int64, device=device),
             block_tables=torch.tensor(tables, dtype=torch.int64, device=device),

@@ -36,6 +36,9 @@ class AttentionMetadata:
     # Hybrid (recurrent-state) models only; None otherwise: each sequence's slot in the state pool.
     state_slots: torch.Tensor | None = None         # [num_seqs] int64
     state_slots_host: list[int] | None = None       # host copy
+    # Speculative decoding on a hybrid model: per sequence, the first slot of the checkpoints its verify chunk
+    # writes (the state after each of its positions but the last), -1 for other sequences; None: no verify chunk.
+    state_checkpoints_host: list[int] | None = None
 
     @property
     def uses_kernels(self) -> bool:

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -24,6 +24,8 @@ class HostBatch:
     tables: list[list[int]]
     pending: PendingInputs
     state_slots: list[int]      # hybrid models: each sequence's recurrent-state slot (-1 elsewhere)
+    # hybrid models, verify chunks: the first slot of the sequence's state checkpoints (-1 elsewhere)
+    state_checkpoints: list[int] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -59,6 +61,7 @@ def gather_host_batch(chunks: Sequence, block_size: int) -> HostBatch:
     sample_index: list[int] = []
     tables: list[list[int]] = []
     state_slots: list[int] = []
+    checkpoints: list[int] = []
     pending = PendingInputs()
     total = 0
     for chunk in chunks:
@@ -100,4 +103,6 @@ def gather_host_batch(chunks: Sequence, block_size: int) -> HostBatch:
             sample_index.append(total - 1)
         tables.append(table)
         state_slots.append(request.state_slot)
-    return HostBatch(ids, positions, slots, query_start, context_lens, sample_index, tables, pending, state_slots)
+        checkpoints.append(getattr(request, "state_checkpoints", -1) if chunk.draft else -1)
+    return HostBatch(ids, positions, slots, query_start, context_lens, sample_index, tables, pending, state_slots,
+                     checkpoints)
