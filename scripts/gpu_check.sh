@@ -97,8 +97,11 @@ for stage in $stages; do
         timeout 150 $PY -m pocketllm bench latency --model $preset --load-format dummy --quantization fp8 \
           --output-json "$OUT/latency-fp8-$preset.json" 2>&1 | grep -v Warning | tee -a "$OUT/bench.log"
       done ;;
-    hybrid)
-      for preset in qwen3.5-9b qwen3.5-35b-a3b; do
+    hybrid|models)
+      # hybrid: the Qwen3.5 presets; models: MODEL_PRESETS (default the Gemma 3 preset), batch 1 and 64 requests
+      presets="qwen3.5-9b qwen3.5-35b-a3b"
+      if [ "$stage" = models ]; then presets=${MODEL_PRESETS:-gemma3-27b}; fi
+      for preset in $presets; do
         timeout ${HYBRID_TIMEOUT:-150} $PY -m pocketllm bench latency --model $preset --load-format dummy \
           --output-json "$OUT/latency-$preset.json" 2>&1 | grep -v Warning | tee -a "$OUT/bench.log"
         timeout ${HYBRID_TIMEOUT:-150} $PY -m pocketllm bench throughput --model $preset --load-format dummy \
@@ -108,7 +111,7 @@ for stage in $stages; do
     serve)
       # The throughput workload served over HTTP; SERVE_BASELINE=DIR also serves the package copy in DIR first.
       if [ -n "${SERVE_BASELINE:-}" ]; then serve_bench baseline "$SERVE_BASELINE"; fi
-      serve_bench served "" profile ;;
+      serve_bench served "" "${SERVE_PROFILE-profile}" ;;   # SERVE_PROFILE= (empty): no py-spy pass
     throughput)
       # 16,384 tokens a step: vLLM's offline default on GPUs of 70 GB or more.
       timeout ${THROUGHPUT_TIMEOUT:-160} $PY -m pocketllm bench throughput --model qwen3-0.6b --load-format dummy --max-num-seqs 256 \
