@@ -309,6 +309,25 @@ def test_tiny_greedy_equal_with_speculation(arch, regime, tiny_checkpoint):
         assert stats["num_preemptions"] > 0
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch", ["llama", "qwen3_5_text"])
+def test_cuda_greedy_equal_with_speculation(arch, tiny_checkpoint):
+    """On CUDA (float32, the kernel path: verify steps run eagerly beside graph-replayed decode steps; Qwen3.5's
+    verify chunks checkpoint their recurrent state), speculating with often-right proposals gives the tokens of
+    the same engine without speculation."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+    args = EngineArgs(model=tiny_checkpoint(arch), device="cuda", dtype="float32", num_kv_blocks=256)
+    plain, _ = _generate(args, TINY_PROMPTS, params)
+    with LLM(args.replace(speculative_config=NGRAM)) as llm:
+        _with_proposer(llm, OracleProposer({tuple(p): o.token_ids for p, o in zip(TINY_PROMPTS, plain)}))
+        oracle = llm.generate(TINY_PROMPTS, params)
+        stats = llm.stats()
+    assert [o.token_ids for o in oracle] == [o.token_ids for o in plain]
+    assert 0 < stats["spec_accepted_tokens"] < stats["spec_proposed_tokens"]
+
+
 def test_tiny_budget_is_never_exceeded(tiny_checkpoint):
     """However many proposals would be right, a request emits at most max_tokens tokens."""
     args = EngineArgs(model=tiny_checkpoint("llama"))
