@@ -1,0 +1,51 @@
+// The sampler (sampler.h).
+#include "sampler.h"
+
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+#include <stdexcept>
+
+namespace pocket {
+
+void validate_sampling(const SamplingOptions& o) {
+  if (!(o.temperature >= 0.0) || !std::isfinite(o.temperature)) throw std::invalid_argument("temperature must be >= 0");
+  if (!(o.top_p > 0.0 && o.top_p <= 1.0)) throw std::invalid_argument("top_p must be in (0, 1]");
+  if (o.top_k < 0) throw std::invalid_argument("top_k must be >= 0 (0: no limit)");
+  if (o.max_new_tokens < 1) throw std::invalid_argument("max_new_tokens must be >= 1");
+}
+
+int64_t sample_token(const float* logits, int64_t vocab, const SamplingOptions& o, std::mt19937_64& rng) {
+  if (o.temperature <= 0.0 || o.top_k == 1)   // the first maximum, as argmax picks it
+    return std::max_element(logits, logits + vocab) - logits;
+  std::vector<int64_t> order(vocab);
+  std::iota(order.begin(), order.end(), 0);
+  int64_t keep = o.top_k > 0 ? std::min(o.top_k, vocab) : vocab;
+  auto higher = [&](int64_t a, int64_t b) { return logits[a] > logits[b] || (logits[a] == logits[b] && a < b); };
+  if (keep < vocab) std::partial_sort(order.begin(), order.begin() + keep, order.end(), higher);
+  else std::sort(order.begin(), order.end(), higher);
+  order.resize(keep);
+  const double top = logits[order[0]];
+  std::vector<double> probs(keep);
+  double total = 0.0;
+  for (int64_t i = 0; i < keep; ++i) total += probs[i] = std::exp((logits[order[i]] - top) / o.temperature);
+  if (o.top_p < 1.0) {   // the smallest head whose mass reaches top_p
+    double mass = 0.0;
+    int64_t n = 0;
+    while (n < keep) {
+      mass += probs[n++] / total;
+      if (mass >= o.top_p) break;
+    }
+    probs.resize(n);
+    total = std::accumulate(probs.begin(), probs.end(), 0.0);
+  }
+  std::uniform_real_distribution<double> uniform(0.0, total);
+  double u = uniform(rng);
+  for (size_t i = 0; i < probs.size(); ++i) {
+    if (u < probs[i]) return order[i];
+    u -= probs[i];
+  }
+  return order[probs.size() - 1];
+}
+
+}  // namespace pocket
