@@ -16,9 +16,16 @@ import tempfile
 
 
 def build_checkpoint(directory: str, args: argparse.Namespace) -> None:
-    """A random Qwen3 checkpoint with the flags' sizes (tied embeddings, float32)."""
+    """A random Qwen3 checkpoint with the flags' sizes (tied embeddings, float32) and the default model's
+    tokenizer (SmolLM2's, 49152 tokens: the vocabulary's default)."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
+
+    from pocketllm.loaders.default_model import default_model_path
+
+    gguf = default_model_path()
+    PreTrainedTokenizerFast.from_pretrained(os.path.dirname(gguf), gguf_file=os.path.basename(gguf),
+                                            local_files_only=True).save_pretrained(directory)
 
     config = AutoConfig.for_model(
         "qwen3", vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
@@ -56,7 +63,7 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--kv-heads", type=int, default=8)
     parser.add_argument("--head-dim", type=int, default=128)
-    parser.add_argument("--vocab", type=int, default=151936)
+    parser.add_argument("--vocab", type=int, default=49152)
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--child", nargs=2, metavar=("MODEL", "BACKEND"), help=argparse.SUPPRESS)

@@ -8,6 +8,7 @@
 #include <stdexcept>
 
 #include "json.h"
+#include "paged_attention.h"
 #include "safetensors.h"
 
 namespace pocket {
@@ -137,8 +138,9 @@ void QwenModel::allocate_cache(int64_t num_blocks, int64_t block_size) {
   k_cache_.clear();
   v_cache_.clear();
   for (int64_t i = 0; i < config_.num_layers; ++i) {
-    k_cache_.push_back(at::zeros({num_blocks * block_size, config_.num_kv_heads, config_.head_dim}));
-    v_cache_.push_back(at::zeros({num_blocks * block_size, config_.num_kv_heads, config_.head_dim}));
+    // Pages are touched when a block is first written; a slot is read only after its position was written.
+    k_cache_.push_back(at::empty({num_blocks * block_size, config_.num_kv_heads, config_.head_dim}));
+    v_cache_.push_back(at::empty({num_blocks * block_size, config_.num_kv_heads, config_.head_dim}));
   }
 }
 
@@ -146,27 +148,24 @@ at::Tensor QwenModel::forward(const std::vector<int64_t>& tokens, const std::vec
   c10::InferenceMode inference;
   const QwenConfig& c = config_;
   const int64_t T = static_cast<int64_t>(tokens.size());
-  const int64_t H = c.num_heads, KVH = c.num_kv_heads, D = c.head_dim, G = H / KVH, bs = block_size_;
-  // Positions, cache slots of the new tokens, and per chunk the slots of its whole context and its mask.
+  const int64_t H = c.num_heads, KVH = c.num_kv_heads, D = c.head_dim, bs = block_size_;
+  // Positions and cache slots of the new tokens, and per chunk the slots of its whole context.
   std::vector<int64_t> positions, slots, logit_rows;
-  std::vector<at::Tensor> context_slots, masks;
+  std::vector<std::vector<int64_t>> contexts(chunks.size());
+  std::vector<AttentionChunk> views(chunks.size());
   positions.reserve(T);
   slots.reserve(T);
   int64_t row = 0;
-  for (const Chunk& ch : chunks) {
+  for (size_t ci = 0; ci < chunks.size(); ++ci) {
+    const Chunk& ch = chunks[ci];
     const auto& table = *ch.block_table;
     const int64_t end = ch.start + ch.num_tokens;
     if (static_cast<int64_t>(table.size()) * bs < end) throw std::logic_error("block table too short for a chunk");
-    std::vector<int64_t> ctx(static_cast<size_t>(end));
+    std::vector<int64_t>& ctx = contexts[ci];
+    ctx.resize(static_cast<size_t>(end));
     for (int64_t p = 0; p < end; ++p) ctx[p] = table[p / bs] * bs + p % bs;
     for (int64_t p = ch.start; p < end; ++p) { positions.push_back(p); slots.push_back(ctx[p]); }
-    context_slots.push_back(at::tensor(ctx, at::kLong));
-    if (ch.num_tokens > 1) {   // query i (position start + i) sees keys 0 .. start + i
-      at::Tensor q_pos = at::arange(ch.start, end, at::kLong).unsqueeze(1);
-      masks.push_back(at::arange(0, end, at::kLong).unsqueeze(0) <= q_pos);
-    } else {
-      masks.emplace_back();
-    }
+    views[ci] = AttentionChunk{row, ch.start, ch.num_tokens, ctx.data()};
     row += ch.num_tokens;
     if (ch.wants_logits) logit_rows.push_back(row - 1);
   }
@@ -189,22 +188,9 @@ at::Tensor QwenModel::forward(const std::vector<int64_t>& tokens, const std::vec
     k_cache_[li].index_copy_(0, slot, k);
     v_cache_[li].index_copy_(0, slot, v);
     at::Tensor attn = at::empty({T, H, D});
-    int64_t offset = 0;
-    for (size_t ci = 0; ci < chunks.size(); ++ci) {
-      const int64_t n = chunks[ci].num_tokens;
-      at::Tensor kc = k_cache_[li].index_select(0, context_slots[ci]);   // [L, KVH, D]
-      at::Tensor vc = v_cache_[li].index_select(0, context_slots[ci]);
-      // Queries grouped by KV head: [KVH, n * G, D] against [KVH, L, D].
-      at::Tensor qg = q.narrow(0, offset, n).view({n, KVH, G, D}).permute({1, 0, 2, 3}).reshape({KVH, n * G, D});
-      at::Tensor scores = at::bmm(qg, kc.permute({1, 2, 0})) * (1.0 / std::sqrt(static_cast<double>(D)));
-      if (masks[ci].defined()) {
-        at::Tensor mask = masks[ci].unsqueeze(1).expand({n, G, masks[ci].size(1)}).reshape({1, n * G, -1});
-        scores = scores.masked_fill(mask.logical_not(), -std::numeric_limits<float>::infinity());
-      }
-      at::Tensor out = at::bmm(at::softmax(scores, -1), vc.permute({1, 0, 2}));   // [KVH, n * G, D]
-      attn.narrow(0, offset, n).copy_(out.view({KVH, n, G, D}).permute({1, 0, 2, 3}).reshape({n, H, D}));
-      offset += n;
-    }
+    q = q.contiguous();
+    paged_attention(q.data_ptr<float>(), k_cache_[li].data_ptr<float>(), v_cache_[li].data_ptr<float>(),
+                    attn.data_ptr<float>(), views, H, KVH, D, static_cast<float>(1.0 / std::sqrt(double(D))));
     x = x + at::linear(attn.view({T, H * D}), l.o_proj);
     h = rms_norm(x, l.post_norm, c.rms_norm_eps);
     at::Tensor gu = at::linear(h, l.gate_up);
