@@ -186,3 +186,25 @@ def test_the_pipe_serves_the_native_plane(native, qwen3, monkeypatch):
     finally:
         proc.stop()
     assert not proc.impure
+
+
+def test_the_server_serves_the_native_plane(native, qwen3):
+    import httpx
+    from server_utils import ServerProcess
+
+    with LLM(EngineArgs(model=qwen3, backend="torch")) as torch_llm:
+        expected = torch_llm.generate("Once upon a time", _greedy(8, ignore_eos=True))[0].text
+    proc = ServerProcess("--model", qwen3, "--backend", "cpp", "--cpu-kv-cache-gb", "0.05")
+    try:
+        proc.wait_ready()
+        body = {"model": "x", "prompt": "Once upon a time", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+        response = httpx.post(proc.url + "/v1/completions", json=body, timeout=120)
+        assert response.status_code == 200, response.text
+        assert response.json()["choices"][0]["text"] == expected
+        refused = httpx.post(proc.url + "/v1/completions", json={**body, "logprobs": 2}, timeout=120)
+        assert refused.status_code == 400, refused.text
+        chat = httpx.post(proc.url + "/v1/chat/completions", timeout=120, json={
+            "model": "x", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "stream": True})
+        assert chat.status_code == 200 and chat.text.rstrip().endswith("data: [DONE]")
+    finally:
+        proc.stop()

@@ -191,3 +191,22 @@ def test_scheduler_cancel_poll_timeout_and_callback_errors(native, engine, capfd
     assert "a callback that fails" in capfd.readouterr().err
     with pytest.raises(RuntimeError, match="stopped"):
         scheduler.submit_request(PROMPTS[0], _sampling(native, 2))
+
+
+def test_preemption_when_blocks_run_out_keeps_results_exact(native, qwen3, hf_reference):
+    options = native.QwenEngineOptions()
+    options.block_size = 4
+    options.num_kv_blocks = 12   # 48 positions: three 20-token sequences cannot all hold their blocks
+    small = native.QwenEngine(qwen3, options)
+    assert small.max_model_len == 48
+    prompts = [p[:8] for p in (PROMPTS[0], PROMPTS[2], list(range(400, 420)))]
+    core = native.QwenBatchCore(small, 3)
+    core.set_prefill_token_budget(3)
+    for i, prompt in enumerate(prompts):
+        core.add(f"p{i}", prompt, _sampling(native, 12, ignore_eos=True))
+    events = _run(core)
+    assert core.stats()["num_preemptions"] > 0
+    expected = hf_reference.greedy(qwen3, prompts, 12)
+    assert [[t for t, _, _ in events[f"p{i}"]] for i in range(3)] == expected
+    with pytest.raises(ValueError, match="context"):
+        core.add("long", list(range(1, 49)), _sampling(native, 2))
