@@ -67,7 +67,7 @@ chromium:
 # Skips are listed (-rs) and limited to tests/allowed_skips.txt: any other skip fails the run.
 test: install native $(VENV)/.llama-cpp chromium
 	$(BIN)/ruff check pocketllm tests
-	PYTHONPATH=$(abspath $(NATIVE_BUILD))/python $(BIN)/python -m pytest -q $(PYTEST_ARGS)
+	PYTHONPATH=$(abspath $(NATIVE_BUILD))/python POCKETLLM_REQUIRE_NATIVE=1 $(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 # The files whose tests wait on a running engine (servers, the harness, the library's streams and cancels), run
 # with the engine slowed by a test-only delay before every step (POCKETLLM_TEST_STEP_DELAY_MS, read by
