@@ -14,6 +14,7 @@ BatchCore::BatchCore(QwenEngine& engine, int64_t max_slots)
 void BatchCore::add(const std::string& id, const std::vector<int64_t>& prompt, const SamplingOptions& sampling) {
   validate_sampling(sampling);
   engine_.validate_prompt(prompt, sampling.max_new_tokens);
+  auto guard = engine_.lock();   // stats() may read the queues from another thread
   if (seqs_.count(id)) throw std::invalid_argument("request id '" + id + "' is already active");
   auto seq = std::make_unique<Sequence>();
   seq->id = id;
