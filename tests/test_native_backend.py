@@ -79,10 +79,11 @@ def test_batched_greedy_tokens_equal_the_torch_backend(cpp_llm, qwen3):
 def test_capabilities_follow_the_native_engine(cpp_llm):
     caps = cpp_llm.engine_caps()
     assert caps.continuous_batching and caps.paged_kv and caps.prefix_caching and caps.per_request_sampling
-    assert not (caps.logprobs or caps.penalties or caps.logit_bias or caps.structured_outputs or caps.speculative)
+    assert caps.logprobs and caps.max_logprobs == 20
+    assert not (caps.penalties or caps.logit_bias or caps.structured_outputs or caps.speculative)
     assert caps.details["backend"] == "cpp" and caps.details["device"] == "cpu"
     assert cpp_llm.engine_client.backend.name == "cpp"
-    for fields in ({"logprobs": 2}, {"presence_penalty": 0.5}, {"logit_bias": {5: 1.0}}, {"min_p": 0.1}):
+    for fields in ({"presence_penalty": 0.5}, {"logit_bias": {5: 1.0}}, {"min_p": 0.1}):
         with pytest.raises(UnsupportedFeatureError):
             cpp_llm.generate(PROMPTS[0], SamplingParams(max_tokens=2, **fields))
     with pytest.raises(UnsupportedFeatureError, match="prefix"):
@@ -201,10 +202,25 @@ def test_the_server_serves_the_native_plane(native, qwen3):
         response = httpx.post(proc.url + "/v1/completions", json=body, timeout=120)
         assert response.status_code == 200, response.text
         assert response.json()["choices"][0]["text"] == expected
-        refused = httpx.post(proc.url + "/v1/completions", json={**body, "logprobs": 2}, timeout=120)
+        refused = httpx.post(proc.url + "/v1/completions", json={**body, "presence_penalty": 0.5}, timeout=120)
         assert refused.status_code == 400, refused.text
         chat = httpx.post(proc.url + "/v1/chat/completions", timeout=120, json={
             "model": "x", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "stream": True})
         assert chat.status_code == 200 and chat.text.rstrip().endswith("data: [DONE]")
     finally:
         proc.stop()
+
+
+def test_logprobs_equal_the_torch_backend(cpp_llm, qwen3):
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=5)
+    with LLM(EngineArgs(model=qwen3, backend="torch")) as torch_llm:
+        expected = torch_llm.generate(PROMPTS[:2], params)
+    outputs = cpp_llm.generate(PROMPTS[:2], params)
+    for out, ref in zip(outputs, expected):
+        assert out.token_ids == ref.token_ids and len(out.logprobs) == 6
+        for mine, theirs in zip(out.logprobs, ref.logprobs):
+            assert mine.token_id == theirs.token_id and mine.token == theirs.token
+            assert mine.logprob == pytest.approx(theirs.logprob, abs=1e-4)
+            assert [alt.token_id for alt in mine.top] == [alt.token_id for alt in theirs.top]
+            assert [alt.logprob for alt in mine.top] == pytest.approx([alt.logprob for alt in theirs.top], abs=1e-4)
+    assert cpp_llm.generate(PROMPTS[0], SamplingParams(max_tokens=2, ignore_eos=True))[0].logprobs is None

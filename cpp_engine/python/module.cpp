@@ -78,7 +78,8 @@ PYBIND11_MODULE(_native, m) {
       .def_readwrite("top_p", &SamplingOptions::top_p)
       .def_readwrite("seed", &SamplingOptions::seed)
       .def_readwrite("ignore_eos", &SamplingOptions::ignore_eos)
-      .def_readwrite("stop_token_ids", &SamplingOptions::stop_token_ids);
+      .def_readwrite("stop_token_ids", &SamplingOptions::stop_token_ids)
+      .def_readwrite("logprobs", &SamplingOptions::logprobs);
 
   py::class_<QwenEngineOptions>(m, "QwenEngineOptions")
       .def(py::init<>())
@@ -120,7 +121,13 @@ PYBIND11_MODULE(_native, m) {
       .def_readonly("finish_reason", &BatchEvent::finish_reason)
       .def_readonly("prompt_tokens", &BatchEvent::prompt_tokens)
       .def_readonly("completion_tokens", &BatchEvent::completion_tokens)
-      .def_readonly("cached_tokens", &BatchEvent::cached_tokens);
+      .def_readonly("cached_tokens", &BatchEvent::cached_tokens)
+      .def_property_readonly("logprob",
+                             [](const BatchEvent& e) -> py::object {
+                               return e.has_logprobs ? py::object(py::float_(e.logprobs.logprob)) : py::none();
+                             })
+      .def_property_readonly("top_ids", [](const BatchEvent& e) { return e.logprobs.top_ids; })
+      .def_property_readonly("top_logprobs", [](const BatchEvent& e) { return e.logprobs.top_logprobs; });
 
   py::class_<BatchResult>(m, "QwenBatchResult")
       .def_readonly("request_id", &BatchResult::request_id)

@@ -31,15 +31,20 @@ void BatchCore::set_prefill_token_budget(int64_t tokens) {
   prefill_budget_ = tokens;
 }
 
-BatchEvent BatchCore::end(Sequence& seq, const std::string& reason, int64_t token, bool eos) {
+BatchEvent BatchCore::event(const Sequence& seq, int64_t token) const {
   BatchEvent e;
   e.request_id = seq.id;
   e.token = token;
-  e.eos = eos;
-  e.finish_reason = reason;
   e.prompt_tokens = seq.num_prompt;
   e.completion_tokens = seq.num_generated;
   e.cached_tokens = seq.num_cached;
+  return e;
+}
+
+BatchEvent BatchCore::end(Sequence& seq, const std::string& reason, int64_t token, bool eos) {
+  BatchEvent e = event(seq, token);
+  e.eos = eos;
+  e.finish_reason = reason;
   engine_.finish(seq);
   running_.erase(std::remove(running_.begin(), running_.end(), &seq), running_.end());
   waiting_.erase(std::remove(waiting_.begin(), waiting_.end(), &seq), waiting_.end());
@@ -111,27 +116,31 @@ std::vector<BatchEvent> BatchCore::step() {
   int64_t row = 0;
   for (Sequence* s : batch) {
     if (s->num_computed != static_cast<int64_t>(s->tokens.size())) continue;   // a prefill chunk short of the end
-    const int64_t token = sample_token(rows + row * vocab, vocab, s->sampling, s->rng);
+    const float* logits = rows + row * vocab;
+    const int64_t token = sample_token(logits, vocab, s->sampling, s->rng);
     ++row;
+    BatchEvent e;
     s->tokens.push_back(token);
     ++s->num_generated;
     const auto& stops = s->sampling.stop_token_ids;
     const bool stop = std::find(stops.begin(), stops.end(), token) != stops.end() ||
                       (!s->sampling.ignore_eos && std::find(eos.begin(), eos.end(), token) != eos.end());
+    const int64_t asked = s->sampling.logprobs;
+    TokenLogprobs lp;
+    if (asked >= 0) lp = token_logprobs(logits, vocab, token, asked);
     if (stop) {
-      events.push_back(end(*s, "stop", token, true));
+      e = end(*s, "stop", token, true);
     } else if (s->num_generated >= s->sampling.max_new_tokens ||
                static_cast<int64_t>(s->tokens.size()) >= engine_.max_model_len()) {
-      events.push_back(end(*s, "length", token, false));
+      e = end(*s, "length", token, false);
     } else {
-      BatchEvent e;
-      e.request_id = s->id;
-      e.token = token;
-      e.prompt_tokens = s->num_prompt;
-      e.completion_tokens = s->num_generated;
-      e.cached_tokens = s->num_cached;
-      events.push_back(e);
+      e = event(*s, token);
     }
+    if (asked >= 0) {
+      e.has_logprobs = true;
+      e.logprobs = std::move(lp);
+    }
+    events.push_back(std::move(e));
   }
   return events;
 }

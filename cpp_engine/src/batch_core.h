@@ -24,6 +24,8 @@ struct BatchEvent {
   int64_t prompt_tokens = 0;
   int64_t completion_tokens = 0;  // sampled tokens, an EOS included
   int64_t cached_tokens = 0;
+  bool has_logprobs = false;      // the request asked for log-probabilities (SamplingOptions::logprobs >= 0)
+  TokenLogprobs logprobs;
 };
 
 struct BatchStats {
@@ -49,6 +51,7 @@ class BatchCore {
 
  private:
   BatchEvent end(Sequence& seq, const std::string& reason, int64_t token, bool eos);
+  BatchEvent event(const Sequence& seq, int64_t token) const;
   void preempt(Sequence& seq);
 
   QwenEngine& engine_;

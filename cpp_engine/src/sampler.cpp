@@ -13,6 +13,29 @@ void validate_sampling(const SamplingOptions& o) {
   if (!(o.top_p > 0.0 && o.top_p <= 1.0)) throw std::invalid_argument("top_p must be in (0, 1]");
   if (o.top_k < 0) throw std::invalid_argument("top_k must be >= 0 (0: no limit)");
   if (o.max_new_tokens < 1) throw std::invalid_argument("max_new_tokens must be >= 1");
+  if (o.logprobs > 20) throw std::invalid_argument("logprobs must be at most 20");
+}
+
+TokenLogprobs token_logprobs(const float* logits, int64_t vocab, int64_t token, int64_t top) {
+  const double best = *std::max_element(logits, logits + vocab);
+  double total = 0.0;
+  for (int64_t i = 0; i < vocab; ++i) total += std::exp(static_cast<double>(logits[i]) - best);
+  const double lse = best + std::log(total);
+  TokenLogprobs out;
+  out.logprob = logits[token] - lse;
+  top = std::min(top, vocab);
+  if (top > 0) {
+    std::vector<int64_t> order(vocab);
+    std::iota(order.begin(), order.end(), 0);
+    std::partial_sort(order.begin(), order.begin() + top, order.end(), [&](int64_t a, int64_t b) {
+      return logits[a] > logits[b] || (logits[a] == logits[b] && a < b);
+    });
+    for (int64_t i = 0; i < top; ++i) {
+      out.top_ids.push_back(order[i]);
+      out.top_logprobs.push_back(logits[order[i]] - lse);
+    }
+  }
+  return out;
 }
 
 int64_t sample_token(const float* logits, int64_t vocab, const SamplingOptions& o, std::mt19937_64& rng) {

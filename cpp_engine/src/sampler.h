@@ -15,7 +15,17 @@ struct SamplingOptions {
   int64_t max_new_tokens = 16;
   bool ignore_eos = false;
   std::vector<int64_t> stop_token_ids;
+  int64_t logprobs = -1;      // >= 0: the chosen token's log-probability and this many top alternatives
 };
+
+// Log-probabilities under the raw distribution of one row of logits: the chosen token's, and the `top` most
+// likely tokens' (most likely first; ties by lower id).
+struct TokenLogprobs {
+  double logprob = 0.0;
+  std::vector<int64_t> top_ids;
+  std::vector<double> top_logprobs;
+};
+TokenLogprobs token_logprobs(const float* logits, int64_t vocab, int64_t token, int64_t top);
 
 // Throws std::invalid_argument for options out of range.
 void validate_sampling(const SamplingOptions& options);

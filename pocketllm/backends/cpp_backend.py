@@ -15,6 +15,7 @@ from pocketllm.engine.loop import EngineLoop
 from pocketllm.engine.model_info import ModelInfo
 from pocketllm.errors import InvalidRequestError, UnsupportedFeatureError
 from pocketllm.loaders.checkpoint import load_checkpoint
+from pocketllm.sampling_params import MAX_LOGPROBS
 from pocketllm.tokenizer.eos import resolve_eos
 
 KNOWN_OPTIONS = frozenset({"eos_token_id"})
@@ -101,8 +102,7 @@ class CppBackend:
             max_slots=args.max_num_seqs,
             chunked_prefill=args.enable_chunked_prefill,
             prefix_caching=args.enable_prefix_caching,
-            logprobs=False,
-            max_logprobs=0,
+            max_logprobs=MAX_LOGPROBS,
             penalties=False,
             logit_bias=False,
             structured_outputs=False,

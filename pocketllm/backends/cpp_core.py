@@ -19,8 +19,6 @@ _REASONS = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "cancelled
 def refuse_unsupported(params: SamplingParams) -> None:
     """UnsupportedFeatureError for a sampling feature the native engine does not implement."""
     unsupported = []
-    if params.logprobs is not None:
-        unsupported.append("logprobs")
     if params.min_p:
         unsupported.append("min_p")
     if params.frequency_penalty or params.presence_penalty or params.repetition_penalty != 1.0:
@@ -71,6 +69,7 @@ class NativeCore:
         sampling.max_new_tokens = max(1, min(params.max_tokens, budget) if params.max_tokens is not None else budget)
         sampling.ignore_eos = bool(params.ignore_eos)
         sampling.stop_token_ids = [int(t) for t in params.stop_token_ids]
+        sampling.logprobs = int(params.logprobs) if params.logprobs is not None else -1
         return sampling
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Request:
@@ -126,7 +125,8 @@ class NativeCore:
             request.num_cached_tokens = int(event.cached_tokens)
             token = None
             if event.token >= 0:
-                token = SampledToken(int(event.token))
+                token = SampledToken(int(event.token), event.logprob, list(event.top_ids),
+                                     list(event.top_logprobs))
                 request.output_token_ids.append(token.token_id)
                 if request.first_token_time is None:
                     request.first_token_time = now
