@@ -11,6 +11,7 @@ import pytest
 from pocketllm import LLM, AsyncLLM, EngineArgs, SamplingParams
 from pocketllm.backends import native as native_module
 from pocketllm.errors import InvalidRequestError, UnsupportedFeatureError
+from pocketllm.sampling_params import StructuredOutput
 
 PROMPTS = ["Once upon a time", "The capital of France is", "def fibonacci(n):", "1, 2, 3, 4,"]
 
@@ -79,13 +80,13 @@ def test_batched_greedy_tokens_equal_the_torch_backend(cpp_llm, qwen3):
 def test_capabilities_follow_the_native_engine(cpp_llm):
     caps = cpp_llm.engine_caps()
     assert caps.continuous_batching and caps.paged_kv and caps.prefix_caching and caps.per_request_sampling
-    assert caps.logprobs and caps.max_logprobs == 20
-    assert not (caps.penalties or caps.logit_bias or caps.structured_outputs or caps.speculative)
+    assert caps.logprobs and caps.max_logprobs == 20 and caps.penalties and caps.logit_bias
+    assert not (caps.structured_outputs or caps.speculative)
     assert caps.details["backend"] == "cpp" and caps.details["device"] == "cpu"
     assert cpp_llm.engine_client.backend.name == "cpp"
-    for fields in ({"presence_penalty": 0.5}, {"logit_bias": {5: 1.0}}, {"min_p": 0.1}):
-        with pytest.raises(UnsupportedFeatureError):
-            cpp_llm.generate(PROMPTS[0], SamplingParams(max_tokens=2, **fields))
+    with pytest.raises(UnsupportedFeatureError, match="structured"):
+        cpp_llm.generate(PROMPTS[0], SamplingParams(max_tokens=2, structured_output=StructuredOutput(
+            json_object=True)))
     with pytest.raises(UnsupportedFeatureError, match="prefix"):
         cpp_llm.export_prefix([1, 2, 3])
     assert cpp_llm.generate(PROMPTS[0], _greedy(2, ignore_eos=True))[0].usage.completion_tokens == 2
@@ -202,7 +203,8 @@ def test_the_server_serves_the_native_plane(native, qwen3):
         response = httpx.post(proc.url + "/v1/completions", json=body, timeout=120)
         assert response.status_code == 200, response.text
         assert response.json()["choices"][0]["text"] == expected
-        refused = httpx.post(proc.url + "/v1/completions", json={**body, "presence_penalty": 0.5}, timeout=120)
+        refused = httpx.post(proc.url + "/v1/completions", timeout=120,
+                             json={**body, "response_format": {"type": "json_object"}})
         assert refused.status_code == 400, refused.text
         chat = httpx.post(proc.url + "/v1/chat/completions", timeout=120, json={
             "model": "x", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "stream": True})
@@ -224,3 +226,28 @@ def test_logprobs_equal_the_torch_backend(cpp_llm, qwen3):
             assert [alt.token_id for alt in mine.top] == [alt.token_id for alt in theirs.top]
             assert [alt.logprob for alt in mine.top] == pytest.approx([alt.logprob for alt in theirs.top], abs=1e-4)
     assert cpp_llm.generate(PROMPTS[0], SamplingParams(max_tokens=2, ignore_eos=True))[0].logprobs is None
+
+
+def test_penalties_and_logit_bias_equal_the_torch_backend(cpp_llm, qwen3):
+    prompt = PROMPTS[1]   # its greedy continuation repeats a token, which the penalties change
+    base = cpp_llm.generate(prompt, _greedy(8, ignore_eos=True))[0].token_ids
+    cases = [
+        {"repetition_penalty": 1.8}, {"frequency_penalty": 1.5, "presence_penalty": 0.7},
+        {"logit_bias": {base[1]: -100.0, 4242: 30.0}},
+    ]
+    with LLM(EngineArgs(model=qwen3, backend="torch")) as torch_llm:
+        expected = [torch_llm.generate(prompt, _greedy(8, ignore_eos=True, **case))[0].token_ids
+                    for case in cases]
+    got = [cpp_llm.generate(prompt, _greedy(8, ignore_eos=True, **case))[0].token_ids for case in cases]
+    assert got == expected
+    assert got[2][1] == 4242 and base[1] not in got[2]
+    assert got[0] != base and got[1] != base
+
+
+def test_min_p_of_one_keeps_only_the_most_likely_token(cpp_llm):
+    greedy = cpp_llm.generate(PROMPTS[0], _greedy(10, ignore_eos=True))[0].token_ids
+    sampled = cpp_llm.generate(PROMPTS[0], SamplingParams(max_tokens=10, temperature=5.0, min_p=1.0, seed=3,
+                                                          ignore_eos=True))[0].token_ids
+    wide = cpp_llm.generate(PROMPTS[0], SamplingParams(max_tokens=10, temperature=5.0, seed=3,
+                                                       ignore_eos=True))[0].token_ids
+    assert sampled == greedy != wide

@@ -79,7 +79,12 @@ PYBIND11_MODULE(_native, m) {
       .def_readwrite("seed", &SamplingOptions::seed)
       .def_readwrite("ignore_eos", &SamplingOptions::ignore_eos)
       .def_readwrite("stop_token_ids", &SamplingOptions::stop_token_ids)
-      .def_readwrite("logprobs", &SamplingOptions::logprobs);
+      .def_readwrite("logprobs", &SamplingOptions::logprobs)
+      .def_readwrite("min_p", &SamplingOptions::min_p)
+      .def_readwrite("repetition_penalty", &SamplingOptions::repetition_penalty)
+      .def_readwrite("frequency_penalty", &SamplingOptions::frequency_penalty)
+      .def_readwrite("presence_penalty", &SamplingOptions::presence_penalty)
+      .def_readwrite("logit_bias", &SamplingOptions::logit_bias);
 
   py::class_<QwenEngineOptions>(m, "QwenEngineOptions")
       .def(py::init<>())

@@ -117,7 +117,10 @@ std::vector<BatchEvent> BatchCore::step() {
   for (Sequence* s : batch) {
     if (s->num_computed != static_cast<int64_t>(s->tokens.size())) continue;   // a prefill chunk short of the end
     const float* logits = rows + row * vocab;
-    const int64_t token = sample_token(logits, vocab, s->sampling, s->rng);
+    std::vector<float> processed;
+    if (needs_processing(s->sampling))
+      processed = process_logits(logits, vocab, s->sampling, s->tokens, s->num_prompt);
+    const int64_t token = sample_token(processed.empty() ? logits : processed.data(), vocab, s->sampling, s->rng);
     ++row;
     BatchEvent e;
     s->tokens.push_back(token);

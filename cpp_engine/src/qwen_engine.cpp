@@ -116,7 +116,11 @@ void QwenEngine::finish(Sequence& seq) {
 
 int64_t QwenEngine::sample_session(const at::Tensor& logits) {
   Sequence& s = *session_;
-  const int64_t token = sample_token(logits.data_ptr<float>(), logits.size(1), s.sampling, s.rng);
+  const float* row = logits.data_ptr<float>();
+  const int64_t vocab = logits.size(1);
+  std::vector<float> processed;
+  if (needs_processing(s.sampling)) processed = process_logits(row, vocab, s.sampling, s.tokens, s.num_prompt);
+  const int64_t token = sample_token(processed.empty() ? row : processed.data(), vocab, s.sampling, s.rng);
   s.tokens.push_back(token);
   ++s.num_generated;
   return token;

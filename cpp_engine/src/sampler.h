@@ -16,7 +16,19 @@ struct SamplingOptions {
   bool ignore_eos = false;
   std::vector<int64_t> stop_token_ids;
   int64_t logprobs = -1;      // >= 0: the chosen token's log-probability and this many top alternatives
+  double min_p = 0.0;         // sampling: drop tokens less likely than min_p times the most likely one
+  double repetition_penalty = 1.0;   // over prompt and output tokens: positive logits divided, others multiplied
+  double frequency_penalty = 0.0;    // minus count x this, over output tokens
+  double presence_penalty = 0.0;     // minus this for every token present in the output
+  std::vector<std::pair<int64_t, double>> logit_bias;   // added to the logits (ids outside the vocabulary ignored)
 };
+
+// Whether the logits need `process_logits` before the choice.
+bool needs_processing(const SamplingOptions& options);
+// Apply, in order, logit_bias, the repetition penalty over prompt + output tokens, then the frequency and
+// presence penalties over the output tokens (tokens[num_prompt:]), to a copy of one row of logits.
+std::vector<float> process_logits(const float* logits, int64_t vocab, const SamplingOptions& options,
+                                  const std::vector<int64_t>& tokens, int64_t num_prompt);
 
 // Log-probabilities under the raw distribution of one row of logits: the chosen token's, and the `top` most
 // likely tokens' (most likely first; ties by lower id).

@@ -103,8 +103,6 @@ class CppBackend:
             chunked_prefill=args.enable_chunked_prefill,
             prefix_caching=args.enable_prefix_caching,
             max_logprobs=MAX_LOGPROBS,
-            penalties=False,
-            logit_bias=False,
             structured_outputs=False,
             details={
                 "backend": "cpp",

@@ -18,18 +18,9 @@ _REASONS = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "cancelled
 
 def refuse_unsupported(params: SamplingParams) -> None:
     """UnsupportedFeatureError for a sampling feature the native engine does not implement."""
-    unsupported = []
-    if params.min_p:
-        unsupported.append("min_p")
-    if params.frequency_penalty or params.presence_penalty or params.repetition_penalty != 1.0:
-        unsupported.append("penalties")
-    if params.logit_bias:
-        unsupported.append("logit_bias")
     if params.structured_output is not None:
-        unsupported.append("structured outputs")
-    if unsupported:
-        raise UnsupportedFeatureError(f"backend='cpp' does not implement {', '.join(unsupported)}; drop them or "
-                                      "use backend='torch'")
+        raise UnsupportedFeatureError("backend='cpp' does not implement structured outputs; drop the response "
+                                      "format or use backend='torch'")
 
 
 class _PrefillBudget:
@@ -70,6 +61,11 @@ class NativeCore:
         sampling.ignore_eos = bool(params.ignore_eos)
         sampling.stop_token_ids = [int(t) for t in params.stop_token_ids]
         sampling.logprobs = int(params.logprobs) if params.logprobs is not None else -1
+        sampling.min_p = float(params.min_p)
+        sampling.repetition_penalty = float(params.repetition_penalty)
+        sampling.frequency_penalty = float(params.frequency_penalty)
+        sampling.presence_penalty = float(params.presence_penalty)
+        sampling.logit_bias = [(int(t), float(b)) for t, b in params.logit_bias.items()]
         return sampling
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Request:
