@@ -66,13 +66,17 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=49152)
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--checkpoint", help="build the checkpoint in this directory and keep it (reused when "
+                        "it holds one already) instead of a temporary directory")
     parser.add_argument("--child", nargs=2, metavar=("MODEL", "BACKEND"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         print(json.dumps(measure(args.child[0], args.child[1], args.prompt_len, args.tokens)))
         return
-    with tempfile.TemporaryDirectory() as directory:
-        build_checkpoint(directory, args)
+    with tempfile.TemporaryDirectory() as scratch:
+        directory = args.checkpoint or scratch
+        if not os.path.isfile(os.path.join(directory, "config.json")):
+            build_checkpoint(directory, args)
         for backend in ("cpp", "torch"):
             subprocess.run([sys.executable, os.path.abspath(__file__), "--child", directory, backend,
                             "--prompt-len", str(args.prompt_len), "--tokens", str(args.tokens)], check=True)
