@@ -77,9 +77,10 @@ STEP_DELAY_MS ?= 20
 SLOW_TESTS ?= tests/test_server.py tests/test_harness_host.py tests/test_harness_pipe.py tests/test_api.py \
 	tests/test_openai_fields.py tests/test_tool_calls_server.py tests/test_cli_exits.py \
 	tests/test_structured_outputs.py tests/test_tp_server.py tests/test_web_client.py tests/test_bench.py \
-	tests/test_streamed_tool_calls.py tests/test_responses_server.py
-test-slow: install chromium
-	POCKETLLM_TEST_STEP_DELAY_MS=$(STEP_DELAY_MS) $(BIN)/python -m pytest -q $(PYTEST_ARGS) $(SLOW_TESTS)
+	tests/test_streamed_tool_calls.py tests/test_responses_server.py tests/test_native_backend.py
+test-slow: install native chromium
+	PYTHONPATH=$(abspath $(NATIVE_BUILD))/python POCKETLLM_REQUIRE_NATIVE=1 POCKETLLM_TEST_STEP_DELAY_MS=$(STEP_DELAY_MS) \
+		$(BIN)/python -m pytest -q $(PYTEST_ARGS) $(SLOW_TESTS)
 
 # The reliability tests at full length: the HTTP fuzzer with 20,000 body cases and 2,000 raw requests, the JSONL
 # fuzzers (pipe and WebSocket) with 20,000 lines each, and the server's and harness's edge, disconnect, cancel and
