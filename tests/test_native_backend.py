@@ -44,7 +44,7 @@ def test_unsupported_options_are_refused_before_loading(qwen3, fields, monkeypat
 
 def test_unsupported_checkpoints_are_refused(tiny_checkpoint, smollm2_gguf, monkeypatch):
     monkeypatch.setattr(native_module, "import_native", lambda: pytest.fail("the native module was imported"))
-    for model in (tiny_checkpoint("llama"), tiny_checkpoint("qwen3_moe"), smollm2_gguf, None):
+    for model in (tiny_checkpoint("llama"), tiny_checkpoint("qwen3_5_text"), smollm2_gguf, None):
         with pytest.raises(UnsupportedFeatureError, match="native plane"):
             LLM(EngineArgs(model=model, backend="cpp"))
     with pytest.raises(InvalidRequestError, match="backend_options"):
@@ -68,10 +68,13 @@ def test_auto_picks_native_only_for_qwen3_5_it_runs(qwen3, tiny_checkpoint, monk
     assert not native_module.auto_picks_native(tiny_checkpoint("qwen3_5_text"), "auto")
 
 
-def test_batched_greedy_tokens_equal_the_torch_backend(cpp_llm, qwen3):
-    with LLM(EngineArgs(model=qwen3, backend="torch")) as torch_llm:
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_moe"])
+def test_batched_greedy_tokens_equal_the_torch_backend(native, tiny_checkpoint, arch):
+    model = tiny_checkpoint(arch)
+    with LLM(EngineArgs(model=model, backend="torch")) as torch_llm:
         expected = torch_llm.generate(PROMPTS, _greedy(16, ignore_eos=True))
-    outputs = cpp_llm.generate(PROMPTS, _greedy(16, ignore_eos=True))
+    with LLM(EngineArgs(model=model, backend="cpp", cpu_kv_cache_gb=0.05)) as cpp_llm:
+        outputs = cpp_llm.generate(PROMPTS, _greedy(16, ignore_eos=True))
     assert [o.token_ids for o in outputs] == [o.token_ids for o in expected]
     assert [o.text for o in outputs] == [o.text for o in expected]
     assert all(o.finish_reason == "length" and o.usage.completion_tokens == 16 for o in outputs)

@@ -51,6 +51,20 @@ def test_generate_matches_transformers_greedy(native, engine, qwen3, hf_referenc
     assert len(set(map(tuple, expected))) == len(PROMPTS)   # the prompts lead to different continuations
 
 
+def test_qwen3_moe_matches_transformers_greedy(native, tiny_checkpoint, hf_reference):
+    moe = tiny_checkpoint("qwen3_moe")
+    options = native.QwenEngineOptions()
+    options.kv_cache_mb = 16.0
+    engine = native.QwenEngine(moe, options)
+    assert engine.architecture == "Qwen3MoeForCausalLM"
+    expected = hf_reference.greedy(moe, PROMPTS, 10)
+    core = native.QwenBatchCore(engine, 4)
+    for i, prompt in enumerate(PROMPTS):
+        core.add(f"m{i}", prompt, _sampling(native, 10, ignore_eos=True))
+    events = _run(core)
+    assert [[t for t, _, _ in events[f"m{i}"]] for i in range(len(PROMPTS))] == expected
+
+
 def test_prefill_and_decode_step_continue_one_session(engine):
     full = engine.generate(PROMPTS[0], 6)
     tokens = [engine.prefill(PROMPTS[0])] + [engine.decode_step() for _ in range(5)]

@@ -57,9 +57,23 @@ QwenConfig read_qwen_config(const std::string& directory) {
   c.model_type = cfg.has("model_type") ? cfg.at("model_type").as_string() : "";
   const Json* archs = cfg.find("architectures");
   c.architecture = archs && archs->is_array() && !archs->array.empty() ? archs->array[0].as_string() : "";
-  if (c.model_type != "qwen3")
-    throw std::invalid_argument("the native engine runs dense Qwen3 checkpoints (model_type 'qwen3'); this one is '" +
-                                c.model_type + "'");
+  if (c.model_type != "qwen3" && c.model_type != "qwen3_moe")
+    throw std::invalid_argument("the native engine runs Qwen3 and Qwen3-MoE checkpoints (model_type 'qwen3', "
+                                "'qwen3_moe'); this one is '" + c.model_type + "'");
+  if (c.model_type == "qwen3_moe") {
+    const Json* experts = cfg.find("num_experts");
+    if (!experts || !experts->is_number()) experts = cfg.find("num_local_experts");
+    if (!experts || !experts->is_number()) throw std::invalid_argument("config.json names no number of experts");
+    c.num_experts = experts->as_int();
+    c.experts_per_token = int_of(cfg, "num_experts_per_tok");
+    c.moe_intermediate_size = int_of(cfg, "moe_intermediate_size");
+    if (const Json* v = cfg.find("decoder_sparse_step"); v && v->is_number()) c.decoder_sparse_step = v->as_int();
+    if (const Json* v = cfg.find("norm_topk_prob"); v && v->type == Json::Type::Bool) c.norm_topk_prob = v->boolean;
+    if (const Json* v = cfg.find("mlp_only_layers"); v && v->is_array())
+      for (const Json& e : v->array) c.mlp_only_layers.push_back(e.as_int());
+    if (c.experts_per_token < 1 || c.experts_per_token > c.num_experts || c.decoder_sparse_step < 1)
+      throw std::invalid_argument("config.json: bad expert counts or decoder_sparse_step");
+  }
   c.vocab_size = int_of(cfg, "vocab_size");
   c.hidden_size = int_of(cfg, "hidden_size");
   c.intermediate_size = int_of(cfg, "intermediate_size");
@@ -93,11 +107,20 @@ QwenConfig read_qwen_config(const std::string& directory) {
   return c;
 }
 
+bool QwenConfig::is_moe_layer(int64_t layer) const {
+  if (num_experts == 0) return false;
+  for (int64_t dense : mlp_only_layers)
+    if (dense == layer) return false;
+  return (layer + 1) % decoder_sparse_step == 0;
+}
+
 QwenModel::QwenModel(const std::string& directory, const QwenConfig& config) : config_(config) {
   TensorMap w = load_safetensors_dir(directory);
   for (const auto& [name, t] : w) {
     num_parameters_ += t.numel();
-    if (name != "model.embed_tokens.weight" || config_.tie_word_embeddings) decode_weight_bytes_ += t.numel() * 4;
+    if (name == "model.embed_tokens.weight" && !config_.tie_word_embeddings) continue;   // one row per token
+    const bool routed = name.find(".mlp.experts.") != std::string::npos;   // top-k of the experts per token
+    decode_weight_bytes_ += routed ? t.numel() * 4 * config_.experts_per_token / config_.num_experts : t.numel() * 4;
   }
   embed_ = take(w, "model.embed_tokens.weight");
   if (embed_.size(0) != config_.vocab_size || embed_.size(1) != config_.hidden_size)
@@ -123,14 +146,52 @@ QwenModel::QwenModel(const std::string& directory, const QwenConfig& config) : c
     l.o_proj = take(w, p + "self_attn.o_proj.weight");
     l.q_norm = take(w, p + "self_attn.q_norm.weight");
     l.k_norm = take(w, p + "self_attn.k_norm.weight");
-    l.gate_up = at::cat({take(w, p + "mlp.gate_proj.weight"), take(w, p + "mlp.up_proj.weight")}, 0).contiguous();
-    l.down = take(w, p + "mlp.down_proj.weight");
+    if (config_.is_moe_layer(i)) {
+      l.router = take(w, p + "mlp.gate.weight");
+      for (int64_t e = 0; e < config_.num_experts; ++e) {
+        const std::string x = p + "mlp.experts." + std::to_string(e) + ".";
+        l.expert_gate_up.push_back(
+            at::cat({take(w, x + "gate_proj.weight"), take(w, x + "up_proj.weight")}, 0).contiguous());
+        l.expert_down.push_back(take(w, x + "down_proj.weight"));
+      }
+    } else {
+      l.gate_up = at::cat({take(w, p + "mlp.gate_proj.weight"), take(w, p + "mlp.up_proj.weight")}, 0).contiguous();
+      l.down = take(w, p + "mlp.down_proj.weight");
+    }
     layers_.push_back(std::move(l));
   }
   if (!w.empty())
     throw std::invalid_argument("checkpoint tensor " + w.begin()->first + " is not used by the native Qwen3 engine");
   inv_freq_ = 1.0 / at::pow(config_.rope_theta,
                             at::arange(0, config_.head_dim, 2, at::kLong).to(at::kFloat) / config_.head_dim);
+}
+
+// Each token's top-k experts by router softmax (renormalised when norm_topk_prob), their SwiGLU outputs summed
+// with those weights; every expert runs once over the rows routed to it.
+at::Tensor QwenModel::moe(const Layer& l, const at::Tensor& h) const {
+  const QwenConfig& c = config_;
+  at::Tensor probs = at::softmax(at::linear(h, l.router), -1);
+  auto [weights, experts] = at::topk(probs, c.experts_per_token, -1);
+  if (c.norm_topk_prob) weights = weights / weights.sum(-1, true);
+  at::Tensor out = at::zeros_like(h);
+  const int64_t T = h.size(0), K = c.experts_per_token, I = c.moe_intermediate_size;
+  const int64_t* ids = experts.data_ptr<int64_t>();
+  std::vector<std::vector<int64_t>> rows(c.num_experts), slots(c.num_experts);
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t k = 0; k < K; ++k) {
+      rows[ids[t * K + k]].push_back(t);
+      slots[ids[t * K + k]].push_back(t * K + k);
+    }
+  at::Tensor flat_weights = weights.reshape({-1});
+  for (int64_t e = 0; e < c.num_experts; ++e) {
+    if (rows[e].empty()) continue;
+    at::Tensor idx = at::tensor(rows[e], at::kLong);
+    at::Tensor gu = at::linear(h.index_select(0, idx), l.expert_gate_up[e]);
+    at::Tensor y = at::linear(at::silu(gu.narrow(1, 0, I)) * gu.narrow(1, I, I), l.expert_down[e]);
+    y = y * flat_weights.index_select(0, at::tensor(slots[e], at::kLong)).unsqueeze(1);
+    out.index_add_(0, idx, y);
+  }
+  return out;
 }
 
 void QwenModel::allocate_cache(int64_t num_blocks, int64_t block_size) {
@@ -193,9 +254,13 @@ at::Tensor QwenModel::forward(const std::vector<int64_t>& tokens, const std::vec
                     attn.data_ptr<float>(), views, H, KVH, D, static_cast<float>(1.0 / std::sqrt(double(D))));
     x = x + at::linear(attn.view({T, H * D}), l.o_proj);
     h = rms_norm(x, l.post_norm, c.rms_norm_eps);
-    at::Tensor gu = at::linear(h, l.gate_up);
-    at::Tensor act = at::silu(gu.narrow(1, 0, c.intermediate_size)) * gu.narrow(1, c.intermediate_size, c.intermediate_size);
-    x = x + at::linear(act, l.down);
+    if (l.router.defined()) {
+      x = x + moe(l, h);
+    } else {
+      at::Tensor gu = at::linear(h, l.gate_up);
+      at::Tensor act = at::silu(gu.narrow(1, 0, c.intermediate_size)) * gu.narrow(1, c.intermediate_size, c.intermediate_size);
+      x = x + at::linear(act, l.down);
+    }
   }
   if (logit_rows.empty()) return at::empty({0, c.vocab_size});
   at::Tensor last = x.index_select(0, at::tensor(logit_rows, at::kLong));

@@ -1,4 +1,4 @@
-// A dense Qwen3 decoder on CPU in float32: weights loaded from safetensors, one forward over a flat batch of
+// A Qwen3 (dense or MoE) decoder on CPU in float32: weights loaded from safetensors, one forward over a flat batch of
 // token chunks whose keys and values live in a paged KV cache.
 #pragma once
 
@@ -18,6 +18,11 @@ struct QwenConfig {
   double rms_norm_eps = 1e-6, rope_theta = 10000.0;
   bool tie_word_embeddings = false, attention_bias = false;
   std::vector<int64_t> eos_token_ids;   // config.json's (generation_config.json's are read by the engine)
+  // Qwen3-MoE: routed experts in the layers that are not dense (mlp_only_layers, decoder_sparse_step).
+  int64_t num_experts = 0, experts_per_token = 0, moe_intermediate_size = 0, decoder_sparse_step = 1;
+  bool norm_topk_prob = true;
+  std::vector<int64_t> mlp_only_layers;
+  bool is_moe_layer(int64_t layer) const;
 };
 
 // Reads config.json of `directory`; throws std::invalid_argument for a model or feature this engine lacks.
@@ -51,7 +56,10 @@ class QwenModel {
  private:
   struct Layer {
     at::Tensor input_norm, qkv, qkv_bias, o_proj, q_norm, k_norm, post_norm, gate_up, down;
+    at::Tensor router;                               // MoE: [experts, hidden]
+    std::vector<at::Tensor> expert_gate_up, expert_down;
   };
+  at::Tensor moe(const Layer& l, const at::Tensor& h) const;
   QwenConfig config_;
   at::Tensor embed_, final_norm_, lm_head_, inv_freq_;
   std::vector<Layer> layers_;

@@ -8,8 +8,8 @@ from typing import Any
 
 from pocketllm.errors import UnsupportedFeatureError
 
-# model_type values of config.json that the native engine runs (dense Qwen3).
-NATIVE_MODEL_TYPES = ("qwen3",)
+# model_type values of config.json that the native engine runs (Qwen3, dense and MoE).
+NATIVE_MODEL_TYPES = ("qwen3", "qwen3_moe")
 # The spec's auto rule: the native plane is picked only for Qwen3.5 safetensors checkpoints.
 AUTO_MODEL_TYPES = ("qwen3_5", "qwen3_5_text")
 
@@ -58,7 +58,8 @@ def safetensors_model_type(model: str | None) -> str | None:
 
 def auto_picks_native(model: str | None, load_format: str) -> bool:
     """The spec's rule for backend='auto': native only when the module imports and the checkpoint is a Qwen3.5
-    safetensors model the native engine runs (none today: it runs dense Qwen3, so auto stays on Torch)."""
+    safetensors model the native engine runs (none today: it runs Qwen3 and Qwen3-MoE, so auto stays on
+    Torch)."""
     if load_format not in ("auto", "safetensors"):
         return False
     model_type = safetensors_model_type(model)
