@@ -72,6 +72,19 @@ def test_prefill_and_decode_step_continue_one_session(engine):
     assert engine.session_length == len(PROMPTS[0]) + 6
 
 
+def test_session_reuses_the_prefix_cache_until_reset(native, qwen3):
+    options = native.QwenEngineOptions()
+    options.kv_cache_mb = 4.0
+    session = native.QwenEngine(qwen3, options)
+    prompt = PROMPTS[2]   # 37 tokens: two whole blocks of 16
+    first = session.prefill(prompt)
+    assert session.session_cached_tokens == 0
+    assert session.prefill(prompt) == first and session.session_cached_tokens == 32
+    session.reset()
+    assert session.session_length == 0
+    assert session.prefill(prompt) == first and session.session_cached_tokens == 0
+
+
 def test_batched_core_matches_one_at_a_time(native, engine, qwen3, hf_reference):
     core = native.QwenBatchCore(engine, 4)
     core.set_prefill_token_budget(8)   # prompts run in chunks beside other rows' decodes

@@ -117,6 +117,7 @@ PYBIND11_MODULE(_native, m) {
       .def_property_readonly("num_kv_blocks", [](QwenEngine& e) { return e.pool().num_blocks(); })
       .def_property_readonly("block_size", [](QwenEngine& e) { return e.pool().block_size(); })
       .def_property_readonly("session_length", &QwenEngine::session_length)
+      .def_property_readonly("session_cached_tokens", &QwenEngine::session_cached_tokens)
       .def_property_readonly("options", &QwenEngine::options);
 
   py::class_<BatchEvent>(m, "QwenBatchEvent")

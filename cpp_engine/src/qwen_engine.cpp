@@ -176,6 +176,8 @@ void QwenEngine::reset() {
   pool_.clear_prefix_cache();
 }
 
+int64_t QwenEngine::session_cached_tokens() const { return session_ ? session_->num_cached : 0; }
+
 int64_t QwenEngine::session_length() const { return session_ ? static_cast<int64_t>(session_->tokens.size()) : 0; }
 
 }  // namespace pocket

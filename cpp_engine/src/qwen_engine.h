@@ -61,6 +61,7 @@ class QwenEngine {
   std::vector<int64_t> generate(const std::vector<int64_t>& prompt, int64_t max_new_tokens);   // no EOS stop
   void reset();            // ends the session and clears the prefix cache
   int64_t session_length() const;
+  int64_t session_cached_tokens() const;   // of the session's prompt, found in the prefix cache
 
   // --- for the batch core (callers hold lock()) -------------------------------------------------
   std::unique_lock<std::mutex> lock() { return std::unique_lock<std::mutex>(mutex_); }
