@@ -14,7 +14,7 @@ LLAMA_CPP ?= llama-cpp-python==0.3.36
 LLAMA_CPP_CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON \
 	-DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF
 
-.PHONY: install serve run chat test test-slow soak lint clean chromium
+.PHONY: install native serve run chat test test-slow soak lint clean chromium
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -29,6 +29,18 @@ $(VENV)/.installed: pyproject.toml
 install: $(VENV)/.installed
 	$(BIN)/python -m pocketllm.kernels.cpu_native --build
 	$(BIN)/python -m pocketllm.loaders.default_model
+
+# The native plane (cpp_engine: pocketllm_cpp, docs/native.md), built with CMake against the venv's torch into
+# $(NATIVE_BUILD); configured once, then rebuilt incrementally (a no-op when nothing changed). The tests find the
+# module through PYTHONPATH=$(NATIVE_BUILD)/python. `POCKETLLM_BUILD_CPP=1 pip install --no-build-isolation .`
+# installs it instead (setup.py, the same build directory).
+NATIVE_BUILD ?= cpp_engine/build-python
+NATIVE_JOBS ?= 2
+native: install
+	@test -f $(NATIVE_BUILD)/CMakeCache.txt || cmake -S cpp_engine -B $(NATIVE_BUILD) -DCMAKE_BUILD_TYPE=Release \
+		-DPOCKET_BUILD_PYTHON=ON -DPython3_EXECUTABLE=$(abspath $(BIN)/python) \
+		-DCMAKE_PREFIX_PATH="$$($(BIN)/python -c 'import torch; print(torch.utils.cmake_prefix_path)')"
+	cmake --build $(NATIVE_BUILD) --target pocketllm_cpp -j $(NATIVE_JOBS)
 
 serve: install
 	$(BIN)/pocketllm serve $(SERVE_ARGS)
@@ -53,9 +65,9 @@ chromium:
 	fi
 
 # Skips are listed (-rs) and limited to tests/allowed_skips.txt: any other skip fails the run.
-test: install $(VENV)/.llama-cpp chromium
+test: install native $(VENV)/.llama-cpp chromium
 	$(BIN)/ruff check pocketllm tests
-	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+	PYTHONPATH=$(abspath $(NATIVE_BUILD))/python POCKETLLM_REQUIRE_NATIVE=1 $(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 # The files whose tests wait on a running engine (servers, the harness, the library's streams and cancels), run
 # with the engine slowed by a test-only delay before every step (POCKETLLM_TEST_STEP_DELAY_MS, read by
@@ -65,9 +77,10 @@ STEP_DELAY_MS ?= 20
 SLOW_TESTS ?= tests/test_server.py tests/test_harness_host.py tests/test_harness_pipe.py tests/test_api.py \
 	tests/test_openai_fields.py tests/test_tool_calls_server.py tests/test_cli_exits.py \
 	tests/test_structured_outputs.py tests/test_tp_server.py tests/test_web_client.py tests/test_bench.py \
-	tests/test_streamed_tool_calls.py tests/test_responses_server.py
-test-slow: install chromium
-	POCKETLLM_TEST_STEP_DELAY_MS=$(STEP_DELAY_MS) $(BIN)/python -m pytest -q $(PYTEST_ARGS) $(SLOW_TESTS)
+	tests/test_streamed_tool_calls.py tests/test_responses_server.py tests/test_native_backend.py
+test-slow: install native chromium
+	PYTHONPATH=$(abspath $(NATIVE_BUILD))/python POCKETLLM_REQUIRE_NATIVE=1 POCKETLLM_TEST_STEP_DELAY_MS=$(STEP_DELAY_MS) \
+		$(BIN)/python -m pytest -q $(PYTEST_ARGS) $(SLOW_TESTS)
 
 # The reliability tests at full length: the HTTP fuzzer with 20,000 body cases and 2,000 raw requests, the JSONL
 # fuzzers (pipe and WebSocket) with 20,000 lines each, and the server's and harness's edge, disconnect, cancel and

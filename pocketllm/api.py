@@ -18,7 +18,7 @@ from pocketllm.backends.base import EngineCaps
 from pocketllm.config import EngineArgs
 from pocketllm.engine.commands import ExportPrefix, ImportPrefix, SetPrefillBudget
 from pocketllm.engine.kv_snapshot import KVSnapshot
-from pocketllm.engine.model_info import ModelInfo, describe_model
+from pocketllm.engine.model_info import ModelInfo
 from pocketllm.engine.output_processor import RequestStream
 from pocketllm.errors import InvalidRequestError
 from pocketllm.outputs import RequestOutput, TokenEvent
@@ -150,7 +150,7 @@ class EngineClient:
     @cached_property
     def model_info(self) -> ModelInfo:
         """Sizes, dtype and device of the model the engine runs (read once)."""
-        return describe_model(self.backend.core)
+        return self.backend.model_info()
 
     def export_prefix(self, token_ids: Sequence[int], first_token: int = 0) -> Future:
         """Future of the ``KVSnapshot`` of the longest cached whole-block prefix of ``token_ids`` (from

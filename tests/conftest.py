@@ -393,3 +393,19 @@ def hf_logits(path: str, token_ids: list[int], all_positions: bool = False) -> t
 def hf_reference() -> SimpleNamespace:
     """``hf_reference.greedy(path, prompts, n)`` and ``hf_reference.logits(path, ids, all_positions)``."""
     return SimpleNamespace(greedy=hf_greedy, logits=hf_logits, model=load_hf_model)
+
+
+NATIVE_SKIP = "the native module pocketllm_cpp is not built"
+
+
+@pytest.fixture(scope="session")
+def native() -> Any:
+    """The ``pocketllm_cpp`` module (``make native`` builds it; ``make test`` puts it on PYTHONPATH and sets
+    POCKETLLM_REQUIRE_NATIVE=1, so that a module that does not import fails there instead of skipping)."""
+    try:
+        import pocketllm_cpp
+    except ImportError as exc:
+        if os.environ.get("POCKETLLM_REQUIRE_NATIVE") == "1":
+            pytest.fail(f"POCKETLLM_REQUIRE_NATIVE=1 but pocketllm_cpp does not import: {exc}")
+        pytest.skip(f"{NATIVE_SKIP} (make native, then PYTHONPATH=cpp_engine/build-python/python)")
+    return pocketllm_cpp

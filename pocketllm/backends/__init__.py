@@ -1,16 +1,18 @@
-"""Backend selection: ``auto`` and ``torch`` run the PyTorch engine; ``cpp`` is not built yet."""
+"""Backend selection: ``torch`` runs the PyTorch engine, ``cpp`` the native plane; ``auto`` follows the spec's
+rule (``backends.native.auto_picks_native``)."""
 
 from __future__ import annotations
 
+from pocketllm.backends.native import auto_picks_native
 from pocketllm.config import EngineArgs
-from pocketllm.errors import UnsupportedFeatureError
 
 
 def create_backend(args: EngineArgs):
-    """Build the backend ``args.backend`` names, refusing what this build cannot run."""
-    if args.backend == "cpp":
-        raise UnsupportedFeatureError(
-            "backend='cpp' (the native C++ plane) is not built in this release; use backend='torch' or 'auto'")
+    """Build the backend ``args.backend`` names (``auto`` resolved), refusing what this build cannot run."""
+    if args.backend == "cpp" or (args.backend == "auto" and auto_picks_native(args.model, args.load_format)):
+        from pocketllm.backends.cpp_backend import CppBackend
+
+        return CppBackend(args)
     from pocketllm.backends.torch_backend import TorchBackend
 
     return TorchBackend(args)

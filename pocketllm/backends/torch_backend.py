@@ -9,6 +9,7 @@ from pocketllm.config import EngineArgs
 from pocketllm.distributed import tp_size
 from pocketllm.engine.engine_core import EngineCore
 from pocketllm.engine.loop import EngineLoop
+from pocketllm.engine.model_info import ModelInfo, describe_model
 from pocketllm.errors import InvalidRequestError, UnsupportedFeatureError
 from pocketllm.loaders.checkpoint import load_checkpoint
 from pocketllm.loaders.default_model import default_model_path
@@ -88,6 +89,7 @@ class TorchBackend:
             structured_outputs=self.core.grammar_compiler is not None,
             speculative=(args.speculative_config.method,) if args.speculative_config is not None else (),
             details={
+                "backend": "torch",
                 "eos_source": eos_source,
                 "eos_token_ids": sorted(eos_ids),
                 "architecture": (self.checkpoint.hf_config.architectures or ["?"])[0],
@@ -102,6 +104,10 @@ class TorchBackend:
                 "num_kv_blocks": self.core.blocks.num_blocks,
                 "tensor_parallel_size": args.tensor_parallel_size,
             })
+
+    def model_info(self) -> ModelInfo:
+        """Sizes, dtype and device of the model the engine runs."""
+        return describe_model(self.core)
 
     def shutdown(self) -> None:
         self.loop.shutdown()

@@ -465,8 +465,9 @@ class Harness:
         details = self.llm.engine_caps().details
         computed = usage.prompt_tokens - usage.cached_tokens
         diag: dict[str, Any] = {
-            "route": {"backend": "torch", "device": details.get("device"), "dtype": details.get("dtype"),
-                      "architecture": details.get("architecture"), "format": details.get("format")},
+            "route": {"backend": details.get("backend", "torch"), "device": details.get("device"),
+                      "dtype": details.get("dtype"), "architecture": details.get("architecture"),
+                      "format": details.get("format")},
             "prefill": {"mode": "prefix-cached" if usage.cached_tokens else "cold",
                         "chunked": computed > self.engine_args.max_num_batched_tokens
                         and self.engine_args.enable_chunked_prefill,

@@ -1,0 +1,15 @@
+"""PocketLLM's native plane: a C++ Qwen3 engine (``QwenEngine``) and its continuous-batching scheduler."""
+
+import torch  # noqa: F401  (loads libtorch, which the native library links against)
+
+from ._native import (  # noqa: F401
+    QwenBatchCore,
+    QwenBatchEvent,
+    QwenBatchResult,
+    QwenBatchSamplingParams,
+    QwenBatchScheduler,
+    QwenEngine,
+    QwenEngineCaps,
+    QwenEngineOptions,
+    backend,
+)

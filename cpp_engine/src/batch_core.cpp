@@ -1,0 +1,165 @@
+// BatchCore (batch_core.h).
+#include "batch_core.h"
+
+#include <algorithm>
+#include <stdexcept>
+
+namespace pocket {
+
+BatchCore::BatchCore(QwenEngine& engine, int64_t max_slots)
+    : engine_(engine), max_slots_(std::min(max_slots, engine.options().max_slots)) {
+  if (max_slots < 1) throw std::invalid_argument("max_batch_size must be >= 1");
+}
+
+void BatchCore::add(const std::string& id, const std::vector<int64_t>& prompt, const SamplingOptions& sampling) {
+  validate_sampling(sampling);
+  engine_.validate_prompt(prompt, sampling.max_new_tokens);
+  auto guard = engine_.lock();   // stats() may read the queues from another thread
+  if (seqs_.count(id)) throw std::invalid_argument("request id '" + id + "' is already active");
+  auto seq = std::make_unique<Sequence>();
+  seq->id = id;
+  seq->tokens = prompt;
+  seq->num_prompt = static_cast<int64_t>(prompt.size());
+  seq->sampling = sampling;
+  seq->rng.seed(sampling.seed >= 0 ? static_cast<uint64_t>(sampling.seed) : std::random_device{}());
+  waiting_.push_back(seq.get());
+  seqs_[id] = std::move(seq);
+}
+
+void BatchCore::set_prefill_token_budget(int64_t tokens) {
+  if (tokens < 0) throw std::invalid_argument("the prefill token budget must be >= 0 (0: whole prompts)");
+  prefill_budget_ = tokens;
+}
+
+BatchEvent BatchCore::event(const Sequence& seq, int64_t token) const {
+  BatchEvent e;
+  e.request_id = seq.id;
+  e.token = token;
+  e.prompt_tokens = seq.num_prompt;
+  e.completion_tokens = seq.num_generated;
+  e.cached_tokens = seq.num_cached;
+  return e;
+}
+
+BatchEvent BatchCore::end(Sequence& seq, const std::string& reason, int64_t token, bool eos) {
+  BatchEvent e = event(seq, token);
+  e.eos = eos;
+  e.finish_reason = reason;
+  engine_.finish(seq);
+  running_.erase(std::remove(running_.begin(), running_.end(), &seq), running_.end());
+  waiting_.erase(std::remove(waiting_.begin(), waiting_.end(), &seq), waiting_.end());
+  seqs_.erase(seq.id);   // seq is gone from here on
+  return e;
+}
+
+std::vector<BatchEvent> BatchCore::cancel(const std::string& id) {
+  auto it = seqs_.find(id);
+  if (it == seqs_.end()) return {};
+  auto guard = engine_.lock();
+  return {end(*it->second, "cancelled", -1, false)};
+}
+
+void BatchCore::preempt(Sequence& seq) {
+  engine_.finish(seq);   // its computed blocks stay in the prefix cache for the recompute
+  seq.num_computed = 0;
+  seq.hashed = 0;
+  seq.last_hash = 0;
+  running_.erase(std::remove(running_.begin(), running_.end(), &seq), running_.end());
+  waiting_.push_front(&seq);
+  ++preemptions_;
+}
+
+std::vector<BatchEvent> BatchCore::step() {
+  auto guard = engine_.lock();
+  KvPool& pool = engine_.pool();
+  while (!waiting_.empty() && static_cast<int64_t>(running_.size()) < max_slots_) {
+    Sequence* s = waiting_.front();
+    if (s->table.empty()) engine_.start(*s);
+    if (!pool.grow(s->table, std::min<int64_t>(s->num_computed + 1, s->tokens.size()))) {
+      pool.release(s->table);
+      s->num_computed = s->hashed = 0;
+      break;
+    }
+    waiting_.pop_front();
+    running_.push_back(s);
+  }
+  std::vector<Sequence*> batch;
+  std::vector<int64_t> counts;
+  int64_t budget = prefill_budget_ > 0 ? prefill_budget_ : INT64_MAX;
+  for (size_t i = 0; i < running_.size(); ++i) {
+    Sequence* s = running_[i];
+    const int64_t remaining = static_cast<int64_t>(s->tokens.size()) - s->num_computed;
+    int64_t n = remaining;
+    if (remaining > 1) {   // a prefill chunk, within the step's prompt budget (one token at least)
+      n = std::max<int64_t>(1, std::min(remaining, budget));
+      budget -= std::min(budget, n);
+    }
+    // Out of blocks: preempt the latest admitted others until this chunk fits, or run it smaller.
+    while (!pool.grow(s->table, s->num_computed + n)) {
+      Sequence* victim = running_.back();
+      if (victim == s) break;
+      preempt(*victim);
+    }
+    if (static_cast<int64_t>(s->table.size()) * pool.block_size() < s->num_computed + n)
+      n = static_cast<int64_t>(s->table.size()) * pool.block_size() - s->num_computed;
+    if (n <= 0) continue;   // waits for blocks (validate_prompt keeps one sequence within the cache)
+    batch.push_back(s);
+    counts.push_back(n);
+  }
+  std::vector<BatchEvent> events;
+  if (batch.empty()) return events;
+  at::Tensor logits = engine_.run(batch, counts);
+  ++steps_;
+  const float* rows = logits.data_ptr<float>();
+  const int64_t vocab = logits.size(1);
+  const auto& eos = engine_.eos_token_ids();
+  int64_t row = 0;
+  for (Sequence* s : batch) {
+    if (s->num_computed != static_cast<int64_t>(s->tokens.size())) continue;   // a prefill chunk short of the end
+    const float* logits = rows + row * vocab;
+    std::vector<float> processed;
+    if (needs_processing(s->sampling))
+      processed = process_logits(logits, vocab, s->sampling, s->tokens, s->num_prompt);
+    const int64_t token = sample_token(processed.empty() ? logits : processed.data(), vocab, s->sampling, s->rng);
+    ++row;
+    BatchEvent e;
+    s->tokens.push_back(token);
+    ++s->num_generated;
+    const auto& stops = s->sampling.stop_token_ids;
+    const bool stop = std::find(stops.begin(), stops.end(), token) != stops.end() ||
+                      (!s->sampling.ignore_eos && std::find(eos.begin(), eos.end(), token) != eos.end());
+    const int64_t asked = s->sampling.logprobs;
+    TokenLogprobs lp;
+    if (asked >= 0) lp = token_logprobs(logits, vocab, token, asked);
+    if (stop) {
+      e = end(*s, "stop", token, true);
+    } else if (s->num_generated >= s->sampling.max_new_tokens ||
+               static_cast<int64_t>(s->tokens.size()) >= engine_.max_model_len()) {
+      e = end(*s, "length", token, false);
+    } else {
+      e = event(*s, token);
+    }
+    if (asked >= 0) {
+      e.has_logprobs = true;
+      e.logprobs = std::move(lp);
+    }
+    events.push_back(std::move(e));
+  }
+  return events;
+}
+
+BatchStats BatchCore::stats() {
+  auto guard = engine_.lock();
+  BatchStats st;
+  st.running = static_cast<int64_t>(running_.size());
+  st.waiting = static_cast<int64_t>(waiting_.size());
+  st.free_blocks = engine_.pool().num_available();
+  st.total_blocks = engine_.pool().num_blocks();
+  st.prefix_queries = engine_.pool().prefix_queries();
+  st.prefix_hits = engine_.pool().prefix_hits();
+  st.preemptions = preemptions_;
+  st.steps = steps_;
+  return st;
+}
+
+}  // namespace pocket

@@ -1,0 +1,62 @@
+// The paged attention (paged_attention.h): one task per (query row, head); tasks are spread over libtorch's
+// intra-op threads only when they hold enough work, since a parallel region costs more than a short context.
+#include "paged_attention.h"
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+
+namespace pocket {
+
+void paged_attention(const float* q, const float* k_cache, const float* v_cache, float* out,
+                     const std::vector<AttentionChunk>& chunks, int64_t H, int64_t KVH, int64_t D, float scale) {
+  struct Item {
+    const AttentionChunk* chunk;
+    int64_t i;   // row within the chunk
+  };
+  std::vector<Item> rows;
+  int64_t work = 0;
+  for (const AttentionChunk& c : chunks)
+    for (int64_t i = 0; i < c.n; ++i) {
+      rows.push_back({&c, i});
+      work += (c.start + i + 1) * D * H;
+    }
+  const int64_t tasks = static_cast<int64_t>(rows.size()) * H;
+  if (tasks == 0) return;
+  const int64_t per_task = std::max<int64_t>(1, work / tasks);
+  const int64_t grain = std::max<int64_t>(1, (1 << 18) / per_task);   // ~256K multiply-adds per thread at least
+  const int64_t G = H / KVH;
+  at::parallel_for(0, tasks, grain, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores;
+    for (int64_t t = begin; t < end; ++t) {
+      const Item& item = rows[t / H];
+      const int64_t h = t % H, kvh = h / G;
+      const int64_t row = item.chunk->row0 + item.i;
+      const int64_t length = item.chunk->start + item.i + 1;   // causal: positions 0 .. start + i
+      const int64_t* slots = item.chunk->slots;
+      const float* qv = q + (row * H + h) * D;
+      scores.resize(length);
+      float best = -std::numeric_limits<float>::infinity();
+      for (int64_t p = 0; p < length; ++p) {
+        const float* kv = k_cache + (slots[p] * KVH + kvh) * D;
+        float dot = 0.f;
+        for (int64_t d = 0; d < D; ++d) dot += qv[d] * kv[d];
+        scores[p] = dot * scale;
+        best = std::max(best, scores[p]);
+      }
+      float total = 0.f;
+      for (int64_t p = 0; p < length; ++p) total += scores[p] = std::exp(scores[p] - best);
+      float* o = out + (row * H + h) * D;
+      std::fill(o, o + D, 0.f);
+      for (int64_t p = 0; p < length; ++p) {
+        const float w = scores[p] / total;
+        const float* vv = v_cache + (slots[p] * KVH + kvh) * D;
+        for (int64_t d = 0; d < D; ++d) o[d] += w * vv[d];
+      }
+    }
+  });
+}
+
+}  // namespace pocket

@@ -1,0 +1,183 @@
+// QwenEngine (qwen_engine.h).
+#include "qwen_engine.h"
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <fstream>
+#include <sstream>
+#include <stdexcept>
+
+#include "json.h"
+
+namespace pocket {
+namespace {
+
+int64_t blocks_for(const QwenConfig& c, const QwenEngineOptions& o) {
+  if (o.block_size < 1) throw std::invalid_argument("block_size must be >= 1");
+  if (o.num_kv_blocks > 0) return o.num_kv_blocks;
+  if (!(o.kv_cache_mb > 0)) throw std::invalid_argument("kv_cache_mb must be positive");
+  const double per_block = 2.0 * c.num_layers * o.block_size * c.num_kv_heads * c.head_dim * 4.0;
+  return std::max<int64_t>(1, static_cast<int64_t>(o.kv_cache_mb * 1024.0 * 1024.0 / per_block));
+}
+
+std::vector<int64_t> generation_config_eos(const std::string& checkpoint) {
+  std::ifstream in(checkpoint + "/generation_config.json");
+  std::vector<int64_t> out;
+  if (!in) return out;
+  std::stringstream buf;
+  buf << in.rdbuf();
+  Json j = Json::parse(buf.str());
+  if (const Json* v = j.find("eos_token_id")) {
+    if (v->is_number()) out.push_back(v->as_int());
+    for (const Json& e : v->array) out.push_back(e.as_int());
+  }
+  return out;
+}
+
+}  // namespace
+
+QwenConfig checkpoint_config(const std::string& checkpoint) { return read_qwen_config(checkpoint); }
+
+QwenEngine::QwenEngine(const std::string& checkpoint, const QwenEngineOptions& options)
+    : options_(options),
+      model_(checkpoint, read_qwen_config(checkpoint)),
+      pool_(blocks_for(model_.config(), options), options.block_size, options.prefix_caching) {
+  validate_sampling(options.sampling);
+  if (options.max_slots < 1) throw std::invalid_argument("max_slots must be >= 1");
+  if (options.num_threads > 0) at::set_num_threads(static_cast<int>(options.num_threads));
+  model_.allocate_cache(pool_.num_blocks(), pool_.block_size());
+  const int64_t capacity = pool_.num_blocks() * pool_.block_size();
+  max_model_len_ = std::min(model_.config().max_position_embeddings, capacity);
+  if (options.max_model_len > 0) {
+    if (options.max_model_len > max_model_len_)
+      throw std::invalid_argument("max_model_len " + std::to_string(options.max_model_len) + " is more than the " +
+                                  std::to_string(max_model_len_) + " tokens the checkpoint and KV cache allow");
+    max_model_len_ = options.max_model_len;
+  }
+  if (!options.eos_token_ids.empty()) {
+    eos_ = options.eos_token_ids;
+    eos_source_ = "options";
+  } else if (auto g = generation_config_eos(checkpoint); !g.empty()) {
+    eos_ = g;
+    eos_source_ = "generation_config";
+  } else if (!model_.config().eos_token_ids.empty()) {
+    eos_ = model_.config().eos_token_ids;
+    eos_source_ = "config";
+  } else {
+    eos_source_ = "none";
+  }
+}
+
+void QwenEngine::validate_prompt(const std::vector<int64_t>& prompt, int64_t max_new_tokens) const {
+  if (prompt.empty()) throw std::invalid_argument("the prompt is empty");
+  if (static_cast<int64_t>(prompt.size()) >= max_model_len_)
+    throw std::invalid_argument("the prompt has " + std::to_string(prompt.size()) + " tokens; this engine's context is " +
+                                std::to_string(max_model_len_) + " tokens and needs room for a generated token");
+  for (int64_t t : prompt)
+    if (t < 0 || t >= model_.config().vocab_size)
+      throw std::invalid_argument("prompt token id " + std::to_string(t) + " is outside the vocabulary");
+  if (max_new_tokens < 1) throw std::invalid_argument("max_new_tokens must be >= 1");
+}
+
+void QwenEngine::start(Sequence& seq) {
+  // At least the last prompt token is computed, so that its logits exist.
+  const int64_t limit = static_cast<int64_t>(seq.tokens.size()) - 1;
+  seq.num_computed = pool_.match(seq.tokens, limit, seq.table, seq.hashed, seq.last_hash);
+  seq.num_cached = seq.num_computed;
+}
+
+at::Tensor QwenEngine::run(const std::vector<Sequence*>& seqs, const std::vector<int64_t>& n) {
+  std::vector<int64_t> tokens;
+  std::vector<Chunk> chunks;
+  for (size_t i = 0; i < seqs.size(); ++i) {
+    Sequence& s = *seqs[i];
+    Chunk c;
+    c.start = s.num_computed;
+    c.num_tokens = n[i];
+    c.block_table = &s.table;
+    c.wants_logits = s.num_computed + n[i] == static_cast<int64_t>(s.tokens.size());
+    tokens.insert(tokens.end(), s.tokens.begin() + c.start, s.tokens.begin() + c.start + c.num_tokens);
+    chunks.push_back(c);
+  }
+  at::Tensor logits = model_.forward(tokens, chunks);
+  for (size_t i = 0; i < seqs.size(); ++i) {
+    seqs[i]->num_computed += n[i];
+    pool_.register_full(seqs[i]->tokens, seqs[i]->num_computed, seqs[i]->table, seqs[i]->hashed,
+                        seqs[i]->last_hash);
+  }
+  return logits.contiguous();
+}
+
+void QwenEngine::finish(Sequence& seq) {
+  pool_.register_full(seq.tokens, seq.num_computed, seq.table, seq.hashed, seq.last_hash);
+  pool_.release(seq.table);
+}
+
+int64_t QwenEngine::sample_session(const at::Tensor& logits) {
+  Sequence& s = *session_;
+  const float* row = logits.data_ptr<float>();
+  const int64_t vocab = logits.size(1);
+  std::vector<float> processed;
+  if (needs_processing(s.sampling)) processed = process_logits(row, vocab, s.sampling, s.tokens, s.num_prompt);
+  const int64_t token = sample_token(processed.empty() ? row : processed.data(), vocab, s.sampling, s.rng);
+  s.tokens.push_back(token);
+  ++s.num_generated;
+  return token;
+}
+
+int64_t QwenEngine::prefill(const std::vector<int64_t>& prompt) {
+  auto guard = lock();
+  validate_prompt(prompt, 1);
+  if (session_) finish(*session_);
+  session_.reset();
+  auto seq = std::make_unique<Sequence>();
+  seq->id = "session";
+  seq->tokens = prompt;
+  seq->num_prompt = static_cast<int64_t>(prompt.size());
+  seq->sampling = options_.sampling;
+  seq->rng.seed(options_.sampling.seed >= 0 ? static_cast<uint64_t>(options_.sampling.seed) : std::random_device{}());
+  start(*seq);
+  if (!pool_.grow(seq->table, static_cast<int64_t>(prompt.size()))) {
+    pool_.release(seq->table);
+    throw std::runtime_error("the KV cache has too few free blocks for this prompt");
+  }
+  session_ = std::move(seq);
+  at::Tensor logits = run({session_.get()}, {static_cast<int64_t>(prompt.size()) - session_->num_computed});
+  return sample_session(logits);
+}
+
+int64_t QwenEngine::decode_step() {
+  auto guard = lock();
+  if (!session_) throw std::runtime_error("decode_step needs a prefill first");
+  Sequence& s = *session_;
+  if (static_cast<int64_t>(s.tokens.size()) >= max_model_len_)
+    throw std::runtime_error("the session has reached the engine's context of " + std::to_string(max_model_len_) +
+                             " tokens");
+  if (!pool_.grow(s.table, static_cast<int64_t>(s.tokens.size())))
+    throw std::runtime_error("the KV cache has no free block for the next token");
+  at::Tensor logits = run({&s}, {1});
+  return sample_session(logits);
+}
+
+std::vector<int64_t> QwenEngine::generate(const std::vector<int64_t>& prompt, int64_t max_new_tokens) {
+  if (max_new_tokens < 1) throw std::invalid_argument("max_new_tokens must be >= 1");
+  std::vector<int64_t> out{prefill(prompt)};
+  while (static_cast<int64_t>(out.size()) < max_new_tokens &&
+         static_cast<int64_t>(prompt.size() + out.size()) < max_model_len_)
+    out.push_back(decode_step());
+  return out;
+}
+
+void QwenEngine::reset() {
+  auto guard = lock();
+  if (session_) pool_.release(session_->table);
+  session_.reset();
+  pool_.clear_prefix_cache();
+}
+
+int64_t QwenEngine::session_cached_tokens() const { return session_ ? session_->num_cached : 0; }
+
+int64_t QwenEngine::session_length() const { return session_ ? static_cast<int64_t>(session_->tokens.size()) : 0; }
+
+}  // namespace pocket

@@ -1,0 +1,91 @@
+// QwenEngine: a loaded Qwen3 model with its KV pool, a single-session token API (prefill, decode_step,
+// generate, reset) and the batched step the batch core schedules onto.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "kv_pool.h"
+#include "qwen_model.h"
+#include "sampler.h"
+
+namespace pocket {
+
+struct QwenEngineOptions {
+  int64_t block_size = 16;
+  int64_t num_kv_blocks = 0;        // 0: from kv_cache_mb
+  double kv_cache_mb = 512.0;
+  int64_t max_model_len = 0;        // 0: the checkpoint's, bounded by the KV cache
+  int64_t max_slots = 64;           // most sequences one batched step runs
+  bool prefix_caching = true;
+  int64_t num_threads = 0;          // 0: libtorch's default
+  std::vector<int64_t> eos_token_ids;   // empty: generation_config.json's, else config.json's
+  SamplingOptions sampling;         // the single-session API's sampling (greedy by default)
+};
+
+// One sequence's tokens (prompt then outputs), KV blocks and sampling state.
+struct Sequence {
+  std::string id;
+  std::vector<int64_t> tokens;
+  int64_t num_prompt = 0;
+  int64_t num_computed = 0;     // tokens whose KV is in the cache
+  int64_t num_cached = 0;       // of the prompt, found in the prefix cache
+  int64_t num_generated = 0;    // sampled tokens, an EOS included
+  std::vector<int64_t> table;
+  int64_t hashed = 0;
+  uint64_t last_hash = 0;
+  SamplingOptions sampling;
+  std::mt19937_64 rng;
+};
+
+class QwenEngine {
+ public:
+  QwenEngine(const std::string& checkpoint, const QwenEngineOptions& options);
+
+  const QwenConfig& config() const { return model_.config(); }
+  const QwenEngineOptions& options() const { return options_; }
+  const std::vector<int64_t>& eos_token_ids() const { return eos_; }
+  const std::string& eos_source() const { return eos_source_; }
+  int64_t eos_id() const { return eos_.empty() ? -1 : eos_.front(); }
+  int64_t max_model_len() const { return max_model_len_; }
+  int64_t num_parameters() const { return model_.num_parameters(); }
+  int64_t decode_weight_bytes() const { return model_.decode_weight_bytes(); }
+
+  // Single session: prefill starts a new sequence (reusing cached prefix blocks) and returns its first token.
+  int64_t prefill(const std::vector<int64_t>& prompt);
+  int64_t decode_step();   // the next token after the last one returned; throws without a session
+  std::vector<int64_t> generate(const std::vector<int64_t>& prompt, int64_t max_new_tokens);   // no EOS stop
+  void reset();            // ends the session and clears the prefix cache
+  int64_t session_length() const;
+  int64_t session_cached_tokens() const;   // of the session's prompt, found in the prefix cache
+
+  // --- for the batch core (callers hold lock()) -------------------------------------------------
+  std::unique_lock<std::mutex> lock() { return std::unique_lock<std::mutex>(mutex_); }
+  KvPool& pool() { return pool_; }
+  void validate_prompt(const std::vector<int64_t>& prompt, int64_t max_new_tokens) const;
+  void start(Sequence& seq);   // claims the cached prefix of a fresh sequence
+  // Run chunks of `n[i]` tokens of seqs[i] (blocks already grown); returns logits of those reaching their end.
+  at::Tensor run(const std::vector<Sequence*>& seqs, const std::vector<int64_t>& n);
+  void finish(Sequence& seq);  // registers its full blocks and releases them
+
+ private:
+  int64_t sample_session(const at::Tensor& logits);
+
+  QwenEngineOptions options_;
+  QwenModel model_;
+  KvPool pool_;
+  int64_t max_model_len_ = 0;
+  std::vector<int64_t> eos_;
+  std::string eos_source_;
+  std::mutex mutex_;
+  std::unique_ptr<Sequence> session_;
+};
+
+// Builds the engine's model: reads config.json first (a refusal names the unsupported feature).
+QwenConfig checkpoint_config(const std::string& checkpoint);
+
+}  // namespace pocket

@@ -1,0 +1,132 @@
+"""backend='cpp': the native plane (``pocketllm_cpp``) behind the same facade as the Torch backend. Everything
+the native engine does not do is refused here, before the module loads a weight."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from pocketllm.backends.base import EngineCaps
+from pocketllm.backends.cpp_core import NativeCore
+from pocketllm.backends.native import NATIVE_MODEL_TYPES, require_native, safetensors_model_type
+from pocketllm.config import EngineArgs
+from pocketllm.engine.commands import ExportPrefix, ImportPrefix
+from pocketllm.engine.loop import EngineLoop
+from pocketllm.engine.model_info import ModelInfo
+from pocketllm.errors import InvalidRequestError, UnsupportedFeatureError
+from pocketllm.loaders.checkpoint import load_checkpoint
+from pocketllm.sampling_params import MAX_LOGPROBS
+from pocketllm.tokenizer.eos import resolve_eos
+
+KNOWN_OPTIONS = frozenset({"eos_token_id"})
+
+
+def check_args(args: EngineArgs) -> None:
+    """UnsupportedFeatureError for any engine option the native plane cannot honour (no device is touched)."""
+    unknown = sorted(set(args.backend_options) - KNOWN_OPTIONS)
+    if unknown:
+        raise InvalidRequestError(f"backend_options {unknown} are not understood by the cpp backend "
+                                  f"(known: {', '.join(sorted(KNOWN_OPTIONS))})", param="backend_options")
+    refusals = {
+        "device": args.device not in ("auto", "cpu"),
+        "dtype": args.dtype not in ("auto", "float32"),
+        "cpu_weight_format": args.cpu_weight_format not in ("auto", "float32"),
+        "cpu_compile": args.cpu_compile,
+        "kv_cache_dtype": args.kv_cache_dtype != "auto",
+        "async_scheduling": args.async_scheduling == "on",
+        "tensor_parallel_size": args.tensor_parallel_size > 1,
+        "speculative_config": args.speculative_config is not None,
+        "load_format": args.load_format not in ("auto", "safetensors"),
+    }
+    asked = [name for name, refused in refusals.items() if refused]
+    if asked:
+        raise UnsupportedFeatureError(
+            f"backend='cpp' (the native plane) runs float32 on CPU, one process, without speculation; it "
+            f"cannot honour {', '.join(f'{name}={getattr(args, name)!r}' for name in asked)} (use backend='torch')")
+    if args.model is None:
+        raise UnsupportedFeatureError("backend='cpp' (the native plane) needs a Qwen3 or Qwen3-MoE safetensors "
+                                      "directory as the model (the default model is a GGUF file, which it does not "
+                                      "read)")
+    model_type = safetensors_model_type(args.model)
+    if model_type not in NATIVE_MODEL_TYPES:
+        what = f"model_type {model_type!r}" if model_type else "not a safetensors checkpoint directory"
+        raise UnsupportedFeatureError(f"backend='cpp' (the native plane) runs Qwen3 and Qwen3-MoE safetensors "
+                                      f"checkpoints ({', '.join(NATIVE_MODEL_TYPES)}); {args.model!r} is {what}")
+
+
+class _NativeLoop(EngineLoop):
+    """The engine thread over a ``NativeCore``: KV snapshots are refused (the native cache has no export)."""
+
+    def _execute(self, command: Any) -> object:
+        if isinstance(command, (ExportPrefix, ImportPrefix)):
+            raise UnsupportedFeatureError("backend='cpp' cannot export or import KV prefixes")
+        return super()._execute(command)
+
+
+class CppBackend:
+    """One native engine, stepped on the engine thread."""
+
+    name = "cpp"
+
+    def __init__(self, args: EngineArgs) -> None:
+        check_args(args)
+        native = require_native()
+        self.args = args
+        self.model_path = os.fspath(args.model)
+        checkpoint = self.checkpoint = load_checkpoint(self.model_path, "safetensors")
+        self.tokenizer = checkpoint.tokenizer
+        eos_ids, eos_source = resolve_eos(args.backend_options, checkpoint.generation_config, checkpoint.hf_config,
+                                          checkpoint.tokenizer)
+        options = native.QwenEngineOptions()
+        options.block_size = args.block_size
+        options.prefix_caching = args.enable_prefix_caching
+        options.max_slots = args.max_num_seqs
+        options.eos_token_ids = sorted(eos_ids)
+        if args.num_kv_blocks is not None:
+            options.num_kv_blocks = args.num_kv_blocks
+        options.kv_cache_mb = args.cpu_kv_cache_gb * 1024.0
+        if args.max_model_len is not None:
+            options.max_model_len = args.max_model_len
+        budget = args.max_num_batched_tokens if args.enable_chunked_prefill else 0
+
+        def build() -> NativeCore:   # on the engine thread, like the Torch backend's core
+            try:
+                engine = native.QwenEngine(self.model_path, options)
+            except ValueError as exc:
+                raise UnsupportedFeatureError(f"backend='cpp': {exc}") from None
+            return NativeCore(native, engine, args.max_num_seqs, budget, args.seed)
+
+        self.loop = _NativeLoop(build)
+        self.core = self.loop.core
+        engine = self.core.engine
+        self.caps = EngineCaps(
+            max_slots=args.max_num_seqs,
+            chunked_prefill=args.enable_chunked_prefill,
+            prefix_caching=args.enable_prefix_caching,
+            max_logprobs=MAX_LOGPROBS,
+            structured_outputs=False,
+            details={
+                "backend": "cpp",
+                "native_backend": native.backend,
+                "eos_source": eos_source,
+                "eos_token_ids": sorted(eos_ids),
+                "architecture": engine.architecture or "Qwen3ForCausalLM",
+                "format": "safetensors",
+                "device": "cpu",
+                "dtype": "float32",
+                "max_model_len": self.core.max_model_len,
+                "vocab_size": self.core.vocab_size,
+                "block_size": engine.block_size,
+                "num_kv_blocks": engine.num_kv_blocks,
+                "tensor_parallel_size": 1,
+            })
+
+    def model_info(self) -> ModelInfo:
+        """Sizes of the native engine's model."""
+        engine = self.core.engine
+        return ModelInfo(architecture=self.caps.details["architecture"], vocab_size=self.core.vocab_size,
+                         num_parameters=int(engine.num_parameters), weight_bytes=int(engine.decode_weight_bytes),
+                         dtype="float32", device="cpu", max_model_len=self.core.max_model_len)
+
+    def shutdown(self) -> None:
+        self.loop.shutdown()
