@@ -129,6 +129,10 @@ class EngineArgs:
     tensor_parallel_rendezvous_dir: str | None = _opt(
         None, "Parent of the private per-run rendezvous directory (default: the system temp directory); "
               "never removed.")
+    engine_process: bool | None = _opt(
+        None, "Run the engine (scheduler, model, sampling) in a process of its own, the caller's process keeping "
+              "tokenising, detokenising and the HTTP front end: on | off | unset (auto: the server turns it on for "
+              "CUDA, the library keeps the engine in-process). Tensor parallelism keeps it in-process.")
     speculative_config: SpeculativeConfig | None = field(
         default=None, metadata={"help": 'Speculative decoding as JSON (vLLM\'s keys), e.g. {"method": "ngram", '
                                         '"num_speculative_tokens": 4, "prompt_lookup_min": 2, '
