@@ -108,3 +108,14 @@ def test_a_request_running_when_the_engine_dies_fails_with_a_5xx(server):
     os.kill(_engine_pid(server), signal.SIGKILL)
     worker.join(60)
     assert 500 <= result["response"].status_code < 600
+
+
+def test_the_servers_default_engine_placement():
+    from pocketllm.config import EngineArgs
+    from pocketllm.server.app import served_engine_args
+
+    assert served_engine_args(EngineArgs(device="cpu")).engine_process is False
+    assert served_engine_args(EngineArgs(device="cuda")).engine_process is True
+    assert served_engine_args(EngineArgs(device="cpu", engine_process=True)).engine_process is True
+    assert served_engine_args(EngineArgs(device="cuda", engine_process=False)).engine_process is False
+    assert served_engine_args(EngineArgs(device="cuda", tensor_parallel_size=2)).engine_process is None

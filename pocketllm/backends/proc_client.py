@@ -112,7 +112,7 @@ class ProcessEngineClient(ClientBase):
         try:
             info = self._start()
         except BaseException:
-            self._stop_process()
+            self._stop_process(direct=True)
             raise
         self.caps: EngineCaps = info["caps"]
         self._model_path: str = info["model_path"]
@@ -153,15 +153,17 @@ class ProcessEngineClient(ClientBase):
             self.process.join(5)
             raise EngineDeadError(f"the engine process exited while loading (exit code {self.process.exitcode})")
 
-    def _stop_process(self) -> None:
-        """Ask the engine process to stop (it cancels what runs), then make sure it has gone."""
+    def _stop_process(self, direct: bool = False) -> None:
+        """Ask the engine process to stop (it cancels what runs), then make sure it has gone. ``direct``:
+        write to the pipe here (the writer thread has not started)."""
         if self.process.is_alive():
-            self._outgoing.put(("shutdown",))
-            if not getattr(self, "_writer", None):
+            if direct:
                 try:
                     self._conn.send([("shutdown",)])
                 except OSError:
                     pass
+            else:
+                self._outgoing.put(("shutdown",))
             self.process.join(SHUTDOWN_TIMEOUT_S)
         if self.process.is_alive():
             logger.warning("the engine process did not stop within %.0f s; terminating it", SHUTDOWN_TIMEOUT_S)
