@@ -61,6 +61,13 @@ class Outbox:
         with self.lock:
             self.items.append(item)
 
+    def answer(self, item: tuple) -> None:
+        """Post a command's answer from its future's callback: the engine thread sends it after the commands
+        it runs; another thread (the future was done before the callback was added) sends it now."""
+        self.post(item)
+        if self.loop is None or threading.current_thread() is not self.loop.thread:
+            self.flush()
+
     def flush(self) -> None:
         """Send what was posted (in order); tell the client once when the engine loop has crashed."""
         with self.send_lock:
@@ -107,16 +114,16 @@ def _reply(outbox: Outbox, call_id: int, future: Future, encode: Callable[[Any],
         exc = f.exception()
         if exc is None:
             value = f.result()
-            outbox.post(("reply", call_id, True, encode(value) if encode is not None else value))
+            outbox.answer(("reply", call_id, True, encode(value) if encode is not None else value))
         else:
-            outbox.post(("reply", call_id, False, portable(exc)))
+            outbox.answer(("reply", call_id, False, portable(exc)))
 
     future.add_done_callback(done)
 
 
 def _ack(outbox: Outbox, request_id: str, future: Future) -> None:
-    future.add_done_callback(lambda f: outbox.post(("ack", request_id, None if f.exception() is None
-                                                    else portable(f.exception()))))
+    future.add_done_callback(lambda f: outbox.answer(("ack", request_id, None if f.exception() is None
+                                                      else portable(f.exception()))))
 
 
 def _handle(backend: Any, outbox: Outbox, message: tuple) -> bool:
@@ -189,8 +196,5 @@ def run_engine(conn: Any, args: EngineArgs, log_level: int) -> None:
                 running = running and _handle(backend, outbox, message)
     finally:
         backend.shutdown()
-        try:
-            outbox.flush()
-        except OSError:
-            pass
+        outbox.flush()
         conn.close()
