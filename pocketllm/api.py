@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-import itertools
 import queue
 import threading
-import uuid
 import weakref
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
@@ -15,19 +13,20 @@ from typing import Any
 
 from pocketllm.backends import create_backend
 from pocketllm.backends.base import EngineCaps
+from pocketllm.backends.client_base import ClientBase, check_prefill_budget
+from pocketllm.backends.proc_client import ProcessEngineClient
 from pocketllm.config import EngineArgs
 from pocketllm.engine.commands import ExportPrefix, ImportPrefix, SetPrefillBudget
 from pocketllm.engine.kv_snapshot import KVSnapshot
 from pocketllm.engine.model_info import ModelInfo
-from pocketllm.engine.output_processor import RequestStream
 from pocketllm.errors import InvalidRequestError
 from pocketllm.outputs import RequestOutput, TokenEvent
 from pocketllm.protocol.chat_output import ChatOutputSpec
 from pocketllm.request_builder import EngineRequest, Prompt, RequestBuilder
 from pocketllm.sampling_params import SamplingParams
 
-__all__ = ["LLM", "AsyncLLM", "EngineClient", "EngineRequest", "KVSnapshot", "ModelInfo", "Prompt",
-           "RequestBuilder"]
+__all__ = ["LLM", "AsyncLLM", "EngineClient", "EngineRequest", "KVSnapshot", "ModelInfo", "ProcessEngineClient",
+           "Prompt", "RequestBuilder"]
 
 
 def _is_token_list(value: Any) -> bool:
@@ -49,53 +48,27 @@ def _prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
                               param="prompt")
 
 
-class EngineClient:
+class EngineClient(ClientBase):
     """The facade's handle on the engine thread (``LLM.engine_client``): submission with an output callback,
-    cancellation, the engine's commands, metadata and the request builder. Safe to use from any thread."""
+    cancellation, the engine's commands, metadata and the request builder. Safe to use from any thread.
+    ``ProcessEngineClient`` offers the same with the engine in a process of its own."""
 
-    def __init__(self, args: EngineArgs | None, overrides: dict[str, Any]) -> None:
-        if args is None:
-            args = EngineArgs(**overrides)
-        elif overrides:
-            args = args.replace(**overrides)
+    def __init__(self, args: EngineArgs) -> None:
+        super().__init__()
         self.args = args
         self.backend = create_backend(args)
         self.tokenizer = self.backend.tokenizer
         caps = self.backend.caps
         self.builder = RequestBuilder(self.tokenizer, self.backend.core.max_model_len, caps.structured_outputs,
                                       caps.details.get("architecture"))
-        self._counter = itertools.count()
-        self._prefix = uuid.uuid4().hex[:8]
+
+    @property
+    def error(self) -> BaseException | None:
+        """Why the engine stopped serving (None while it runs)."""
+        return self.backend.loop.error
 
     def engine_caps(self) -> EngineCaps:
         return self.backend.caps
-
-    def new_request_id(self) -> str:
-        return f"req-{self._prefix}-{next(self._counter)}"
-
-    def request_ids(self, request_id: str | None, count: int) -> list[str]:
-        """Ids for a batch: fresh ones, the caller's id, or the caller's id suffixed per prompt."""
-        if request_id is None:
-            return [self.new_request_id() for _ in range(count)]
-        return [request_id] if count == 1 else [f"{request_id}-{i}" for i in range(count)]
-
-    def encode_prompt(self, prompt: Prompt) -> list[int]:
-        return self.builder.encode_prompt(prompt)
-
-    @property
-    def architecture(self) -> str | None:
-        """The checkpoint's architecture name (``Qwen3ForCausalLM``), when known."""
-        return self.builder.architecture
-
-    def _kept_special_ids(self, chat: ChatOutputSpec | None) -> frozenset[int]:
-        """Special tokens that spell a reasoning or call marker: decoding must keep them to split the text."""
-        tok = self.tokenizer
-        kept = set()
-        for marker in chat.markers if chat is not None else ():
-            ids = tok.encode(marker, add_special_tokens=False)
-            if len(ids) == 1 and ids[0] in tok.special_token_ids:
-                kept.add(ids[0])
-        return frozenset(kept)
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str,
                emit: Callable[[object], None], stream: bool, chat: ChatOutputSpec | None = None) -> Future:
@@ -103,21 +76,7 @@ class EngineClient:
 
         ``emit`` gets, on the engine thread, ``TokenEvent``s (when ``stream``), then the final ``RequestOutput``,
         or an exception. ``chat``: how a chat answer is split into reasoning, content and tool calls."""
-        tok = self.tokenizer
-        decode = None
-        token_text = None
-        if tok is not None:
-            skip = params.skip_special_tokens
-            kept = self._kept_special_ids(chat) if skip else frozenset()
-            dropped = tok.special_token_ids - kept
-
-            def decode(ids: Sequence[int]) -> str:
-                if kept:
-                    return tok.decode([i for i in ids if i not in dropped], skip_special_tokens=False)
-                return tok.decode(ids, skip_special_tokens=skip)
-
-            token_text = tok.token_text
-        sink = RequestStream(request_id, prompt_ids, params.stop, decode, token_text, emit, stream, chat=chat)
+        sink = self.request_stream(prompt_ids, params, request_id, emit, stream, chat)
         return self.backend.loop.submit(request_id, prompt_ids, params, sink)
 
     def cancel(self, request_id: str) -> bool:
@@ -129,14 +88,9 @@ class EngineClient:
     def stats(self) -> dict[str, float | int]:
         return self.backend.core.stats()
 
-    @property
-    def max_model_len(self) -> int:
-        return self.builder.max_model_len
-
     def set_prefill_token_budget(self, tokens: int) -> Future:
         """Future of setting the most prompt tokens one request prefills per step (0: whole prompts)."""
-        if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
-            raise InvalidRequestError("the prefill token budget must be an integer >= 0", param="tokens")
+        check_prefill_budget(tokens)
         return self.backend.loop.send(SetPrefillBudget(tokens))
 
     @property
@@ -165,6 +119,18 @@ class EngineClient:
 
     def shutdown(self) -> None:
         self.backend.shutdown()
+
+
+def make_client(args: EngineArgs | None, overrides: dict[str, Any]) -> EngineClient | ProcessEngineClient:
+    """The engine client ``args`` ask for: the engine in a process of its own when ``engine_process`` is on,
+    else on a thread of this process."""
+    if args is None:
+        args = EngineArgs(**overrides)
+    elif overrides:
+        args = args.replace(**overrides)
+    if args.engine_process:
+        return ProcessEngineClient(args)
+    return EngineClient(args)
 
 
 def _stream_event(item: object) -> TokenEvent | None:
@@ -208,10 +174,10 @@ class _Facade:
     """What LLM and AsyncLLM expose alike without waiting on the engine: metadata, templates, cancellation."""
 
     def __init__(self, args: EngineArgs | None = None, **overrides: Any) -> None:
-        self._client = EngineClient(args, overrides)
+        self._client = make_client(args, overrides)
 
     @property
-    def engine_client(self) -> EngineClient:
+    def engine_client(self) -> EngineClient | ProcessEngineClient:
         """The engine handle beneath this facade, for lower-level front ends (``scheduler_api``)."""
         return self._client
 
@@ -267,6 +233,11 @@ class _Facade:
     def stats(self) -> dict[str, float | int]:
         """Engine load and cache counters (for metrics)."""
         return self._client.stats()
+
+    @property
+    def engine_error(self) -> BaseException | None:
+        """Why the engine stopped serving (it crashed, or its process exited); None while it runs."""
+        return self._client.error
 
     def _build(self, prompts: Prompt | Sequence[Prompt], params: SamplingParams | None) -> list[EngineRequest]:
         builder = self._client.builder

@@ -136,6 +136,10 @@ class EngineArgs:
     tensor_parallel_rendezvous_dir: str | None = _opt(
         None, "Parent of the private per-run rendezvous directory (default: the system temp directory); "
               "never removed.")
+    engine_process: bool | None = _opt(
+        None, "Run the engine (scheduler, model, sampling) in a process of its own, the caller's process keeping "
+              "tokenising, detokenising and the HTTP front end. Unset: on for the server on CUDA, else off (the "
+              "library keeps the engine in-process). Not with tensor parallelism.")
     speculative_config: SpeculativeConfig | None = field(
         default=None, metadata={"help": 'Speculative decoding as JSON (vLLM\'s keys), e.g. {"method": "ngram", '
                                         '"num_speculative_tokens": 4, "prompt_lookup_min": 2, '
@@ -162,6 +166,8 @@ class EngineArgs:
         for name in ("max_model_len", "num_kv_blocks"):
             if getattr(self, name) is not None:
                 self._positive(name)
+        if self.engine_process not in (None, True, False):
+            raise InvalidRequestError("engine_process must be true, false or unset", param="engine_process")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise InvalidRequestError("gpu_memory_utilization must be in (0, 1]",
                                       param="gpu_memory_utilization")

@@ -18,9 +18,10 @@ pytestmark = pytest.mark.usefixtures("smollm2_gguf")
 FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
 
 
-@pytest.fixture(scope="module")
-def server():
-    proc = ServerProcess("--served-model-name", "smollm2")
+@pytest.fixture(scope="module", params=["--no-engine-process", "--engine-process"])
+def server(request):
+    """The server with the engine on a thread of its process, and in a process of its own."""
+    proc = ServerProcess("--served-model-name", "smollm2", request.param)
     try:
         proc.wait_alive()
         seen_loading = httpx.get(proc.url + "/ready").status_code == 503
@@ -531,8 +532,9 @@ def test_api_key_and_deadline():
         proc.stop()
 
 
-def test_sigterm_drains_then_cancels_the_running_request():
-    proc = ServerProcess("--shutdown-timeout", "1", "--max-num-seqs", "1")
+@pytest.mark.parametrize("engine", ["--no-engine-process", "--engine-process"])
+def test_sigterm_drains_then_cancels_the_running_request(engine):
+    proc = ServerProcess("--shutdown-timeout", "1", "--max-num-seqs", "1", engine)
     try:
         proc.wait_ready()
         results: dict = {}

@@ -27,6 +27,7 @@ class StubEngine:
 
     max_model_len = 64
     tokenizer = None
+    engine_error = None
 
     def __init__(self) -> None:
         self.request_builder = self

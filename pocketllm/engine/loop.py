@@ -80,6 +80,9 @@ class EngineLoop:
         self.sinks: dict[str, OutputSink] = {}
         self.active: set[str] = set()
         self.error: BaseException | None = None
+        # Called on the engine thread after each batch of outputs (a step's, a command batch's, a crash's), so
+        # that a sink which only records outputs can hand them on together (the engine process's outbox).
+        self.after_outputs: Callable[[], None] | None = None
         self._stopping = False
         # Held while a caller queues a command and while a crash fails the queued ones: a command is either
         # queued before the crash (and failed by it) or refused afterwards, never left waiting.
@@ -224,6 +227,11 @@ class EngineLoop:
     def _deliver_all(self, outputs: list[StepOutput]) -> None:
         for output in outputs:
             self._deliver(output.request, output.token, output.last, output.num_outputs)
+        self._outputs_done()
+
+    def _outputs_done(self) -> None:
+        if self.after_outputs is not None:
+            self.after_outputs()
 
     def _fail_queued(self, message: str) -> None:
         """Fail the futures of the commands still queued (after a crash or a shutdown they will never run)."""
@@ -251,10 +259,12 @@ class EngineLoop:
                 if item.future is not None:
                     item.future.set_result(result)
             if isinstance(item.command, Shutdown):
+                self._outputs_done()
                 return False
             try:
                 item = self.commands.get_nowait()
             except queue.Empty:
+                self._outputs_done()
                 return True
 
     def _run(self, build: Callable[[], EngineCore], built: Future) -> None:
@@ -288,3 +298,7 @@ class EngineLoop:
             with self._queue_lock:
                 self._stopping = True
                 self._fail_queued("the engine has been shut down")
+            try:
+                self._outputs_done()
+            except Exception:
+                logger.exception("handing on the last outputs failed")

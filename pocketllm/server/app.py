@@ -19,7 +19,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pocketllm.api import AsyncLLM
 from pocketllm.config import EngineArgs
-from pocketllm.errors import InvalidRequestError, PocketLLMError, UnsupportedFeatureError
+from pocketllm.errors import EngineDeadError, InvalidRequestError, PocketLLMError, UnsupportedFeatureError
 from pocketllm.protocol.openai_fields import parse_chat_request, parse_completion_request
 from pocketllm.protocol.responses_request import ResponsesRequest, parse_responses_request
 from pocketllm.server.errors import JSONResponse, error_response
@@ -117,10 +117,23 @@ class AccessLogMiddleware:
                                scope["method"], scope["path"], status, (time.monotonic() - started) * 1000)
 
 
+def served_engine_args(args: EngineArgs) -> EngineArgs:
+    """The server's engine arguments: ``engine_process`` unset becomes on for CUDA (the engine's steps then
+    never wait on the HTTP front end for the interpreter lock) and off on CPU and under tensor parallelism."""
+    if args.engine_process is not None or args.tensor_parallel_size > 1:
+        return args
+    device = args.device
+    if device == "auto":
+        import torch
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    return args.replace(engine_process=device == "cuda")
+
+
 def _load(state: ServerState) -> None:
     started = time.monotonic()
     try:
-        llm = AsyncLLM(state.config.engine_args)
+        llm = AsyncLLM(served_engine_args(state.config.engine_args))
         if state.draining:   # stopped while loading (the process is exiting): never serve it
             logger.info("model loaded after shutdown began; discarded")
             asyncio.run(llm.shutdown())
@@ -179,13 +192,15 @@ def build_app(config: ServerConfig) -> FastAPI:
             return error_response(503, "the model is still loading; retry when /ready answers 200")
         if state.draining:
             return error_response(503, "the server is shutting down")
+        if state.llm is not None and state.llm.engine_error is not None:
+            return error_response(503, f"the engine has stopped: {state.llm.engine_error}")
         return None
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        status = "error" if state.load_error else ("ok" if state.serving else "loading")
-        return JSONResponse({"status": status, "model": state.model_name},
-                            status_code=200 if state.load_error is None else 503)
+        failed = state.load_error is not None or (state.llm is not None and state.llm.engine_error is not None)
+        status = "error" if failed else ("ok" if state.serving else "loading")
+        return JSONResponse({"status": status, "model": state.model_name}, status_code=503 if failed else 200)
 
     @app.get("/alive")
     async def alive() -> JSONResponse:
@@ -249,6 +264,8 @@ def build_app(config: ServerConfig) -> FastAPI:
             return error_response(400, str(exc), getattr(exc, "param", None))
         except RequestFailed as exc:
             return error_response(exc.status, exc.message)
+        except EngineDeadError as exc:
+            return error_response(503, str(exc))
         except PocketLLMError as exc:
             return error_response(500, str(exc))
 
