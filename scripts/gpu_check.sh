@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, profiles and the three H200 benchmark numbers; logs and JSON under $OUT.
-# Usage (on the GPU machine, repository root): bash scripts/gpu_check.sh [tests|gdn|gemv|profile|latency|throughput|hybrid ...]
+# Usage (on the GPU machine, repository root): bash scripts/gpu_check.sh [tests|gdn|gemv|profile|latency|throughput|speculative|hybrid ...]
 # fla-core (optional, for Qwen3.5 prefill) is picked up from PYTHONPATH if installed or unpacked there.
 set -u
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
@@ -90,6 +90,18 @@ for stage in $stages; do
       for preset in qwen3-0.6b llama3-8b; do
         timeout 130 $PY -m pocketllm bench latency --model $preset --load-format dummy --peer hf \
           --output-json "$OUT/latency-$preset.json" --plot "$PLOTS/latency-$preset.png" 2>&1 | grep -v Warning | tee -a "$OUT/bench.log"
+      done ;;
+    speculative)
+      # A draft model's mechanics at batch 1 with random weights and forced acceptance: acceptance length k + 1
+      # for k = 1..3 (the run without speculation is length 1). The target drafting for itself (Qwen3-0.6B), then
+      # Qwen3-8B with Qwen3-0.6B as its draft (the same vocabulary).
+      for pair in "qwen3-0.6b qwen3-0.6b" "qwen3-8b qwen3-0.6b"; do
+        set -- $pair
+        for k in 1 2 3; do
+          spec="{\"method\": \"draft_model\", \"model\": \"$2\", \"num_speculative_tokens\": $k, \"forced_acceptance\": true}"
+          timeout ${SPEC_TIMEOUT:-200} $PY -m pocketllm bench latency --model $1 --load-format dummy --output-len 128 \
+            --speculative-config "$spec" --output-json "$OUT/spec-$1-$2-k$k.json" 2>&1 | grep -v Warning | tee -a "$OUT/bench.log"
+        done
       done ;;
     hybrid)
       for preset in qwen3.5-9b qwen3.5-35b-a3b; do

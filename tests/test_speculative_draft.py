@@ -6,6 +6,7 @@ forced-acceptance mode."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import os
@@ -15,7 +16,7 @@ import torch
 from conftest import write_checkpoint
 from test_speculative import _chi_square_bound, _first_tokens, _generate
 
-from pocketllm import LLM, EngineArgs, SamplingParams
+from pocketllm import LLM, AsyncLLM, EngineArgs, SamplingParams
 from pocketllm.errors import InvalidRequestError, UnsupportedFeatureError
 from pocketllm.runner.sampler import Sampler
 from pocketllm.runner.spec_verify import accept
@@ -203,6 +204,35 @@ def test_tiny_budget_logprobs_and_stop_tokens(tiny_checkpoint):
                 for a, b in zip(out.logprobs, ref.logprobs):
                     assert a.token_id == b.token_id and abs(a.logprob - b.logprob) < 1e-4
             assert outputs[0].finish_reason == ("stop" if params.stop_token_ids else "length")
+
+
+def test_tiny_structured_output_next_to_draft_speculation(tiny_checkpoint):
+    """A constrained request does not speculate; in the same steps as requests that do, every output equals the
+    engine's without speculation, and the constrained one keeps to its grammar."""
+    from pocketllm.runner.grammar import xgrammar_available
+    from pocketllm.sampling_params import StructuredOutput
+
+    if not xgrammar_available():
+        pytest.skip("xgrammar is not installed")
+    llama = tiny_checkpoint("llama")
+    free = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    schema = {"type": "string", "enum": ["lighthouse", "castle keep"]}
+    constrained = SamplingParams(max_tokens=20, temperature=0.0, structured_output=StructuredOutput(schema))
+    jobs = [(TINY_PROMPTS[0], free), (TINY_PROMPTS[1], constrained), (TINY_PROMPTS[2], free)]
+
+    def run(args: EngineArgs) -> tuple[list, dict]:
+        async def main() -> tuple[list, dict]:
+            async with AsyncLLM(args) as llm:
+                outputs = await asyncio.gather(*(llm.generate([prompt], params) for prompt, params in jobs))
+                return [o[0] for o in outputs], llm.stats()
+
+        return asyncio.run(main())
+
+    plain, _ = run(EngineArgs(model=llama))
+    spec, stats = run(EngineArgs(model=llama, speculative_config=draft(llama)))
+    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+    assert json.loads(spec[1].text) in ("lighthouse", "castle keep")
+    assert stats["spec_accepted_tokens"] > 0
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -150,6 +150,8 @@ class EngineCore:
         num_blocks = min_over_ranks(args.num_kv_blocks or self._blocks_from_memory(), self.device)
         capacity = num_blocks * args.block_size
         context = int(getattr(hf_config, "max_position_embeddings", capacity))
+        if self.draft_runner is not None:   # (the draft's positions run as far as the target's)
+            context = min(context, int(getattr(self.draft_runner.hf_config, "max_position_embeddings", context)))
         max_model_len = args.max_model_len or min(context, capacity)
         if max_model_len > capacity:
             raise InvalidRequestError(
@@ -209,7 +211,7 @@ class EngineCore:
         # order, which its dense K/V rows follow.
         self.longest_first = self.device.type == "cuda"
         logger.info("KV cache: %d blocks of %d tokens (%.2f GiB), max_model_len %d",
-                    num_blocks, args.block_size, num_blocks * self.runner.kv_bytes_per_block() / GiB,
+                    num_blocks, args.block_size, num_blocks * self._kv_bytes_per_block() / GiB,
                     max_model_len)
         compiled_step = self.runner.compiled_cpu_decode if args.cpu_compile else None
         if compiled_step is not None:
@@ -280,10 +282,18 @@ class EngineCore:
         self.num_steps = 0
         logger.info("compiled the CPU decode step in %.1f s", time.perf_counter() - started)
 
+    def _runners(self) -> list[ModelRunner]:
+        """The target's model runner, then the draft model's where there is one."""
+        return [self.runner] + ([self.draft_runner] if self.draft_runner is not None else [])
+
+    def _kv_bytes_per_block(self) -> int:
+        """Bytes of a KV block of every runner's cache (the draft's cache has a block for each of the target's)."""
+        return sum(runner.kv_bytes_per_block() for runner in self._runners())
+
     def _blocks_from_memory(self) -> int:
         """KV blocks that fit the memory budget (a block of the draft model's cache counted with each)."""
-        runners = [self.runner] + ([self.draft_runner] if self.draft_runner is not None else [])
-        per_block = sum(runner.kv_bytes_per_block() for runner in runners)
+        runners = self._runners()
+        per_block = self._kv_bytes_per_block()
         if self.device.type == "cuda":
             # What a full step needs beside weights and cache, measured with a dummy forward pass (of each model).
             reserve = sum(runner.profile_activation_bytes(self.args.max_num_batched_tokens, self.args.max_num_seqs)
