@@ -287,6 +287,19 @@ def test_default_model_drafting_for_itself_is_greedy_equal(smollm2_gguf):
     assert stats["spec_accepted_tokens"] >= 0.8 * stats["spec_proposed_tokens"] > 0
 
 
+def test_default_model_with_a_safetensors_draft(smollm2_gguf, tiny_checkpoint):
+    """A GGUF target and an HF safetensors draft (the tiny random Llama, saved with SmolLM2's tokenizer): the
+    tokenizers compare equal across the two formats, and greedy output is the target's own."""
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    prompt = "Count from one to twenty: one,"
+    with LLM(EngineArgs(model=smollm2_gguf)) as llm:
+        plain = llm.generate([prompt], params)[0].token_ids
+    with LLM(EngineArgs(model=smollm2_gguf, speculative_config=draft(tiny_checkpoint("llama"), k=2))) as llm:
+        spec = llm.generate([prompt], params)[0].token_ids
+        stats = llm.stats()
+    assert spec == plain and stats["spec_verify_chunks"] > 0
+
+
 def test_default_model_stop_strings_with_a_draft_model(smollm2_gguf):
     params = [SamplingParams(max_tokens=60, temperature=0.0, stop=["lamp"]), SamplingParams(max_tokens=200,
                                                                                               temperature=0.0)]

@@ -40,6 +40,9 @@ def load_draft(args: EngineArgs, target: Checkpoint) -> DraftModel | None:
     spec = args.speculative_config
     if spec is None or spec.method != "draft_model":
         return None
+    # The target's tokenizer first: it may still be loading on a thread of its own, and a second checkpoint's
+    # first import of transformers beside that load can find the package half imported.
+    target.tokenizer_loading.result()
     checkpoint = load_checkpoint(spec.model, args.load_format)
     check_same_tokenizer(target, checkpoint)
     dummy = args.load_format == "dummy" or checkpoint.format == "dummy"
