@@ -21,20 +21,24 @@ QUANTIZATIONS = ("fp8",)
 
 
 SPECULATIVE_METHODS = ("ngram", "draft_model", "mtp")
-SPECULATIVE_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model")
+SPECULATIVE_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model",
+                    "forced_acceptance")
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
     """Speculative decoding, validated once (vLLM's spelling): ``method`` ngram (prompt lookup: the last
     ``prompt_lookup_max``..``prompt_lookup_min`` tokens matched against earlier context), draft_model (``model``)
-    or mtp; ``num_speculative_tokens`` proposed per step."""
+    or mtp; ``num_speculative_tokens`` proposed per step. ``forced_acceptance`` (PocketLLM's, for benchmarks with
+    random weights only): every proposal is kept whatever the target says, so that a run measures the mechanics'
+    cost at an acceptance length of ``num_speculative_tokens + 1``."""
 
     method: str
     num_speculative_tokens: int
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 4
     model: str | None = None
+    forced_acceptance: bool = False
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
@@ -48,6 +52,9 @@ class SpeculativeConfig:
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise InvalidRequestError("speculative_config.prompt_lookup_min must not exceed prompt_lookup_max",
                                       param="speculative_config")
+        if not isinstance(self.forced_acceptance, bool):
+            raise InvalidRequestError(f"speculative_config.forced_acceptance must be true or false; got "
+                                      f"{self.forced_acceptance!r}", param="speculative_config")
         if (self.method == "draft_model") != (self.model is not None):
             raise InvalidRequestError("speculative_config.model names the draft checkpoint, for method draft_model "
                                       "only (and it needs one)", param="speculative_config")
@@ -65,7 +72,8 @@ class SpeculativeConfig:
         return cls(**values)
 
     def to_dict(self) -> dict[str, Any]:
-        return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
+        return {k: v for k, v in dataclasses.asdict(self).items()
+                if v is not None and not (k == "forced_acceptance" and not v)}
 
 
 def _opt(default: Any, help_text: str) -> Any:
@@ -143,7 +151,8 @@ class EngineArgs:
     speculative_config: SpeculativeConfig | None = field(
         default=None, metadata={"help": 'Speculative decoding as JSON (vLLM\'s keys), e.g. {"method": "ngram", '
                                         '"num_speculative_tokens": 4, "prompt_lookup_min": 2, '
-                                        '"prompt_lookup_max": 4} (docs/library.md).'})
+                                        '"prompt_lookup_max": 4}, or a draft model: {"method": "draft_model", '
+                                        '"model": "draft.gguf", "num_speculative_tokens": 4} (docs/library.md).'})
     backend_options: dict[str, Any] = field(
         default_factory=dict, metadata={"help": 'Backend-specific knobs as JSON, e.g. {"eos_token_id": 2}.'})
 
@@ -186,6 +195,11 @@ class EngineArgs:
             object.__setattr__(self, "speculative_config", SpeculativeConfig.from_dict(spec))
         elif spec is not None and not isinstance(spec, SpeculativeConfig):
             raise InvalidRequestError("speculative_config must be a mapping", param="speculative_config")
+        spec = self.speculative_config
+        if spec is not None and spec.forced_acceptance and self.load_format != "dummy":
+            raise InvalidRequestError("speculative_config.forced_acceptance keeps proposals the model may reject, "
+                                      "for benchmarks with random weights only: it needs load_format='dummy'",
+                                      param="speculative_config")
         if not isinstance(self.backend_options, dict):
             raise InvalidRequestError("backend_options must be a mapping", param="backend_options")
 

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, profiles and the three H200 benchmark numbers; logs and JSON under $OUT.
-# Usage (on the GPU machine, repository root): bash scripts/gpu_check.sh [tests|gdn|gemv|profile|latency|fp8|throughput|hybrid|serve ...]
+# Usage (on the GPU machine, repository root):
+#   bash scripts/gpu_check.sh [tests|gdn|gemv|profile|latency|fp8|throughput|speculative|hybrid|models|serve ...]
 # fla-core (optional, for Qwen3.5 prefill) is picked up from PYTHONPATH if installed or unpacked there.
 set -u
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
@@ -96,6 +97,19 @@ for stage in $stages; do
       for preset in ${FP8_PRESETS:-llama3-8b qwen3-0.6b}; do
         timeout 150 $PY -m pocketllm bench latency --model $preset --load-format dummy --quantization fp8 \
           --output-json "$OUT/latency-fp8-$preset.json" 2>&1 | grep -v Warning | tee -a "$OUT/bench.log"
+      done ;;
+    speculative)
+      # A draft model's mechanics at batch 1 with random weights and forced acceptance: acceptance length k + 1
+      # for k in SPEC_KS (default 1..3; the run without speculation is length 1). SPEC_PAIRS: "target draft" pairs
+      # (default: Qwen3-0.6B drafting for itself, then Qwen3-8B drafted by Qwen3-0.6B: the same vocabulary).
+      IFS=, read -ra pairs <<< "${SPEC_PAIRS:-qwen3-0.6b qwen3-0.6b,qwen3-8b qwen3-0.6b}"
+      for pair in "${pairs[@]}"; do
+        set -- $pair
+        for k in ${SPEC_KS:-1 2 3}; do
+          spec="{\"method\": \"draft_model\", \"model\": \"$2\", \"num_speculative_tokens\": $k, \"forced_acceptance\": true}"
+          timeout ${SPEC_TIMEOUT:-200} $PY -m pocketllm bench latency --model $1 --load-format dummy --output-len 128 \
+            --speculative-config "$spec" --output-json "$OUT/spec-$1-$2-k$k.json" 2>&1 | grep -v Warning | tee -a "$OUT/bench.log"
+        done
       done ;;
     hybrid|models)
       # hybrid: the Qwen3.5 presets; models: MODEL_PRESETS (default the Gemma 3 preset), batch 1 and 64 requests

@@ -67,9 +67,9 @@ def test_bad_config_is_refused(bad):
 
 
 def test_unbuilt_method_and_async_scheduling_are_refused(tiny_checkpoint):
-    draft = {"method": "draft_model", "num_speculative_tokens": 2, "model": "draft"}
-    with pytest.raises(UnsupportedFeatureError, match="draft_model"):
-        LLM(EngineArgs(model=tiny_checkpoint("llama"), speculative_config=draft))
+    with pytest.raises(UnsupportedFeatureError, match="mtp"):
+        LLM(EngineArgs(model=tiny_checkpoint("llama"), speculative_config={"method": "mtp",
+                                                                           "num_speculative_tokens": 2}))
     with pytest.raises(UnsupportedFeatureError, match="async_scheduling"):
         LLM(EngineArgs(model=tiny_checkpoint("llama"), speculative_config=NGRAM, async_scheduling="on"))
 

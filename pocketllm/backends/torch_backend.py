@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 
 from pocketllm.backends.base import EngineCaps
+from pocketllm.backends.draft_checkpoint import load_draft
 from pocketllm.config import EngineArgs
 from pocketllm.distributed import tp_size
 from pocketllm.engine.engine_core import EngineCore
@@ -36,6 +37,10 @@ class TorchBackend:
         if tp_size() > 1:
             raise UnsupportedFeatureError("this process already runs a tensor-parallel engine; shut it down first "
                                           "(one engine per process under tensor parallelism)")
+        spec = args.speculative_config
+        if args.tensor_parallel_size > 1 and spec is not None and spec.method == "draft_model":
+            raise UnsupportedFeatureError("speculative_config.method 'draft_model' runs on one rank; use "
+                                          "tensor_parallel_size=1 or method 'ngram'")
         self.args = args
         # Tensor parallelism: this process is rank 0 (it schedules and samples); the worker ranks are started
         # here (or by an external launcher) and joined before the model is built, since layers shard by rank.
@@ -67,9 +72,10 @@ class TorchBackend:
         dummy = args.load_format == "dummy" or checkpoint.format == "dummy"
         weights = None if dummy else checkpoint.iter_weights()
         hf_config, weight_type = checkpoint.hf_config, checkpoint.weight_type
+        draft = load_draft(args, checkpoint)
 
         def build() -> EngineCore:   # runs on the engine thread (EngineLoop says why)
-            core = EngineCore(args, hf_config, weights, eos_ids, weight_type)
+            core = EngineCore(args, hf_config, weights, eos_ids, weight_type, draft)
             tokenizer = checkpoint.tokenizer
             if tokenizer is not None and xgrammar_available():
                 # Added tokens (<|im_end|>, <think>, <tool_call>, ...) never appear inside constrained text.

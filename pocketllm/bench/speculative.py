@@ -5,12 +5,20 @@ Each prompt runs greedy to its natural end (at most ``--output-len`` tokens), on
 speculation: the outputs are the same tokens, so the decode rates compare like for like. The two engines run one
 after the other, never side by side: two engines' threads in one process each keep a team of intra-op threads
 that wait spinning, which halved the decode rate of both when they took turns prompt by prompt. Reported per set: decode
-tokens/s of both (decode tokens over the time from each prompt's first token to its last), the speed-up, and the
-mean acceptance length (tokens a verify step emits: its accepted proposals plus the target's own token).
+tokens/s of both (decode tokens over the time from each prompt's first token to its last), the speed-up, the
+mean acceptance length (tokens a verify step emits: its accepted proposals plus the target's own token) and the
+mean time of a decode step (with speculation, a verify step and the draft model's forwards before it).
+
+A checkpoint without a tokenizer (a dummy preset) runs each set's prompts as token ids instead (as many ids as
+the text has characters, drawn with a fixed seed). With random weights and ``"forced_acceptance": true`` (and
+the target as its own draft, ``"method": "draft_model"``), every verify step keeps its ``k`` proposals: the run
+measures the mechanics' cost at an acceptance length of exactly ``k + 1`` (its outputs are not the model's own,
+so ``same tokens`` may read False).
 """
 
 from __future__ import annotations
 
+import random
 import statistics
 import time
 from typing import Any
@@ -35,12 +43,21 @@ def _decode(llm, prompt: str, output_len: int) -> tuple[int, float, list[int]]:
     return max(0, len(tokens) - 1), (last - first) if first is not None else 0.0, tokens
 
 
+def _prompts(llm) -> dict[str, list[str | list[int]]]:
+    """Each set's prompts as chats the checkpoint's template renders, or as seeded token ids without a tokenizer."""
+    if llm.tokenizer is not None:
+        return {name: [llm.render_chat([{"role": "user", "content": text}]) for text in texts]
+                for name, texts in PROMPT_SETS.items()}
+    draw = random.Random(0)
+    vocab = llm.model_info().vocab_size
+    return {name: [[draw.randrange(3, vocab) for _ in text] for text in texts] for name, texts in PROMPT_SETS.items()}
+
+
 def _run_sets(engine_args: EngineArgs, output_len: int, iters: int) -> dict[str, Any]:
     from pocketllm.api import LLM
 
     with LLM(engine_args) as llm:
-        prompts = {name: [llm.render_chat([{"role": "user", "content": text}]) for text in texts]
-                   for name, texts in PROMPT_SETS.items()}
+        prompts = _prompts(llm)
         _decode(llm, prompts["chat"][0], 16)   # warm-up
         out: dict[str, Any] = {}
         for name, texts in prompts.items():
@@ -56,6 +73,9 @@ def _run_sets(engine_args: EngineArgs, output_len: int, iters: int) -> dict[str,
                 outputs, tokens, seconds = ids, tokens + n, seconds + t
             after = llm.stats()
             verify = after["spec_verify_chunks"] - before["spec_verify_chunks"]
+            steps = after["num_steps"] - before["num_steps"]
+            # Each run's first token comes from its prompt's step; the decode time spans the steps after it.
+            decode_steps = steps - iters * len(texts)
             accepted = after["spec_accepted_tokens"] - before["spec_accepted_tokens"]
             proposed = after["spec_proposed_tokens"] - before["spec_proposed_tokens"]
             out[name] = {
@@ -63,9 +83,13 @@ def _run_sets(engine_args: EngineArgs, output_len: int, iters: int) -> dict[str,
                 "decode_tokens": tokens, "decode_s": seconds, "outputs": outputs,
                 "verify_steps": verify, "proposed_tokens": proposed, "accepted_tokens": accepted,
                 "mean_acceptance_length": (1 + accepted / verify) if verify else None,
-                "steps": after["num_steps"] - before["num_steps"],
+                "steps": steps, "ms_per_step": 1000 * seconds / decode_steps if decode_steps > 0 else None,
             }
         return out
+
+
+def _ms(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.2f} ms"
 
 
 def run(args, engine_args: EngineArgs) -> dict[str, Any]:
@@ -89,7 +113,8 @@ def run(args, engine_args: EngineArgs) -> dict[str, Any]:
         print(f"{name}: {a['decode_tokens_per_s']:.1f} → {b['decode_tokens_per_s']:.1f} decode tok/s "
               f"({'n/a' if speedup is None else f'{speedup:.2f}x'}); mean acceptance length "
               f"{'n/a' if length is None else f'{length:.2f}'} over {b['verify_steps']} verify steps of "
-              f"{b['steps']} steps; same tokens: {same}")
+              f"{b['steps']} steps; {_ms(a['ms_per_step'])} → {_ms(b['ms_per_step'])} a decode step; "
+              f"same tokens: {same}")
     load_after = common.load_average()
     print(f"load average before {load_before}, after {load_after}")
     result = {

@@ -12,7 +12,9 @@ import torch
 from pocketllm.config import EngineArgs
 from pocketllm.distributed import min_over_ranks
 from pocketllm.engine.block_manager import BlockManager
+from pocketllm.engine.draft_proposer import DraftModel, DraftProposer
 from pocketllm.engine.ngram_proposer import NgramProposer
+from pocketllm.engine.proposer import Proposer
 from pocketllm.engine.request import FinishReason, Request, RequestStatus
 from pocketllm.engine.scheduler import Scheduler, SchedulerLimits
 from pocketllm.engine.state_pool import StatePool
@@ -118,9 +120,10 @@ class EngineCore:
     """Owns the model runner, the KV blocks and the scheduler; ``step()`` advances every running request."""
 
     def __init__(self, args: EngineArgs, hf_config, weights, eos_token_ids: frozenset[int],
-                 weight_type: str | None = None) -> None:
+                 weight_type: str | None = None, draft: DraftModel | None = None) -> None:
         """``weight_type``: the checkpoint's storage type of its layers' matrices (``Checkpoint.weight_type``),
-        which ``cpu_weight_format="auto"`` goes by."""
+        which ``cpu_weight_format="auto"`` goes by. ``draft``: the draft checkpoint of speculative
+        ``method="draft_model"`` (loaded and checked against the target's tokenizer by the backend)."""
         self.args = args
         self.device = resolve_device(args.device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
@@ -137,6 +140,8 @@ class EngineCore:
                                           "Triton); use kv_cache_dtype='auto'")
         self.runner.load(weights, dummy_seed=args.seed, weight_format=self.cpu_weight_format.name,
                          cpu_compile=args.cpu_compile, quantization=args.quantization)
+        self.speculative = args.speculative_config
+        self.draft_runner = self._draft_runner(draft, hf_config)
         # Hybrid models (recurrent-state layers): one state slot per request that may run, allocated before
         # the KV cache is sized from what memory is left; with speculative decoding, each with a checkpoint slot
         # per proposal a verify chunk may hold (its state rolls back to the last accepted one).
@@ -154,6 +159,8 @@ class EngineCore:
         num_blocks = min_over_ranks(args.num_kv_blocks or self._blocks_from_memory(), self.device)
         capacity = num_blocks * args.block_size
         context = int(getattr(hf_config, "max_position_embeddings", capacity))
+        if self.draft_runner is not None:   # (the draft's positions run as far as the target's)
+            context = min(context, int(getattr(self.draft_runner.hf_config, "max_position_embeddings", context)))
         max_model_len = args.max_model_len or min(context, capacity)
         if max_model_len > capacity:
             raise InvalidRequestError(
@@ -163,8 +170,12 @@ class EngineCore:
             logger.warning("max_model_len %d exceeds the checkpoint's context %d", max_model_len, context)
         self.max_model_len = max_model_len
         self.runner.allocate_kv_cache(num_blocks)
+        if self.draft_runner is not None:
+            self.draft_runner.allocate_kv_cache(num_blocks)
         if not args.enforce_eager:
             self.runner.capture_cuda_graphs(args.max_num_seqs, max_model_len)
+            if self.draft_runner is not None:
+                self.draft_runner.capture_cuda_graphs(args.max_num_seqs, max_model_len)
         # A cached KV prefix would skip the recurrent state of that prefix: prefix caching is off for hybrids.
         prefix_caching = args.enable_prefix_caching and self.state_pool is None
         if args.enable_prefix_caching and not prefix_caching:
@@ -172,13 +183,16 @@ class EngineCore:
         # Every layer that uses the cache slides: blocks older than the longest window are released as requests
         # run past them.
         window = self.runner.kv_window
+        if self.draft_runner is not None:
+            # The draft reads the same blocks: one is released only when neither model's window reaches it.
+            draft_window = self.draft_runner.kv_window
+            window = None if window is None or draft_window is None else max(window, draft_window)
         self.blocks = BlockManager(num_blocks, args.block_size, prefix_caching, window)
         if window is not None:
             logger.info("KV blocks wholly outside the %d-token sliding window are released as requests run",
                         window)
         limits = SchedulerLimits(args.max_num_seqs, args.max_num_batched_tokens, max_model_len)
         chunk = args.max_num_batched_tokens if args.enable_chunked_prefill else 0
-        self.speculative = args.speculative_config
         self.scheduler = Scheduler(limits, self.blocks, chunk, self.state_pool, self._proposer())
         self.requests: dict[str, Request] = {}
         self.vocab_size = int(hf_config.vocab_size)
@@ -206,20 +220,53 @@ class EngineCore:
         # order, which its dense K/V rows follow.
         self.longest_first = self.device.type == "cuda"
         logger.info("KV cache: %d blocks of %d tokens (%.2f GiB), max_model_len %d",
-                    num_blocks, args.block_size, num_blocks * self.runner.kv_bytes_per_block() / GiB,
+                    num_blocks, args.block_size, num_blocks * self._kv_bytes_per_block() / GiB,
                     max_model_len)
         compiled_step = self.runner.compiled_cpu_decode if args.cpu_compile else None
         if compiled_step is not None:
             self._compile_cpu_decode(compiled_step)
 
-    def _proposer(self) -> NgramProposer | None:
+    def _draft_runner(self, draft: DraftModel | None, hf_config) -> ModelRunner | None:
+        """The draft model's runner for ``method="draft_model"`` (None for other methods): on the target's device,
+        dtype and block size, its CPU weights as ``cpu_weight_format="auto"`` would have them (int4 for a Q4_1
+        GGUF, whatever the target's format), its KV cache allocated with the target's."""
+        spec = self.speculative
+        if spec is None or spec.method != "draft_model":
+            return None
+        if draft is None:
+            raise UnsupportedFeatureError("speculative_config.method 'draft_model' needs the draft checkpoint, "
+                                          "which the torch backend loads; build the engine through LLM/AsyncLLM")
+        if self.runner.tp_size > 1:
+            raise UnsupportedFeatureError("speculative_config.method 'draft_model' runs on one rank; use "
+                                          "tensor_parallel_size=1 or method 'ngram'")
+        draft_vocab, vocab = int(draft.hf_config.vocab_size), int(hf_config.vocab_size)
+        if draft_vocab != vocab:
+            raise InvalidRequestError(f"speculative_config.model has a vocabulary of {draft_vocab} tokens and the "
+                                      f"target {vocab}: a draft model needs the target's tokenizer",
+                                      param="speculative_config")
+        args = self.args
+        weight_format = resolve_cpu_weight_format(args.replace(cpu_weight_format="auto"), self.device, self.dtype,
+                                                  draft.weight_type)
+        runner = ModelRunner(draft.hf_config, self.device, self.dtype, args.block_size, args.seed,
+                             _kv_dtype(args, self.device, weight_format.name))
+        if runner.state_layers:
+            raise UnsupportedFeatureError("speculative_config.model keeps recurrent state, which a rejected "
+                                          "proposal would need rolled back; choose a draft without it")
+        runner.load(draft.weights, dummy_seed=args.seed, weight_format=weight_format.name)
+        if self.device.type == "cpu":
+            logger.info("draft model's CPU weight format: %s (%s)", weight_format.name, weight_format.reason)
+        return runner
+
+    def _proposer(self) -> Proposer | None:
         """The proposer of ``speculative_config`` (None without one); methods not built yet are refused."""
         spec = self.speculative
         if spec is None:
             return None
-        if spec.method != "ngram":
+        if spec.method not in ("ngram", "draft_model"):
             raise UnsupportedFeatureError(f"speculative_config.method {spec.method!r} is not available yet; "
-                                          "use 'ngram'")
+                                          "use 'ngram' or 'draft_model'")
+        if self.draft_runner is not None:
+            return DraftProposer(self.draft_runner, spec.num_speculative_tokens)
         return NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max, spec.num_speculative_tokens)
 
     def _compile_cpu_decode(self, step: CpuDecodeStep) -> None:
@@ -240,11 +287,22 @@ class EngineCore:
         self.num_steps = 0
         logger.info("compiled the CPU decode step in %.1f s", time.perf_counter() - started)
 
+    def _runners(self) -> list[ModelRunner]:
+        """The target's model runner, then the draft model's where there is one."""
+        return [self.runner] + ([self.draft_runner] if self.draft_runner is not None else [])
+
+    def _kv_bytes_per_block(self) -> int:
+        """Bytes of a KV block of every runner's cache (the draft's cache has a block for each of the target's)."""
+        return sum(runner.kv_bytes_per_block() for runner in self._runners())
+
     def _blocks_from_memory(self) -> int:
-        per_block = self.runner.kv_bytes_per_block()
+        """KV blocks that fit the memory budget (a block of the draft model's cache counted with each)."""
+        runners = self._runners()
+        per_block = self._kv_bytes_per_block()
         if self.device.type == "cuda":
-            # What a full step needs beside weights and cache, measured with a dummy forward pass.
-            reserve = self.runner.profile_activation_bytes(self.args.max_num_batched_tokens, self.args.max_num_seqs)
+            # What a full step needs beside weights and cache, measured with a dummy forward pass (of each model).
+            reserve = sum(runner.profile_activation_bytes(self.args.max_num_batched_tokens, self.args.max_num_seqs)
+                          for runner in runners)
             free, total = torch.cuda.mem_get_info(self.device)
             budget = free - total * (1.0 - self.args.gpu_memory_utilization) - reserve
         else:
@@ -350,13 +408,15 @@ class EngineCore:
         chunks = self.scheduler.schedule()
         if not chunks:
             return None
+        if isinstance(self.scheduler.proposer, DraftProposer):
+            chunks = self.scheduler.proposer.fill(chunks)
         if self.longest_first:
             chunks.sort(key=_one_token_rows_longest_first)
         previous = self.in_flight.sampled if self.in_flight is not None else None
         logits = self.runner.launch(chunks, previous.tokens if previous is not None else None)
         verified = None
         if any(chunk.draft for chunk in chunks):
-            verified, sampled = self.runner.verify(chunks, logits), None
+            verified, sampled = self.runner.verify(chunks, logits, self.speculative.forced_acceptance), None
         else:
             sampled = self.runner.sample_async(chunks, logits)
         row = 0
@@ -402,6 +462,8 @@ class EngineCore:
                 limit = self.speculative.num_speculative_tokens
                 request.speculative_window = (min(limit, len(chunk.draft) + 1) if accepted == len(chunk.draft)
                                               else accepted + 1)
+                # A draft model ran the proposals but the last: with every one kept, it lacks that one's KV.
+                request.draft_lag = int(accepted == len(chunk.draft))
             if chunk.draft and running:
                 # Keep the KV of the accepted proposals only; the rejected ones' slots go back.
                 request.num_computed_tokens = chunk.start + len(tokens)

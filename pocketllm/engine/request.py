@@ -49,6 +49,9 @@ class Request:
     # Speculative decoding: the most tokens the next verify step proposes (None: the configured number). A step
     # that rejects a proposal shrinks it to what was accepted plus one; one that accepts all grows it by one.
     speculative_window: int | None = None
+    # A draft model (engine/draft_proposer.py): tokens before ``num_computed_tokens`` whose KV the draft still
+    # lacks (1 after a verify step that kept every proposal: the draft never ran the last one).
+    draft_lag: int = 0
     block_table: list[int] = field(default_factory=list)
     # Leading block-table entries released because every layer's window has passed them (they read 0).
     num_released_blocks: int = 0

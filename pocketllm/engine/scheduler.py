@@ -8,7 +8,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from pocketllm.engine.block_manager import BlockManager
-from pocketllm.engine.ngram_proposer import NgramProposer
+from pocketllm.engine.proposer import Proposer
 from pocketllm.engine.request import FinishReason, Request, RequestStatus
 from pocketllm.engine.state_pool import StatePool
 from pocketllm.step.scheduled_chunk import ScheduledChunk
@@ -36,7 +36,7 @@ class Scheduler:
     """
 
     def __init__(self, limits: SchedulerLimits, block_manager: BlockManager, prefill_chunk: int,
-                 state_pool: StatePool | None = None, proposer: NgramProposer | None = None) -> None:
+                 state_pool: StatePool | None = None, proposer: Proposer | None = None) -> None:
         self.limits = limits
         self.blocks = block_manager
         self.state_pool = state_pool    # hybrid models: a recurrent-state slot per running request
@@ -72,6 +72,7 @@ class Scheduler:
         if self.state_pool is not None:
             self.state_pool.release(victim)
         victim.num_computed_tokens = 0
+        victim.draft_lag = 0
         victim.status = RequestStatus.WAITING
         victim.num_preemptions += 1
         self.num_preemptions += 1

@@ -439,7 +439,8 @@ class ModelRunner:
         return self.sampler.sample_async(logits, rows).start_copy()
 
     @torch.inference_mode()
-    def verify(self, chunks: list[ScheduledChunk], logits: torch.Tensor | None) -> list[list[SampledToken]]:
+    def verify(self, chunks: list[ScheduledChunk], logits: torch.Tensor | None,
+               forced: bool = False) -> list[list[SampledToken]]:
         """A step with verify chunks (speculative decoding): the tokens each sampling chunk emits, by the
-        acceptance rule of ``spec_verify.py`` (waits for the step)."""
-        return [] if logits is None else verify(self.sampler, logits, chunks)
+        acceptance rule of ``spec_verify.py`` (waits for the step); ``forced``: every proposal kept (benchmarks)."""
+        return [] if logits is None else verify(self.sampler, logits, chunks, forced)

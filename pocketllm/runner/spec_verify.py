@@ -3,10 +3,12 @@
 A verify chunk scores the request's last token and its ``k`` proposals in one forward: row ``j`` holds the
 target's scores for the token after proposal ``j - 1``. Each row is processed as the request's sampler would
 process it at that point (penalties count the proposals before it). Greedy: accept while the target's argmax
-equals the proposal, then emit the target's own token. Sampling (a proposal is a point mass): accept proposal
-``x`` with probability ``p(x)``; on rejection draw from ``p`` without ``x``, renormalised; with every proposal
-accepted, draw a bonus token from the last row. Each emitted token is then distributed as the plain sampler's
-would be. Draws come from the request's own generator (or the shared one), one uniform each.
+equals the proposal, then emit the target's own token. Sampling, with ``x`` drawn from the draft's distribution
+``q``: accept ``x`` with probability ``min(1, p(x) / q(x))``; on rejection draw from ``max(0, p - q)``,
+renormalised; with every proposal accepted, draw a bonus token from the last row. A proposal without a
+distribution (prompt lookup, a greedy draft) is a point mass: accepted with probability ``p(x)``, and a
+rejection draws from ``p`` without ``x``. Each emitted token is then distributed as the plain sampler's would
+be. Draws come from the request's own generator (or the shared one), one uniform each.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from collections.abc import Sequence
 
 import torch
 
-from pocketllm.runner.sampler import Sampler, SamplingRow
+from pocketllm.runner.sampler import Sampler, SamplingRow, argmax_rows
 from pocketllm.step.sampled import SampledToken
 from pocketllm.step.scheduled_chunk import ScheduledChunk
 
@@ -35,9 +37,11 @@ def _draw(probs: torch.Tensor, u: torch.Tensor) -> int:
 
 
 def accept(scores: torch.Tensor, draft: Sequence[int], greedy: bool, sampler: Sampler,
-           generator: torch.Generator | None, device: torch.device) -> list[int]:
+           generator: torch.Generator | None, device: torch.device,
+           draft_probs: torch.Tensor | None = None) -> list[int]:
     """The tokens a request emits from its ``[k + 1, V]`` processed scores (CPU float32) and its ``k``
-    proposals: the accepted proposals, then the target's token (a correction or the bonus)."""
+    proposals: the accepted proposals, then the target's token (a correction or the bonus). ``draft_probs``:
+    the ``[k, V]`` distributions the proposals were drawn from (None: point masses)."""
     if greedy:
         targets = scores.argmax(dim=-1).tolist()
         out: list[int] = []
@@ -49,14 +53,38 @@ def accept(scores: torch.Tensor, draft: Sequence[int], greedy: bool, sampler: Sa
     out = []
     for j, proposal in enumerate(draft):
         probs = torch.softmax(scores[j].double(), dim=-1)
-        if _uniform(sampler, generator, device).item() < probs[proposal].item():
+        q = 1.0 if draft_probs is None else draft_probs[j, proposal].item()
+        if _uniform(sampler, generator, device).item() * q < probs[proposal].item():
             out.append(proposal)
             continue
-        probs[proposal] = 0.0
+        if draft_probs is None:
+            probs[proposal] = 0.0
+        else:
+            residual = (probs - draft_probs[j].to(probs.dtype)).clamp_(min=0.0)
+            # p and q equal to rounding leave nothing: then p itself (a rejection that rounding alone made).
+            probs = residual if residual.sum().item() > 0 else probs
         return out + [_draw(probs, _uniform(sampler, generator, device))]
     # The bonus token is drawn exactly as the plain sampler draws on the CPU.
     last = scores[len(draft):len(draft) + 1]
     return out + [int(Sampler._inverse_cdf(last, _uniform(sampler, generator, device))[0])]
+
+
+def draw_proposals(sampler: Sampler, logits: torch.Tensor, rows: Sequence[SamplingRow]
+                   ) -> tuple[list[int], list[torch.Tensor | None]]:
+    """A draft model's next proposal for each row of its ``logits``, processed as the target's rows are: a
+    greedy request's argmax, or a draw from a sampling request's distribution ``q``, returned with ``q`` (float64,
+    CPU) for the acceptance rule (None for a greedy row). Draws use the request's generator (or the shared one),
+    one uniform each."""
+    scores = sampler.processed_scores(logits, rows)
+    tokens = argmax_rows(scores).tolist()
+    dists: list[torch.Tensor | None] = [None] * len(rows)
+    sampled = [i for i, row in enumerate(rows) if not row.params.greedy]
+    if sampled:
+        probs = torch.softmax(scores[sampled].double(), dim=-1).cpu()
+        for j, i in enumerate(sampled):
+            tokens[i] = _draw(probs[j], _uniform(sampler, rows[i].generator, logits.device))
+            dists[i] = probs[j]
+    return tokens, dists
 
 
 def _with_logprobs(raw: torch.Tensor, tokens: list[int], count: int | None) -> list[SampledToken]:
@@ -75,9 +103,11 @@ def _with_logprobs(raw: torch.Tensor, tokens: list[int], count: int | None) -> l
     return out
 
 
-def verify(sampler: Sampler, logits: torch.Tensor, chunks: Sequence[ScheduledChunk]) -> list[list[SampledToken]]:
+def verify(sampler: Sampler, logits: torch.Tensor, chunks: Sequence[ScheduledChunk],
+           forced: bool = False) -> list[list[SampledToken]]:
     """The tokens each sampling chunk emits, from ``logits`` (``1 + len(draft)`` rows per sampling chunk, in
-    chunk order); a chunk without proposals emits one token, drawn as the plain sampler draws it."""
+    chunk order); a chunk without proposals emits one token, drawn as the plain sampler draws it. ``forced``
+    (benchmarking the mechanics only): every proposal is kept, then the target's token after them."""
     rows: list[SamplingRow] = []
     spans: list[tuple[ScheduledChunk, int]] = []
     for chunk in chunks:
@@ -94,7 +124,12 @@ def verify(sampler: Sampler, logits: torch.Tensor, chunks: Sequence[ScheduledChu
     for chunk, start in spans:
         request = chunk.request
         width = len(chunk.draft) + 1
-        tokens = accept(scores[start:start + width], chunk.draft, request.params.greedy, sampler,
-                        request.generator, logits.device)
+        if forced:
+            last = scores[start + width - 1:start + width]
+            tokens = list(chunk.draft) + accept(last, (), request.params.greedy, sampler, request.generator,
+                                                logits.device)
+        else:
+            tokens = accept(scores[start:start + width], chunk.draft, request.params.greedy, sampler,
+                            request.generator, logits.device, chunk.draft_probs)
         results.append(_with_logprobs(logits[start:start + width].cpu(), tokens, request.params.logprobs))
     return results

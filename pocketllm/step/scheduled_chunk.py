@@ -11,13 +11,16 @@ class ScheduledChunk(NamedTuple):
     request, hundreds per step.)
 
     A verify chunk (speculative decoding) runs the request's last known token followed by ``draft``, the proposed
-    tokens (``num_tokens == 1 + len(draft)``), and every one of its positions is scored."""
+    tokens (``num_tokens == 1 + len(draft)``), and every one of its positions is scored. ``draft_probs``: the
+    distributions the proposals were drawn from (a ``[len(draft), V]`` float64 CPU tensor, a draft model's sampled
+    proposals); None: each proposal is a point mass (prompt lookup, a greedy draft)."""
 
     request: Any        # the engine's Request (the engine sits above this package)
     num_tokens: int
     start: int
     samples: bool
     draft: tuple[int, ...] = ()
+    draft_probs: Any = None
 
     @classmethod
     def of(cls, request: Any, num_tokens: int) -> ScheduledChunk:
