@@ -2,6 +2,7 @@
 # One device call: GPU tests, profiles and the three H200 benchmark numbers; logs and JSON under $OUT.
 # Usage (on the GPU machine, repository root):
 #   bash scripts/gpu_check.sh [tests|gdn|gemv|profile|latency|fp8|throughput|speculative|hybrid|models|serve ...]
+# TEST_K: a pytest -k expression for the tests stage (a subset of the GPU tests); failures and skips go to bench.log.
 # fla-core (optional, for Qwen3.5 prefill) is picked up from PYTHONPATH if installed or unpacked there.
 set -u
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
@@ -71,11 +72,12 @@ for stage in $stages; do
       if [ -d build/pydeps/xdist ]; then workers="-n ${TEST_WORKERS_PER_GPU:-6}"; fi
       for ((i = 0; i < gpus; i++)); do
         CUDA_VISIBLE_DEVICES=$i POCKETLLM_TEST_SHARD=$i/$gpus timeout ${TESTS_TIMEOUT:-480} $PY -m pytest -m gpu \
-          $files $workers -q -rfs -p no:cacheprovider > "$OUT/tests-$i.log" 2>&1 &
+          $files $workers -q -rfs -p no:cacheprovider ${TEST_K:+-k "$TEST_K"} > "$OUT/tests-$i.log" 2>&1 &
       done
       wait
       for ((i = 0; i < gpus; i++)); do
         echo "gpu tests shard $i/$gpus: $(tail -1 "$OUT/tests-$i.log")" | tee -a "$OUT/bench.log"
+        grep -E "^(FAILED|ERROR|SKIPPED)" "$OUT/tests-$i.log" | head -30 | tee -a "$OUT/bench.log"
       done ;;
     gdn)
       timeout 100 $PY scripts/bench_gated_delta.py > "$OUT/gdn.log" 2>&1; cat "$OUT/gdn.log" | tee -a "$OUT/bench.log" ;;
