@@ -284,6 +284,18 @@ def _with_proposer(llm: LLM, proposer: object) -> None:
     llm._client.backend.core.scheduler.proposer = proposer
 
 
+def _assert_oracle_equal(args: EngineArgs, params: SamplingParams, plain: list) -> dict:
+    """Speculating with ``OracleProposer`` over ``TINY_PROMPTS`` gives ``plain``'s tokens, some proposals kept and
+    some rejected; returns the engine's stats."""
+    with LLM(args.replace(speculative_config=NGRAM)) as llm:
+        _with_proposer(llm, OracleProposer({tuple(p): o.token_ids for p, o in zip(TINY_PROMPTS, plain)}))
+        oracle = llm.generate(TINY_PROMPTS, params)
+        stats = llm.stats()
+    assert [o.token_ids for o in oracle] == [o.token_ids for o in plain]
+    assert 0 < stats["spec_accepted_tokens"] < stats["spec_proposed_tokens"]
+    return stats
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen3_5_text", "qwen3_5_moe_text"])
 @pytest.mark.parametrize("regime", ["default", "preemption", "penalties"])
 def test_tiny_greedy_equal_with_speculation(arch, regime, tiny_checkpoint):
@@ -299,12 +311,7 @@ def test_tiny_greedy_equal_with_speculation(arch, regime, tiny_checkpoint):
     spec, _ = _generate(args.replace(speculative_config=NGRAM), TINY_PROMPTS, params)
     assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
     # Proposals that are often right.
-    with LLM(args.replace(speculative_config=NGRAM)) as llm:
-        _with_proposer(llm, OracleProposer({tuple(p): o.token_ids for p, o in zip(TINY_PROMPTS, plain)}))
-        oracle = llm.generate(TINY_PROMPTS, params)
-        stats = llm.stats()
-    assert [o.token_ids for o in oracle] == [o.token_ids for o in plain]
-    assert 0 < stats["spec_accepted_tokens"] < stats["spec_proposed_tokens"]
+    stats = _assert_oracle_equal(args, params, plain)
     if regime == "preemption":
         assert stats["num_preemptions"] > 0
 
@@ -320,12 +327,7 @@ def test_cuda_greedy_equal_with_speculation(arch, tiny_checkpoint):
     params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
     args = EngineArgs(model=tiny_checkpoint(arch), device="cuda", dtype="float32", num_kv_blocks=256)
     plain, _ = _generate(args, TINY_PROMPTS, params)
-    with LLM(args.replace(speculative_config=NGRAM)) as llm:
-        _with_proposer(llm, OracleProposer({tuple(p): o.token_ids for p, o in zip(TINY_PROMPTS, plain)}))
-        oracle = llm.generate(TINY_PROMPTS, params)
-        stats = llm.stats()
-    assert [o.token_ids for o in oracle] == [o.token_ids for o in plain]
-    assert 0 < stats["spec_accepted_tokens"] < stats["spec_proposed_tokens"]
+    _assert_oracle_equal(args, params, plain)
 
 
 def test_tiny_budget_is_never_exceeded(tiny_checkpoint):
@@ -399,6 +401,25 @@ def _first_tokens(args: EngineArgs, prompt: list[int], draws: int, params: Sampl
         return [tuple(o.token_ids) for o in outputs], llm.stats()
 
 
+def assert_same_distribution(plain: list, spec: list) -> None:
+    """``plain`` and ``spec`` (outcomes of many draws) come from one distribution: a chi-square two-sample test
+    at about 1e-4 false-alarm rate."""
+    outcomes = sorted(set(plain) | set(spec))
+    a = torch.tensor([plain.count(o) for o in outcomes], dtype=torch.float64)
+    b = torch.tensor([spec.count(o) for o in outcomes], dtype=torch.float64)
+    frequent = (a + b) >= 10
+    # Rare outcomes pooled into one cell, so that every expected count is large enough for the test.
+    a = torch.cat([a[frequent], a[~frequent].sum().unsqueeze(0)])
+    b = torch.cat([b[frequent], b[~frequent].sum().unsqueeze(0)])
+    keep = (a + b) > 0
+    a, b = a[keep], b[keep]
+    assert len(a) >= 3, "the test needs several outcomes"
+    total = a + b
+    expected_a, expected_b = total * a.sum() / total.sum(), total * b.sum() / total.sum()
+    chi2 = float(((a - expected_a) ** 2 / expected_a + (b - expected_b) ** 2 / expected_b).sum())
+    assert chi2 < _chi_square_bound(len(a) - 1), (chi2, outcomes)
+
+
 def test_seeded_sampling_is_distribution_correct(tiny_checkpoint):
     """The first three tokens of many seeded draws (the first from the prefill step, the next ones from verify
     steps), with and without speculation, come from one distribution: a chi-square two-sample test over the
@@ -414,20 +435,7 @@ def test_seeded_sampling_is_distribution_correct(tiny_checkpoint):
     spec, stats = _first_tokens(args.replace(speculative_config=NGRAM), prompt, draws, params,
                                 OracleProposer({tuple(prompt): list(mode)}))
     assert stats["spec_verify_chunks"] > 0 and 0 < stats["spec_accepted_tokens"] < stats["spec_proposed_tokens"]
-    outcomes = sorted(set(plain) | set(spec))
-    a = torch.tensor([plain.count(o) for o in outcomes], dtype=torch.float64)
-    b = torch.tensor([spec.count(o) for o in outcomes], dtype=torch.float64)
-    frequent = (a + b) >= 10
-    # Rare outcomes pooled into one cell, so that every expected count is large enough for the test.
-    a = torch.cat([a[frequent], a[~frequent].sum().unsqueeze(0)])
-    b = torch.cat([b[frequent], b[~frequent].sum().unsqueeze(0)])
-    keep = (a + b) > 0
-    a, b = a[keep], b[keep]
-    assert len(a) >= 3, "the test needs several outcomes"
-    total = a + b
-    expected_a, expected_b = total * a.sum() / total.sum(), total * b.sum() / total.sum()
-    chi2 = float(((a - expected_a) ** 2 / expected_a + (b - expected_b) ** 2 / expected_b).sum())
-    assert chi2 < _chi_square_bound(len(a) - 1), (chi2, outcomes)
+    assert_same_distribution(plain, spec)
 
 
 # ---------------------------------------------------------------------------------------------------------------

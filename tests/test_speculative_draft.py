@@ -14,7 +14,7 @@ import os
 import pytest
 import torch
 from conftest import write_checkpoint
-from test_speculative import _chi_square_bound, _first_tokens, _generate
+from test_speculative import _chi_square_bound, _first_tokens, _generate, assert_same_distribution
 
 from pocketllm import LLM, AsyncLLM, EngineArgs, SamplingParams
 from pocketllm.errors import InvalidRequestError, UnsupportedFeatureError
@@ -250,19 +250,7 @@ def test_seeded_sampling_with_a_draft_model_is_distribution_correct(tiny_checkpo
     plain, _ = _first_tokens(args, prompt, draws, params)
     spec, stats = _first_tokens(args.replace(speculative_config=draft(near_llama, k=2)), prompt, draws, params)
     assert stats["spec_verify_chunks"] > 0 and 0 < stats["spec_accepted_tokens"] < stats["spec_proposed_tokens"]
-    outcomes = sorted(set(plain) | set(spec))
-    a = torch.tensor([plain.count(o) for o in outcomes], dtype=torch.float64)
-    b = torch.tensor([spec.count(o) for o in outcomes], dtype=torch.float64)
-    frequent = (a + b) >= 10
-    a = torch.cat([a[frequent], a[~frequent].sum().unsqueeze(0)])
-    b = torch.cat([b[frequent], b[~frequent].sum().unsqueeze(0)])
-    keep = (a + b) > 0
-    a, b = a[keep], b[keep]
-    assert len(a) >= 3, "the test needs several outcomes"
-    total = a + b
-    expected_a, expected_b = total * a.sum() / total.sum(), total * b.sum() / total.sum()
-    chi2 = float(((a - expected_a) ** 2 / expected_a + (b - expected_b) ** 2 / expected_b).sum())
-    assert chi2 < _chi_square_bound(len(a) - 1), (chi2, outcomes)
+    assert_same_distribution(plain, spec)
 
 
 # ---------------------------------------------------------------------------------------------------------------
