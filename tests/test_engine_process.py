@@ -32,6 +32,18 @@ def _greedy(n: int, **kw) -> SamplingParams:
     return SamplingParams(max_tokens=n, temperature=0.0, **kw)
 
 
+def _assert_same_logprobs(a, b) -> None:
+    """Same ranked tokens; values equal up to float summation order (the two processes may run with
+    different intra-op thread counts, which reorders reductions in the last bits)."""
+    for x, y in zip(a, b):
+        assert (x.logprobs is None) == (y.logprobs is None)
+        for p, q in zip(x.logprobs or (), y.logprobs or ()):
+            assert (p.token_id, p.token) == (q.token_id, q.token)
+            assert p.logprob == pytest.approx(q.logprob, abs=1e-4)
+            assert [t.token_id for t in p.top] == [t.token_id for t in q.top]
+            assert [t.logprob for t in p.top] == pytest.approx([t.logprob for t in q.top], abs=1e-4)
+
+
 def test_outputs_equal_the_in_process_engine(pair):
     local, remote = pair
     params = [_greedy(12, ignore_eos=True), _greedy(12, ignore_eos=True, logprobs=3),
@@ -39,8 +51,9 @@ def test_outputs_equal_the_in_process_engine(pair):
     for p in params:
         a = local.generate(["Once upon a time", PROMPT], p)
         b = remote.generate(["Once upon a time", PROMPT], p)
-        assert [(o.text, o.token_ids, o.finish_reason, o.logprobs) for o in a] == \
-            [(o.text, o.token_ids, o.finish_reason, o.logprobs) for o in b]
+        assert [(o.text, o.token_ids, o.finish_reason) for o in a] == \
+            [(o.text, o.token_ids, o.finish_reason) for o in b]
+        _assert_same_logprobs(a, b)
         assert [o.usage.completion_tokens for o in a] == [o.usage.completion_tokens for o in b]
     stream = list(remote.generate_stream("Once upon a time", params[0]))
     assert "".join(e.text for e in stream) == local.generate("Once upon a time", params[0])[0].text
