@@ -17,7 +17,8 @@ int64_t blocks_for(const QwenConfig& c, const QwenEngineOptions& o) {
   if (o.block_size < 1) throw std::invalid_argument("block_size must be >= 1");
   if (o.num_kv_blocks > 0) return o.num_kv_blocks;
   if (!(o.kv_cache_mb > 0)) throw std::invalid_argument("kv_cache_mb must be positive");
-  const double per_block = 2.0 * c.num_layers * o.block_size * c.num_kv_heads * c.head_dim * 4.0;
+  const double per_block =
+      2.0 * std::max<int64_t>(1, c.num_attention_layers()) * o.block_size * c.num_kv_heads * c.head_dim * 4.0;
   return std::max<int64_t>(1, static_cast<int64_t>(o.kv_cache_mb * 1024.0 * 1024.0 / per_block));
 }
 
@@ -42,7 +43,11 @@ QwenConfig checkpoint_config(const std::string& checkpoint) { return read_qwen_c
 QwenEngine::QwenEngine(const std::string& checkpoint, const QwenEngineOptions& options)
     : options_(options),
       model_(checkpoint, read_qwen_config(checkpoint)),
-      pool_(blocks_for(model_.config(), options), options.block_size, options.prefix_caching) {
+      pool_(blocks_for(model_.config(), options), options.block_size,
+            options.prefix_caching && !model_.config().hybrid) {
+  // A hybrid model's linear-attention state after a prefix exists only for the sequence that computed it, so a
+  // cached block prefix cannot be resumed: prefix caching is off for it.
+  if (model_.config().hybrid) options_.prefix_caching = false;
   validate_sampling(options.sampling);
   if (options.max_slots < 1) throw std::invalid_argument("max_slots must be >= 1");
   if (options.num_threads > 0) at::set_num_threads(static_cast<int>(options.num_threads));
@@ -92,10 +97,12 @@ at::Tensor QwenEngine::run(const std::vector<Sequence*>& seqs, const std::vector
   std::vector<Chunk> chunks;
   for (size_t i = 0; i < seqs.size(); ++i) {
     Sequence& s = *seqs[i];
+    if (model_.config().hybrid && s.state_slot < 0) s.state_slot = model_.acquire_state_slot();
     Chunk c;
     c.start = s.num_computed;
     c.num_tokens = n[i];
     c.block_table = &s.table;
+    c.state_slot = s.state_slot;
     c.wants_logits = s.num_computed + n[i] == static_cast<int64_t>(s.tokens.size());
     tokens.insert(tokens.end(), s.tokens.begin() + c.start, s.tokens.begin() + c.start + c.num_tokens);
     chunks.push_back(c);
@@ -112,6 +119,8 @@ at::Tensor QwenEngine::run(const std::vector<Sequence*>& seqs, const std::vector
 void QwenEngine::finish(Sequence& seq) {
   pool_.register_full(seq.tokens, seq.num_computed, seq.table, seq.hashed, seq.last_hash);
   pool_.release(seq.table);
+  model_.release_state_slot(seq.state_slot);
+  seq.state_slot = -1;
 }
 
 int64_t QwenEngine::sample_session(const at::Tensor& logits) {
@@ -171,7 +180,10 @@ std::vector<int64_t> QwenEngine::generate(const std::vector<int64_t>& prompt, in
 
 void QwenEngine::reset() {
   auto guard = lock();
-  if (session_) pool_.release(session_->table);
+  if (session_) {
+    pool_.release(session_->table);
+    model_.release_state_slot(session_->state_slot);
+  }
   session_.reset();
   pool_.clear_prefix_cache();
 }

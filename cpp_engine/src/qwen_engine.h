@@ -1,4 +1,4 @@
-// QwenEngine: a loaded Qwen3 model with its KV pool, a single-session token API (prefill, decode_step,
+// QwenEngine: a loaded Qwen3 or Qwen3.5 model with its KV pool, a single-session token API (prefill, decode_step,
 // generate, reset) and the batched step the batch core schedules onto.
 #pragma once
 
@@ -21,7 +21,7 @@ struct QwenEngineOptions {
   double kv_cache_mb = 512.0;
   int64_t max_model_len = 0;        // 0: the checkpoint's, bounded by the KV cache
   int64_t max_slots = 64;           // most sequences one batched step runs
-  bool prefix_caching = true;
+  bool prefix_caching = true;      // forced off for Qwen3.5 (its recurrent state is not per block)
   int64_t num_threads = 0;          // 0: libtorch's default
   std::vector<int64_t> eos_token_ids;   // empty: generation_config.json's, else config.json's
   SamplingOptions sampling;         // the single-session API's sampling (greedy by default)
@@ -36,6 +36,7 @@ struct Sequence {
   int64_t num_cached = 0;       // of the prompt, found in the prefix cache
   int64_t num_generated = 0;    // sampled tokens, an EOS included
   std::vector<int64_t> table;
+  int64_t state_slot = -1;      // hybrid models: the recurrent-state slot while it has computed tokens
   int64_t hashed = 0;
   uint64_t last_hash = 0;
   SamplingOptions sampling;
@@ -70,7 +71,7 @@ class QwenEngine {
   void start(Sequence& seq);   // claims the cached prefix of a fresh sequence
   // Run chunks of `n[i]` tokens of seqs[i] (blocks already grown); returns logits of those reaching their end.
   at::Tensor run(const std::vector<Sequence*>& seqs, const std::vector<int64_t>& n);
-  void finish(Sequence& seq);  // registers its full blocks and releases them
+  void finish(Sequence& seq);  // registers its full blocks and releases them (and its state slot)
 
  private:
   int64_t sample_session(const at::Tensor& logits);

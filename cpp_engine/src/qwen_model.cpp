@@ -1,5 +1,9 @@
 // The Qwen3 forward (qwen_model.h): RMSNorm, fused QKV with per-head q/k norms, rotary embedding (halves
 // rotated), paged causal attention with grouped KV heads, SwiGLU MLP, and the (possibly tied) LM head.
+// Qwen3.5 adds: RMSNorm weights stored around zero (scaling by 1 + w, folded in at load), Gated DeltaNet layers
+// (gated_delta.h) between the full-attention ones, a sigmoid output gate read from q_proj (per head: the query's
+// head_dim rows, then the gate's), rotary on the first partial_rotary_factor of each head, and for the MoE a
+// shared expert scaled by sigmoid(shared_expert_gate).
 #include "qwen_model.h"
 
 #include <cmath>
@@ -41,25 +45,84 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   return x * at::rsqrt(var + eps) * weight;
 }
 
-// Rotate the halves of the last dimension by the angles of `cos`/`sin` ([T, 1, D/2]).
+// Rotate the halves of the first 2 * cos.size(-1) channels of the last dimension by the angles of `cos`/`sin`
+// ([T, 1, R/2]); the other channels pass unchanged (partial rotary).
 at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
-  const int64_t half = x.size(-1) / 2;
+  const int64_t half = cos.size(-1), rotary = 2 * half;
   at::Tensor x1 = x.narrow(-1, 0, half), x2 = x.narrow(-1, half, half);
-  return at::cat({x1 * cos - x2 * sin, x2 * cos + x1 * sin}, -1);
+  if (rotary == x.size(-1)) return at::cat({x1 * cos - x2 * sin, x2 * cos + x1 * sin}, -1);
+  return at::cat({x1 * cos - x2 * sin, x2 * cos + x1 * sin, x.narrow(-1, rotary, x.size(-1) - rotary)}, -1);
+}
+
+bool bool_of(const Json& cfg, const char* key, bool fallback) {
+  const Json* v = cfg.find(key);
+  return v && v->type == Json::Type::Bool ? v->boolean : fallback;
+}
+
+// Qwen3.5's per-layer mixers: layer_types, else every full_attention_interval-th layer is full attention.
+void read_hybrid_layers(const Json& cfg, QwenConfig& c) {
+  c.hybrid = true;
+  c.linear_layers.assign(static_cast<size_t>(c.num_layers), 0);
+  if (const Json* types = cfg.find("layer_types"); types && types->is_array()) {
+    if (static_cast<int64_t>(types->array.size()) != c.num_layers)
+      throw std::invalid_argument("config.json: layer_types does not name every layer");
+    for (size_t i = 0; i < types->array.size(); ++i) {
+      const std::string& t = types->array[i].as_string();
+      if (t != "linear_attention" && t != "full_attention")
+        throw std::invalid_argument("layer type '" + t + "' is not implemented by the native engine");
+      c.linear_layers[i] = t == "linear_attention";
+    }
+  } else {
+    const Json* v = cfg.find("full_attention_interval");
+    const int64_t interval = v && v->is_number() ? v->as_int() : 4;
+    if (interval < 1) throw std::invalid_argument("config.json: full_attention_interval must be >= 1");
+    for (int64_t i = 0; i < c.num_layers; ++i) c.linear_layers[i] = (i + 1) % interval != 0;
+  }
+  c.delta.num_k_heads = int_of(cfg, "linear_num_key_heads");
+  c.delta.num_v_heads = int_of(cfg, "linear_num_value_heads");
+  c.delta.k_head_dim = int_of(cfg, "linear_key_head_dim");
+  c.delta.v_head_dim = int_of(cfg, "linear_value_head_dim");
+  c.delta.conv_kernel = int_of(cfg, "linear_conv_kernel_dim");
+}
+
+// Checkpoint names as this engine reads them: a multimodal checkpoint's text model (model.language_model.*) as
+// model.*; the vision tower and the multi-token-prediction head dropped.
+TensorMap text_weights(TensorMap loaded) {
+  TensorMap out;
+  const std::string lm = "model.language_model.";
+  for (auto& [name, t] : loaded) {
+    if (name.rfind("mtp.", 0) == 0 || name.rfind("model.visual.", 0) == 0 || name.rfind("visual.", 0) == 0) continue;
+    if (name.rfind(lm, 0) == 0) out["model." + name.substr(lm.size())] = t;
+    else out[name] = t;
+  }
+  return out;
 }
 
 }  // namespace
 
 QwenConfig read_qwen_config(const std::string& directory) {
-  Json cfg = read_json(directory + "/config.json");
-  if (const Json* text = cfg.find("text_config"); text && text->is_object()) cfg = *text;
+  const Json outer = read_json(directory + "/config.json");
+  // A multimodal checkpoint's text model: its text_config (copied out of `outer`, never assigned over itself).
+  const Json* text = outer.find("text_config");
+  const Json cfg = text && text->is_object() ? Json(*text) : outer;
   QwenConfig c;
   c.model_type = cfg.has("model_type") ? cfg.at("model_type").as_string() : "";
   const Json* archs = cfg.find("architectures");
+  if (!archs || !archs->is_array() || archs->array.empty()) archs = outer.find("architectures");
   c.architecture = archs && archs->is_array() && !archs->array.empty() ? archs->array[0].as_string() : "";
-  if (c.model_type != "qwen3" && c.model_type != "qwen3_moe")
-    throw std::invalid_argument("the native engine runs Qwen3 and Qwen3-MoE checkpoints (model_type 'qwen3', "
-                                "'qwen3_moe'); this one is '" + c.model_type + "'");
+  const bool qwen3_5 = c.model_type == "qwen3_5_text" || c.model_type == "qwen3_5_moe_text";
+  if (c.model_type != "qwen3" && c.model_type != "qwen3_moe" && !qwen3_5)
+    throw std::invalid_argument("the native engine runs Qwen3, Qwen3-MoE, Qwen3.5 and Qwen3.5-MoE checkpoints "
+                                "(model_type 'qwen3', 'qwen3_moe', 'qwen3_5_text', 'qwen3_5_moe_text'); this one is '" +
+                                c.model_type + "'");
+  if (c.model_type == "qwen3_5_moe_text") {   // every layer: routed experts (renormalised top-k) + shared expert
+    c.num_experts = int_of(cfg, "num_experts");
+    c.experts_per_token = int_of(cfg, "num_experts_per_tok");
+    c.moe_intermediate_size = int_of(cfg, "moe_intermediate_size");
+    c.shared_expert_intermediate_size = int_of(cfg, "shared_expert_intermediate_size");
+    if (c.experts_per_token < 1 || c.experts_per_token > c.num_experts)
+      throw std::invalid_argument("config.json: bad expert counts");
+  }
   if (c.model_type == "qwen3_moe") {
     const Json* experts = cfg.find("num_experts");
     if (!experts || !experts->is_number()) experts = cfg.find("num_local_experts");
@@ -76,7 +139,8 @@ QwenConfig read_qwen_config(const std::string& directory) {
   }
   c.vocab_size = int_of(cfg, "vocab_size");
   c.hidden_size = int_of(cfg, "hidden_size");
-  c.intermediate_size = int_of(cfg, "intermediate_size");
+  c.intermediate_size = c.model_type == "qwen3_5_moe_text" && !cfg.has("intermediate_size")
+                            ? 0 : int_of(cfg, "intermediate_size");
   c.num_layers = int_of(cfg, "num_hidden_layers");
   c.num_heads = int_of(cfg, "num_attention_heads");
   c.num_kv_heads = cfg.has("num_key_value_heads") ? int_of(cfg, "num_key_value_heads") : c.num_heads;
@@ -84,13 +148,17 @@ QwenConfig read_qwen_config(const std::string& directory) {
   c.head_dim = hd && hd->is_number() ? hd->as_int() : c.hidden_size / c.num_heads;
   c.max_position_embeddings = cfg.has("max_position_embeddings") ? int_of(cfg, "max_position_embeddings") : 32768;
   if (const Json* v = cfg.find("rms_norm_eps"); v && v->is_number()) c.rms_norm_eps = v->as_double();
-  if (const Json* v = cfg.find("tie_word_embeddings"); v && v->type == Json::Type::Bool) c.tie_word_embeddings = v->boolean;
-  if (const Json* v = cfg.find("attention_bias"); v && v->type == Json::Type::Bool) c.attention_bias = v->boolean;
+  c.tie_word_embeddings = bool_of(cfg, "tie_word_embeddings", bool_of(outer, "tie_word_embeddings", false));
+  c.attention_bias = bool_of(cfg, "attention_bias", false);
+  if (qwen3_5) read_hybrid_layers(cfg, c);
   const Json* rope_params = cfg.find("rope_parameters");
   if (!rope_params || rope_params->is_null()) rope_params = cfg.find("rope_scaling");
   if (const Json* v = cfg.find("rope_theta"); v && v->is_number()) c.rope_theta = v->as_double();
   if (rope_params && rope_params->is_object()) {
     if (const Json* v = rope_params->find("rope_theta"); v && v->is_number()) c.rope_theta = v->as_double();
+    // Qwen3.5's multimodal rotary sections are degenerate for text (all position streams are the token's).
+    if (const Json* v = rope_params->find("partial_rotary_factor"); v && v->is_number())
+      c.partial_rotary_factor = v->as_double();
     const Json* type = rope_params->find("rope_type");
     if (!type) type = rope_params->find("type");
     if (type && type->is_string() && type->as_string() != "default")
@@ -98,13 +166,26 @@ QwenConfig read_qwen_config(const std::string& directory) {
   }
   if (const Json* v = cfg.find("use_sliding_window"); v && v->type == Json::Type::Bool && v->boolean)
     throw std::invalid_argument("sliding-window attention is not implemented by the native engine");
-  if (c.head_dim % 2 != 0 || c.num_heads % c.num_kv_heads != 0)
-    throw std::invalid_argument("config.json: head_dim must be even and the heads a multiple of the KV heads");
-  if (const Json* v = cfg.find("eos_token_id")) {
+  if (qwen3_5 && !(rope_params && rope_params->is_object() && rope_params->has("partial_rotary_factor")))
+    if (const Json* v = cfg.find("partial_rotary_factor"); v && v->is_number()) c.partial_rotary_factor = v->as_double();
+  if (c.rotary_dim() % 2 != 0 || c.rotary_dim() < 2 || c.rotary_dim() > c.head_dim ||
+      c.num_heads % c.num_kv_heads != 0)
+    throw std::invalid_argument("config.json: the rotary width must be even and the heads a multiple of the KV heads");
+  const Json* eos = cfg.find("eos_token_id");
+  if (!eos || eos->is_null()) eos = outer.find("eos_token_id");
+  if (const Json* v = eos) {
     if (v->is_number()) c.eos_token_ids.push_back(v->as_int());
     for (const Json& e : v->array) c.eos_token_ids.push_back(e.as_int());
   }
   return c;
+}
+
+int64_t QwenConfig::rotary_dim() const { return static_cast<int64_t>(head_dim * partial_rotary_factor); }
+
+int64_t QwenConfig::num_attention_layers() const {
+  int64_t n = 0;
+  for (int64_t i = 0; i < num_layers; ++i) n += !is_linear_layer(i);
+  return n;
 }
 
 bool QwenConfig::is_moe_layer(int64_t layer) const {
@@ -115,7 +196,9 @@ bool QwenConfig::is_moe_layer(int64_t layer) const {
 }
 
 QwenModel::QwenModel(const std::string& directory, const QwenConfig& config) : config_(config) {
-  TensorMap w = load_safetensors_dir(directory);
+  // Qwen3.5's RMSNorm weights (not its DeltaNet's gated norm) are stored around zero: the scale is 1 + w.
+  auto offset = [this](const at::Tensor& weight) { return config_.hybrid ? weight + 1.0 : weight; };
+  TensorMap w = text_weights(load_safetensors_dir(directory));
   for (const auto& [name, t] : w) {
     num_parameters_ += t.numel();
     if (name == "model.embed_tokens.weight" && !config_.tie_word_embeddings) continue;   // one row per token
@@ -125,7 +208,7 @@ QwenModel::QwenModel(const std::string& directory, const QwenConfig& config) : c
   embed_ = take(w, "model.embed_tokens.weight");
   if (embed_.size(0) != config_.vocab_size || embed_.size(1) != config_.hidden_size)
     throw std::invalid_argument("model.embed_tokens.weight does not match config.json's sizes");
-  final_norm_ = take(w, "model.norm.weight");
+  final_norm_ = offset(take(w, "model.norm.weight"));
   auto head = w.find("lm_head.weight");
   if (head != w.end()) { lm_head_ = head->second; w.erase(head); }
   else if (config_.tie_word_embeddings) lm_head_ = embed_;
@@ -133,26 +216,49 @@ QwenModel::QwenModel(const std::string& directory, const QwenConfig& config) : c
   for (int64_t i = 0; i < config_.num_layers; ++i) {
     const std::string p = "model.layers." + std::to_string(i) + ".";
     Layer l;
-    l.input_norm = take(w, p + "input_layernorm.weight");
-    l.post_norm = take(w, p + "post_attention_layernorm.weight");
-    at::Tensor q = take(w, p + "self_attn.q_proj.weight"), k = take(w, p + "self_attn.k_proj.weight"),
-               v = take(w, p + "self_attn.v_proj.weight");
-    if (q.size(0) != config_.num_heads * config_.head_dim || k.size(0) != config_.num_kv_heads * config_.head_dim)
-      throw std::invalid_argument("attention projections of layer " + std::to_string(i) + " do not match config.json");
-    l.qkv = at::cat({q, k, v}, 0).contiguous();
-    if (w.count(p + "self_attn.q_proj.bias"))
-      l.qkv_bias = at::cat({take(w, p + "self_attn.q_proj.bias"), take(w, p + "self_attn.k_proj.bias"),
-                            take(w, p + "self_attn.v_proj.bias")}, 0);
-    l.o_proj = take(w, p + "self_attn.o_proj.weight");
-    l.q_norm = take(w, p + "self_attn.q_norm.weight");
-    l.k_norm = take(w, p + "self_attn.k_norm.weight");
+    l.input_norm = offset(take(w, p + "input_layernorm.weight"));
+    l.post_norm = offset(take(w, p + "post_attention_layernorm.weight"));
+    if (config_.is_linear_layer(i)) {
+      l.delta = std::make_unique<GatedDeltaNet>(w, p + "linear_attn.", config_.delta, config_.hidden_size,
+                                                config_.rms_norm_eps);
+    } else {
+      // Qwen3.5's q_proj holds, per head, the query's head_dim rows then its output gate's.
+      const int64_t q_rows = config_.num_heads * config_.head_dim * (config_.hybrid ? 2 : 1);
+      at::Tensor q = take(w, p + "self_attn.q_proj.weight"), k = take(w, p + "self_attn.k_proj.weight"),
+                 v = take(w, p + "self_attn.v_proj.weight");
+      if (q.size(0) != q_rows || k.size(0) != config_.num_kv_heads * config_.head_dim)
+        throw std::invalid_argument("attention projections of layer " + std::to_string(i) + " do not match config.json");
+      l.qkv = at::cat({q, k, v}, 0).contiguous();
+      if (w.count(p + "self_attn.q_proj.bias"))
+        l.qkv_bias = at::cat({take(w, p + "self_attn.q_proj.bias"), take(w, p + "self_attn.k_proj.bias"),
+                              take(w, p + "self_attn.v_proj.bias")}, 0);
+      l.o_proj = take(w, p + "self_attn.o_proj.weight");
+      l.q_norm = offset(take(w, p + "self_attn.q_norm.weight"));
+      l.k_norm = offset(take(w, p + "self_attn.k_norm.weight"));
+    }
     if (config_.is_moe_layer(i)) {
       l.router = take(w, p + "mlp.gate.weight");
-      for (int64_t e = 0; e < config_.num_experts; ++e) {
-        const std::string x = p + "mlp.experts." + std::to_string(e) + ".";
-        l.expert_gate_up.push_back(
-            at::cat({take(w, x + "gate_proj.weight"), take(w, x + "up_proj.weight")}, 0).contiguous());
-        l.expert_down.push_back(take(w, x + "down_proj.weight"));
+      if (w.count(p + "mlp.experts.gate_up_proj")) {   // stacked: [experts, 2 * I, hidden] and [experts, hidden, I]
+        at::Tensor gate_up = take(w, p + "mlp.experts.gate_up_proj"), down = take(w, p + "mlp.experts.down_proj");
+        if (gate_up.size(0) != config_.num_experts || down.size(0) != config_.num_experts)
+          throw std::invalid_argument("stacked experts of layer " + std::to_string(i) + " do not match config.json");
+        for (int64_t e = 0; e < config_.num_experts; ++e) {
+          l.expert_gate_up.push_back(gate_up.select(0, e).contiguous());
+          l.expert_down.push_back(down.select(0, e).contiguous());
+        }
+      } else {
+        for (int64_t e = 0; e < config_.num_experts; ++e) {
+          const std::string x = p + "mlp.experts." + std::to_string(e) + ".";
+          l.expert_gate_up.push_back(
+              at::cat({take(w, x + "gate_proj.weight"), take(w, x + "up_proj.weight")}, 0).contiguous());
+          l.expert_down.push_back(take(w, x + "down_proj.weight"));
+        }
+      }
+      if (config_.shared_expert_intermediate_size > 0) {
+        const std::string x = p + "mlp.shared_expert.";
+        l.shared_gate_up = at::cat({take(w, x + "gate_proj.weight"), take(w, x + "up_proj.weight")}, 0).contiguous();
+        l.shared_down = take(w, x + "down_proj.weight");
+        l.shared_gate = take(w, p + "mlp.shared_expert_gate.weight");
       }
     } else {
       l.gate_up = at::cat({take(w, p + "mlp.gate_proj.weight"), take(w, p + "mlp.up_proj.weight")}, 0).contiguous();
@@ -161,9 +267,25 @@ QwenModel::QwenModel(const std::string& directory, const QwenConfig& config) : c
     layers_.push_back(std::move(l));
   }
   if (!w.empty())
-    throw std::invalid_argument("checkpoint tensor " + w.begin()->first + " is not used by the native Qwen3 engine");
-  inv_freq_ = 1.0 / at::pow(config_.rope_theta,
-                            at::arange(0, config_.head_dim, 2, at::kLong).to(at::kFloat) / config_.head_dim);
+    throw std::invalid_argument("checkpoint tensor " + w.begin()->first + " is not used by the native engine");
+  const int64_t rotary = config_.rotary_dim();
+  inv_freq_ = 1.0 / at::pow(config_.rope_theta, at::arange(0, rotary, 2, at::kLong).to(at::kFloat) / rotary);
+}
+
+int64_t QwenModel::acquire_state_slot() {
+  if (!free_state_slots_.empty()) {
+    const int64_t slot = free_state_slots_.back();
+    free_state_slots_.pop_back();
+    return slot;
+  }
+  const int64_t slot = num_state_slots_++;
+  for (Layer& l : layers_)
+    if (l.delta) l.delta->ensure_slots(num_state_slots_);
+  return slot;
+}
+
+void QwenModel::release_state_slot(int64_t slot) {
+  if (slot >= 0) free_state_slots_.push_back(slot);
 }
 
 // Each token's top-k experts by router softmax (renormalised when norm_topk_prob), their SwiGLU outputs summed
@@ -191,6 +313,12 @@ at::Tensor QwenModel::moe(const Layer& l, const at::Tensor& h) const {
     y = y * flat_weights.index_select(0, at::tensor(slots[e], at::kLong)).unsqueeze(1);
     out.index_add_(0, idx, y);
   }
+  if (l.shared_gate_up.defined()) {
+    const int64_t S = c.shared_expert_intermediate_size;
+    at::Tensor gu = at::linear(h, l.shared_gate_up);
+    at::Tensor shared = at::linear(at::silu(gu.narrow(1, 0, S)) * gu.narrow(1, S, S), l.shared_down);
+    out = out + at::sigmoid(at::linear(h, l.shared_gate)) * shared;
+  }
   return out;
 }
 
@@ -199,21 +327,58 @@ void QwenModel::allocate_cache(int64_t num_blocks, int64_t block_size) {
   k_cache_.clear();
   v_cache_.clear();
   for (int64_t i = 0; i < config_.num_layers; ++i) {
+    if (config_.is_linear_layer(i)) {   // linear-attention layers keep no KV
+      k_cache_.emplace_back();
+      v_cache_.emplace_back();
+      continue;
+    }
     // Pages are touched when a block is first written; a slot is read only after its position was written.
     k_cache_.push_back(at::empty({num_blocks * block_size, config_.num_kv_heads, config_.head_dim}));
     v_cache_.push_back(at::empty({num_blocks * block_size, config_.num_kv_heads, config_.head_dim}));
   }
 }
 
+// One full-attention layer over the normed input h [T, hidden]: K/V written to the cache slots `slot`, attention
+// over each chunk's context, Qwen3.5's sigmoid output gate, the output projection.
+at::Tensor QwenModel::attention(size_t li, const at::Tensor& h, const at::Tensor& slot, const at::Tensor& cos,
+                                const at::Tensor& sin, const std::vector<AttentionChunk>& views) {
+  const QwenConfig& c = config_;
+  const Layer& l = layers_[li];
+  const int64_t T = h.size(0), H = c.num_heads, KVH = c.num_kv_heads, D = c.head_dim;
+  const int64_t QW = c.hybrid ? 2 * H * D : H * D;   // Qwen3.5: per head the query, then its gate
+  at::Tensor qkv = l.qkv_bias.defined() ? at::linear(h, l.qkv, l.qkv_bias) : at::linear(h, l.qkv);
+  at::Tensor q, gate;
+  if (c.hybrid) {
+    at::Tensor query_gate = qkv.narrow(1, 0, QW).view({T, H, 2 * D});
+    q = query_gate.narrow(2, 0, D);
+    gate = query_gate.narrow(2, D, D);
+  } else {
+    q = qkv.narrow(1, 0, QW).view({T, H, D});
+  }
+  at::Tensor k = qkv.narrow(1, QW, KVH * D).view({T, KVH, D});
+  at::Tensor v = qkv.narrow(1, QW + KVH * D, KVH * D).view({T, KVH, D});
+  q = rope(rms_norm(q, l.q_norm, c.rms_norm_eps), cos, sin);
+  k = rope(rms_norm(k, l.k_norm, c.rms_norm_eps), cos, sin);
+  k_cache_[li].index_copy_(0, slot, k);
+  v_cache_[li].index_copy_(0, slot, v);
+  at::Tensor attn = at::empty({T, H, D});
+  q = q.contiguous();
+  paged_attention(q.data_ptr<float>(), k_cache_[li].data_ptr<float>(), v_cache_[li].data_ptr<float>(),
+                  attn.data_ptr<float>(), views, H, KVH, D, static_cast<float>(1.0 / std::sqrt(double(D))));
+  if (gate.defined()) attn = attn * at::sigmoid(gate);
+  return at::linear(attn.reshape({T, H * D}), l.o_proj);
+}
+
 at::Tensor QwenModel::forward(const std::vector<int64_t>& tokens, const std::vector<Chunk>& chunks) {
   c10::InferenceMode inference;
   const QwenConfig& c = config_;
   const int64_t T = static_cast<int64_t>(tokens.size());
-  const int64_t H = c.num_heads, KVH = c.num_kv_heads, D = c.head_dim, bs = block_size_;
+  const int64_t bs = block_size_;
   // Positions and cache slots of the new tokens, and per chunk the slots of its whole context.
   std::vector<int64_t> positions, slots, logit_rows;
   std::vector<std::vector<int64_t>> contexts(chunks.size());
   std::vector<AttentionChunk> views(chunks.size());
+  std::vector<DeltaChunk> delta_chunks(chunks.size());
   positions.reserve(T);
   slots.reserve(T);
   int64_t row = 0;
@@ -227,6 +392,8 @@ at::Tensor QwenModel::forward(const std::vector<int64_t>& tokens, const std::vec
     for (int64_t p = 0; p < end; ++p) ctx[p] = table[p / bs] * bs + p % bs;
     for (int64_t p = ch.start; p < end; ++p) { positions.push_back(p); slots.push_back(ctx[p]); }
     views[ci] = AttentionChunk{row, ch.start, ch.num_tokens, ctx.data()};
+    if (c.hybrid && ch.state_slot < 0) throw std::logic_error("a chunk of a hybrid model has no state slot");
+    delta_chunks[ci] = DeltaChunk{row, ch.num_tokens, ch.state_slot, ch.start == 0};
     row += ch.num_tokens;
     if (ch.wants_logits) logit_rows.push_back(row - 1);
   }
@@ -240,19 +407,7 @@ at::Tensor QwenModel::forward(const std::vector<int64_t>& tokens, const std::vec
   for (size_t li = 0; li < layers_.size(); ++li) {
     const Layer& l = layers_[li];
     at::Tensor h = rms_norm(x, l.input_norm, c.rms_norm_eps);
-    at::Tensor qkv = l.qkv_bias.defined() ? at::linear(h, l.qkv, l.qkv_bias) : at::linear(h, l.qkv);
-    at::Tensor q = qkv.narrow(1, 0, H * D).view({T, H, D});
-    at::Tensor k = qkv.narrow(1, H * D, KVH * D).view({T, KVH, D});
-    at::Tensor v = qkv.narrow(1, (H + KVH) * D, KVH * D).view({T, KVH, D});
-    q = rope(rms_norm(q, l.q_norm, c.rms_norm_eps), cos, sin);
-    k = rope(rms_norm(k, l.k_norm, c.rms_norm_eps), cos, sin);
-    k_cache_[li].index_copy_(0, slot, k);
-    v_cache_[li].index_copy_(0, slot, v);
-    at::Tensor attn = at::empty({T, H, D});
-    q = q.contiguous();
-    paged_attention(q.data_ptr<float>(), k_cache_[li].data_ptr<float>(), v_cache_[li].data_ptr<float>(),
-                    attn.data_ptr<float>(), views, H, KVH, D, static_cast<float>(1.0 / std::sqrt(double(D))));
-    x = x + at::linear(attn.view({T, H * D}), l.o_proj);
+    x = x + (l.delta ? l.delta->forward(h, delta_chunks) : attention(li, h, slot, cos, sin, views));
     h = rms_norm(x, l.post_norm, c.rms_norm_eps);
     if (l.router.defined()) {
       x = x + moe(l, h);

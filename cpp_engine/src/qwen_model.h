@@ -1,12 +1,17 @@
-// A Qwen3 (dense or MoE) decoder on CPU in float32: weights loaded from safetensors, one forward over a flat batch of
-// token chunks whose keys and values live in a paged KV cache.
+// A Qwen3 or Qwen3.5 (dense or MoE) decoder on CPU in float32: weights loaded from safetensors, one forward over a
+// flat batch of token chunks whose keys and values live in a paged KV cache. Qwen3.5's Gated DeltaNet layers
+// (gated_delta.h) keep a conv and a recurrent state per sequence in numbered state slots instead.
 #pragma once
 
 #include <ATen/ATen.h>
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
+
+#include "gated_delta.h"
+#include "paged_attention.h"
 
 namespace pocket {
 
@@ -22,7 +27,16 @@ struct QwenConfig {
   int64_t num_experts = 0, experts_per_token = 0, moe_intermediate_size = 0, decoder_sparse_step = 1;
   bool norm_topk_prob = true;
   std::vector<int64_t> mlp_only_layers;
+  // Qwen3.5 (qwen3_5_text, qwen3_5_moe_text): hybrid layers, (1 + w) norms, gated attention, partial rotary.
+  bool hybrid = false;
+  std::vector<char> linear_layers;        // per layer: 1 for a Gated DeltaNet (linear_attention) layer
+  GatedDeltaShape delta;                  // the linear-attention layers' sizes
+  double partial_rotary_factor = 1.0;
+  int64_t shared_expert_intermediate_size = 0;
   bool is_moe_layer(int64_t layer) const;
+  bool is_linear_layer(int64_t layer) const { return hybrid && linear_layers[layer]; }
+  int64_t num_attention_layers() const;
+  int64_t rotary_dim() const;
 };
 
 // Reads config.json of `directory`; throws std::invalid_argument for a model or feature this engine lacks.
@@ -35,6 +49,7 @@ struct Chunk {
   int64_t num_tokens = 0;
   const std::vector<int64_t>* block_table = nullptr;
   bool wants_logits = false;   // the last token's logits are returned
+  int64_t state_slot = -1;     // hybrid models: the sequence's recurrent-state slot (start 0: reset to zeros)
 };
 
 class QwenModel {
@@ -45,9 +60,13 @@ class QwenModel {
   int64_t num_parameters() const { return num_parameters_; }
   int64_t decode_weight_bytes() const { return decode_weight_bytes_; }
 
-  // Allocate the paged KV cache: num_blocks blocks of block_size positions, per layer.
+  // Allocate the paged KV cache: num_blocks blocks of block_size positions, per (full-attention) layer.
   void allocate_cache(int64_t num_blocks, int64_t block_size);
   int64_t block_size() const { return block_size_; }
+
+  // Hybrid models: a free recurrent-state slot (grown on demand), and its return.
+  int64_t acquire_state_slot();
+  void release_state_slot(int64_t slot);
 
   // Run `tokens` (every chunk's tokens, in chunk order) through the model, writing their K/V into the cache;
   // returns the logits [chunks wanting logits, vocab] of each such chunk's last token, in chunk order.
@@ -58,14 +77,20 @@ class QwenModel {
     at::Tensor input_norm, qkv, qkv_bias, o_proj, q_norm, k_norm, post_norm, gate_up, down;
     at::Tensor router;                               // MoE: [experts, hidden]
     std::vector<at::Tensor> expert_gate_up, expert_down;
+    at::Tensor shared_gate_up, shared_down, shared_gate;   // Qwen3.5-MoE's shared expert and its sigmoid gate
+    std::unique_ptr<GatedDeltaNet> delta;            // Qwen3.5 linear-attention layers (no qkv/o_proj then)
   };
   at::Tensor moe(const Layer& l, const at::Tensor& h) const;
+  at::Tensor attention(size_t li, const at::Tensor& h, const at::Tensor& slot, const at::Tensor& cos,
+                       const at::Tensor& sin, const std::vector<AttentionChunk>& views);
   QwenConfig config_;
   at::Tensor embed_, final_norm_, lm_head_, inv_freq_;
   std::vector<Layer> layers_;
   std::vector<at::Tensor> k_cache_, v_cache_;   // [blocks * block_size, kv_heads, head_dim] per layer
   int64_t block_size_ = 0;
   int64_t num_parameters_ = 0, decode_weight_bytes_ = 0;
+  int64_t num_state_slots_ = 0;
+  std::vector<int64_t> free_state_slots_;
 };
 
 }  // namespace pocket
