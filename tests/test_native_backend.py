@@ -44,7 +44,7 @@ def test_unsupported_options_are_refused_before_loading(qwen3, fields, monkeypat
 
 def test_unsupported_checkpoints_are_refused(tiny_checkpoint, smollm2_gguf, monkeypatch):
     monkeypatch.setattr(native_module, "import_native", lambda: pytest.fail("the native module was imported"))
-    for model in (tiny_checkpoint("llama"), tiny_checkpoint("qwen3_5_text"), smollm2_gguf, None):
+    for model in (tiny_checkpoint("llama"), tiny_checkpoint("qwen2"), smollm2_gguf, None):
         with pytest.raises(UnsupportedFeatureError, match="native plane"):
             LLM(EngineArgs(model=model, backend="cpp"))
     with pytest.raises(InvalidRequestError, match="backend_options"):
@@ -59,22 +59,28 @@ def test_a_missing_module_names_the_build(qwen3, monkeypatch):
 
 def test_auto_picks_native_only_for_qwen3_5_it_runs(qwen3, tiny_checkpoint, monkeypatch):
     monkeypatch.setattr(native_module, "import_native", lambda: object())
+    assert "qwen3_5_text" in native_module.NATIVE_MODEL_TYPES   # backend='cpp' runs it ...
+    assert not native_module.auto_picks_native(tiny_checkpoint("qwen3_5_text"), "auto")   # ... auto stays on Torch
+    monkeypatch.setattr(native_module, "AUTO_SELECTS_NATIVE", True)
     assert not native_module.auto_picks_native(qwen3, "auto")   # Qwen3 stays on Torch under the spec's rule
-    assert not native_module.auto_picks_native(tiny_checkpoint("qwen3_5_text"), "auto")   # not run natively yet
-    monkeypatch.setattr(native_module, "NATIVE_MODEL_TYPES", ("qwen3", "qwen3_5_text"))
     assert native_module.auto_picks_native(tiny_checkpoint("qwen3_5_text"), "auto")
+    monkeypatch.setattr(native_module, "NATIVE_MODEL_TYPES", ("qwen3", "qwen3_moe"))
+    assert not native_module.auto_picks_native(tiny_checkpoint("qwen3_5_text"), "auto")
+    monkeypatch.setattr(native_module, "NATIVE_MODEL_TYPES", ("qwen3", "qwen3_5_text"))
     assert not native_module.auto_picks_native(tiny_checkpoint("qwen3_5_text"), "dummy")
     monkeypatch.setattr(native_module, "import_native", lambda: None)
     assert not native_module.auto_picks_native(tiny_checkpoint("qwen3_5_text"), "auto")
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "qwen3_moe"])
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_moe", "qwen3_5_text", "qwen3_5_moe_text"])
 def test_batched_greedy_tokens_equal_the_torch_backend(native, tiny_checkpoint, arch):
     model = tiny_checkpoint(arch)
     with LLM(EngineArgs(model=model, backend="torch")) as torch_llm:
         expected = torch_llm.generate(PROMPTS, _greedy(16, ignore_eos=True))
     with LLM(EngineArgs(model=model, backend="cpp", cpu_kv_cache_gb=0.05)) as cpp_llm:
         outputs = cpp_llm.generate(PROMPTS, _greedy(16, ignore_eos=True))
+        # Qwen3.5's recurrent state cannot resume from cached blocks: the native engine declares no prefix cache.
+        assert cpp_llm.engine_caps().prefix_caching == (arch not in ("qwen3_5_text", "qwen3_5_moe_text"))
     assert [o.token_ids for o in outputs] == [o.token_ids for o in expected]
     assert [o.text for o in outputs] == [o.text for o in expected]
     assert all(o.finish_reason == "length" and o.usage.completion_tokens == 16 for o in outputs)

@@ -44,14 +44,15 @@ def check_args(args: EngineArgs) -> None:
             f"backend='cpp' (the native plane) runs float32 on CPU, one process, without speculation; it "
             f"cannot honour {', '.join(f'{name}={getattr(args, name)!r}' for name in asked)} (use backend='torch')")
     if args.model is None:
-        raise UnsupportedFeatureError("backend='cpp' (the native plane) needs a Qwen3 or Qwen3-MoE safetensors "
-                                      "directory as the model (the default model is a GGUF file, which it does not "
-                                      "read)")
+        raise UnsupportedFeatureError("backend='cpp' (the native plane) needs a Qwen3 or Qwen3.5 (dense or MoE) "
+                                      "safetensors directory as the model (the default model is a GGUF file, which "
+                                      "it does not read)")
     model_type = safetensors_model_type(args.model)
     if model_type not in NATIVE_MODEL_TYPES:
         what = f"model_type {model_type!r}" if model_type else "not a safetensors checkpoint directory"
-        raise UnsupportedFeatureError(f"backend='cpp' (the native plane) runs Qwen3 and Qwen3-MoE safetensors "
-                                      f"checkpoints ({', '.join(NATIVE_MODEL_TYPES)}); {args.model!r} is {what}")
+        raise UnsupportedFeatureError(f"backend='cpp' (the native plane) runs Qwen3 and Qwen3.5 (dense and MoE) "
+                                      f"safetensors checkpoints ({', '.join(NATIVE_MODEL_TYPES)}); {args.model!r} is "
+                                      f"{what}")
 
 
 class _NativeLoop(EngineLoop):
@@ -102,7 +103,7 @@ class CppBackend:
         self.caps = EngineCaps(
             max_slots=args.max_num_seqs,
             chunked_prefill=args.enable_chunked_prefill,
-            prefix_caching=args.enable_prefix_caching,
+            prefix_caching=bool(args.enable_prefix_caching and engine.options.prefix_caching),   # off: Qwen3.5
             max_logprobs=MAX_LOGPROBS,
             structured_outputs=False,
             details={

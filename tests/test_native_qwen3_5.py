@@ -1,0 +1,149 @@
+"""Qwen3.5 (dense and MoE) on the native plane (pocketllm_cpp): greedy tokens equal transformers (fp32) under
+batching of mixed prompt lengths, chunked prefill, 32-token decodes and forced preemption (the recompute restarts
+the recurrent state); prefix caching is off for these hybrids; a multimodal checkpoint's text model (nested
+text_config, model.language_model.* names, stacked experts, skipped vision and MTP tensors) loads the same."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from conftest import TINY_HYBRID_ARCHS
+from safetensors.torch import load_file, save_file
+
+NEW_TOKENS = 32
+PROMPT_LENGTHS = (5, 17, 70, 9)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny models on a shared 2-core machine: intra-op threads only thrash."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _prompts(vocab: int = 49152) -> list[list[int]]:
+    return [[(1000 + 7919 * (i + 1) * (n + 3)) % vocab for i in range(length)]
+            for n, length in enumerate(PROMPT_LENGTHS)]
+
+
+def _engine(native, path: str, **fields):
+    options = native.QwenEngineOptions()
+    options.kv_cache_mb = 16.0
+    options.num_threads = 1
+    for name, value in fields.items():
+        setattr(options, name, value)
+    return native.QwenEngine(path, options)
+
+
+def _sampling(native, max_new_tokens: int):
+    sampling = native.QwenBatchSamplingParams()
+    sampling.max_new_tokens = max_new_tokens
+    sampling.ignore_eos = True
+    return sampling
+
+
+def _batched(native, engine, prompts, new_tokens, slots, budget):
+    """Greedy tokens of every prompt, run together through a batch core: {index: tokens}, and the core."""
+    core = native.QwenBatchCore(engine, slots)
+    core.set_prefill_token_budget(budget)
+    for i, prompt in enumerate(prompts):
+        core.add(f"r{i}", prompt, _sampling(native, new_tokens))
+    tokens: dict[int, list[int]] = {i: [] for i in range(len(prompts))}
+    for _ in range(10000):
+        if not core.has_work():
+            return tokens, core
+        for event in core.step():
+            tokens[int(event.request_id[1:])].append(event.token)
+    raise AssertionError("the batch core did not finish")
+
+
+@pytest.fixture(scope="module")
+def expected(tiny_checkpoint, hf_reference):
+    """transformers' greedy continuations of the mixed-length prompts, once per arch."""
+    cache: dict[str, list[list[int]]] = {}
+
+    def get(arch: str) -> list[list[int]]:
+        if arch not in cache:
+            cache[arch] = hf_reference.greedy(tiny_checkpoint(arch), _prompts(), NEW_TOKENS)
+        return cache[arch]
+
+    return get
+
+
+@pytest.mark.parametrize("arch", TINY_HYBRID_ARCHS)
+def test_batched_chunked_greedy_equals_transformers(native, tiny_checkpoint, expected, arch):
+    engine = _engine(native, tiny_checkpoint(arch))
+    assert engine.architecture == ("Qwen3_5ForCausalLM" if arch == "qwen3_5_text" else "Qwen3_5MoeForCausalLM")
+    # 16-token prefill chunks beside the other rows' decodes: the 70-token prompt spans five steps.
+    tokens, _ = _batched(native, engine, _prompts(), NEW_TOKENS, slots=4, budget=16)
+    reference = expected(arch)
+    assert [tokens[i] for i in range(len(PROMPT_LENGTHS))] == reference
+    assert len(set(map(tuple, reference))) == len(PROMPT_LENGTHS)
+
+
+@pytest.mark.parametrize("arch", TINY_HYBRID_ARCHS)
+def test_session_generate_and_decode_steps_equal_transformers(native, tiny_checkpoint, expected, arch):
+    engine = _engine(native, tiny_checkpoint(arch))
+    prompts, reference = _prompts(), expected(arch)
+    assert [engine.generate(p, NEW_TOKENS) for p in prompts] == reference
+    # A new session restarts the state of the slot the previous one used.
+    tokens = [engine.prefill(prompts[2])] + [engine.decode_step() for _ in range(NEW_TOKENS - 1)]
+    assert tokens == reference[2]
+
+
+def test_prefix_caching_is_off_and_a_repeat_is_exact(native, tiny_checkpoint, expected):
+    engine = _engine(native, tiny_checkpoint("qwen3_5_text"), prefix_caching=True)
+    assert not engine.options.prefix_caching
+    prompt = _prompts()[2]
+    first = engine.prefill(prompt)
+    assert engine.prefill(prompt) == first and engine.session_cached_tokens == 0
+    tokens, core = _batched(native, engine, [prompt, prompt], 8, slots=2, budget=0)
+    assert tokens[0] == tokens[1] == expected("qwen3_5_text")[2][:8]
+    assert core.stats()["prefix_cache_hits"] == 0
+
+
+def test_preemption_recomputes_the_recurrent_state(native, tiny_checkpoint, hf_reference):
+    path = tiny_checkpoint("qwen3_5_moe_text")
+    engine = _engine(native, path, block_size=4, num_kv_blocks=12)   # 48 positions for three 20-token sequences
+    prompts = [p[:8] for p in _prompts()[1:]]
+    tokens, core = _batched(native, engine, prompts, 12, slots=3, budget=3)
+    assert core.stats()["num_preemptions"] > 0
+    assert [tokens[i] for i in range(3)] == hf_reference.greedy(path, prompts, 12)
+
+
+def test_multimodal_layout_with_stacked_experts_loads_the_same(native, tiny_checkpoint, expected, tmp_path):
+    """The text model of a Qwen3_5MoeForConditionalGeneration checkpoint: config under text_config, weights under
+    model.language_model., experts stacked, vision and multi-token-prediction tensors present and skipped."""
+    source = tiny_checkpoint("qwen3_5_moe_text")
+    with open(os.path.join(source, "config.json"), encoding="utf-8") as handle:
+        text_config = json.load(handle)
+    text_config.pop("architectures", None)
+    config = {"model_type": "qwen3_5_moe", "architectures": ["Qwen3_5MoeForConditionalGeneration"],
+              "text_config": text_config, "vision_config": {"depth": 1}, "tie_word_embeddings": False}
+    weights = load_file(os.path.join(source, "model.safetensors"))
+    experts = text_config["num_experts"]
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in weights.items():
+        if ".mlp.experts." in name:
+            continue
+        out[name.replace("model.", "model.language_model.", 1) if name.startswith("model.") else name] = tensor
+    for layer in range(text_config["num_hidden_layers"]):
+        p = f"model.layers.{layer}.mlp.experts."
+        out[f"model.language_model.layers.{layer}.mlp.experts.gate_up_proj"] = torch.stack(
+            [torch.cat([weights[f"{p}{e}.gate_proj.weight"], weights[f"{p}{e}.up_proj.weight"]]) for e in
+             range(experts)])
+        out[f"model.language_model.layers.{layer}.mlp.experts.down_proj"] = torch.stack(
+            [weights[f"{p}{e}.down_proj.weight"] for e in range(experts)])
+    out["model.visual.patch_embed.proj.weight"] = torch.zeros(4, 3)
+    out["mtp.fc.weight"] = torch.zeros(4, 4)
+    save_file(out, str(tmp_path / "model.safetensors"))
+    with open(tmp_path / "config.json", "w", encoding="utf-8") as handle:
+        json.dump(config, handle)
+    engine = _engine(native, str(tmp_path))
+    assert engine.architecture == "Qwen3_5MoeForConditionalGeneration"
+    assert engine.generate(_prompts()[1], NEW_TOKENS) == expected("qwen3_5_moe_text")[1]
