@@ -1,6 +1,8 @@
-"""Batch-1 decode of the native plane (backend='cpp') against the Torch backend on one random Qwen3 checkpoint.
+"""Batch-1 decode of the native plane (backend='cpp') against the Torch backend on one random Qwen3 or Qwen3.5
+checkpoint.
 
-Builds a Qwen3-shaped checkpoint with random float32 weights (sizes from the flags), then, for each backend in
+Builds a Qwen3-shaped (``--arch qwen3``) or Qwen3.5-shaped (``--arch qwen3_5``: Gated DeltaNet layers with one
+full-attention layer in four) checkpoint with random float32 weights (sizes from the flags), then, for each backend in
 a process of its own, generates ``--tokens`` tokens greedily (EOS ignored) for a ``--prompt-len``-token prompt
 after one warm-up request, and prints one JSON line per backend: decode tokens/s over the tokens after the first
 (``usage.decode_time_s``), and the prefill time."""
@@ -16,8 +18,8 @@ import tempfile
 
 
 def build_checkpoint(directory: str, args: argparse.Namespace) -> None:
-    """A random Qwen3 checkpoint with the flags' sizes (tied embeddings, float32) and the default model's
-    tokenizer (SmolLM2's, 49152 tokens: the vocabulary's default)."""
+    """A random Qwen3 or Qwen3.5 checkpoint with the flags' sizes (tied embeddings, float32) and the default
+    model's tokenizer (SmolLM2's, 49152 tokens: the vocabulary's default)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
 
@@ -27,10 +29,19 @@ def build_checkpoint(directory: str, args: argparse.Namespace) -> None:
     PreTrainedTokenizerFast.from_pretrained(os.path.dirname(gguf), gguf_file=os.path.basename(gguf),
                                             local_files_only=True).save_pretrained(directory)
 
-    config = AutoConfig.for_model(
-        "qwen3", vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
-        num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
-        head_dim=args.head_dim, tie_word_embeddings=True, max_position_embeddings=4096)
+    sizes = dict(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
+                 num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
+                 head_dim=args.head_dim, tie_word_embeddings=True, max_position_embeddings=4096)
+    if args.arch == "qwen3_5":
+        config = AutoConfig.for_model(
+            "qwen3_5_text", **sizes,
+            layer_types=["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(args.layers)],
+            linear_num_key_heads=args.linear_key_heads, linear_num_value_heads=args.linear_value_heads,
+            linear_key_head_dim=args.linear_head_dim, linear_value_head_dim=args.linear_head_dim,
+            linear_conv_kernel_dim=4,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25})
+    else:
+        config = AutoConfig.for_model("qwen3", **sizes)
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(directory)
 
@@ -57,6 +68,7 @@ def measure(model: str, backend: str, prompt_len: int, tokens: int) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--arch", choices=("qwen3", "qwen3_5"), default="qwen3")
     parser.add_argument("--layers", type=int, default=12)
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--intermediate", type=int, default=3072)
@@ -64,6 +76,9 @@ def main() -> None:
     parser.add_argument("--kv-heads", type=int, default=8)
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--vocab", type=int, default=49152)
+    parser.add_argument("--linear-key-heads", type=int, default=8, help="qwen3_5: Gated DeltaNet key heads")
+    parser.add_argument("--linear-value-heads", type=int, default=16, help="qwen3_5: Gated DeltaNet value heads")
+    parser.add_argument("--linear-head-dim", type=int, default=128, help="qwen3_5: Gated DeltaNet head size")
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--checkpoint", help="build the checkpoint in this directory and keep it (reused when "
