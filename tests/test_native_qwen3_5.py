@@ -87,13 +87,16 @@ def test_batched_chunked_greedy_equals_transformers(native, tiny_checkpoint, exp
 
 
 @pytest.mark.parametrize("arch", TINY_HYBRID_ARCHS)
-def test_session_generate_and_decode_steps_equal_transformers(native, tiny_checkpoint, expected, arch):
+def test_session_generate_and_decode_steps_equal_transformers(native, tiny_checkpoint, expected, hf_reference,
+                                                              arch):
     engine = _engine(native, tiny_checkpoint(arch))
     prompts, reference = _prompts(), expected(arch)
     assert [engine.generate(p, NEW_TOKENS) for p in prompts] == reference
     # A new session restarts the state of the slot the previous one used.
     tokens = [engine.prefill(prompts[2])] + [engine.decode_step() for _ in range(NEW_TOKENS - 1)]
     assert tokens == reference[2]
+    one = [prompts[1][0]]   # a one-token prompt: a fresh state and conv window in a single decode-sized chunk
+    assert engine.generate(one, 8) == hf_reference.greedy(tiny_checkpoint(arch), [one], 8)[0]
 
 
 def test_prefix_caching_is_off_and_a_repeat_is_exact(native, tiny_checkpoint, expected):
