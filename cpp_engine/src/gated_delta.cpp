@@ -3,6 +3,7 @@
 
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cmath>
 #include <stdexcept>
 
@@ -17,8 +18,6 @@ at::Tensor take_weight(TensorMap& weights, const std::string& name) {
   return t;
 }
 
-at::Tensor l2_normalize(const at::Tensor& x) { return x * at::rsqrt(x.pow(2).sum(-1, true) + 1e-6); }
-
 }  // namespace
 
 GatedDeltaNet::GatedDeltaNet(TensorMap& w, const std::string& p, const GatedDeltaShape& shape, int64_t hidden,
@@ -32,8 +31,8 @@ GatedDeltaNet::GatedDeltaNet(TensorMap& w, const std::string& p, const GatedDelt
   if (qkv.size(0) != C || z.size(0) != Vd || b.size(0) != Hv || a.size(0) != Hv || qkv.size(1) != hidden)
     throw std::invalid_argument("linear-attention projections of " + p + " do not match config.json");
   in_proj_ = at::cat({qkv, z, b, a}, 0).contiguous();
-  conv_w_ = take_weight(w, p + "conv1d.weight").reshape({C, -1}).contiguous();
-  if (conv_w_.size(1) != shape.conv_kernel) throw std::invalid_argument(p + "conv1d.weight: wrong kernel size");
+  conv_w_ = take_weight(w, p + "conv1d.weight").reshape({C, -1}).t().contiguous();   // [K, C]: taps over channels
+  if (conv_w_.size(0) != shape.conv_kernel) throw std::invalid_argument(p + "conv1d.weight: wrong kernel size");
   neg_a_ = -take_weight(w, p + "A_log").exp();
   dt_bias_ = take_weight(w, p + "dt_bias");
   norm_w_ = take_weight(w, p + "norm.weight");
@@ -47,21 +46,77 @@ void GatedDeltaNet::ensure_slots(int64_t n) {
   }
 }
 
-// n tokens of one sequence: q, k [n, Hv, Dk], v and out [n, Hv, Dv], g and beta [n, Hv] (row stride Hv), state
-// [Hv, Dk, Dv]. Heads are independent and run in parallel.
-void GatedDeltaNet::recurrence(const float* q, const float* k, const float* v, const float* g, const float* beta,
-                               float* state, float* out, int64_t n) const {
-  const int64_t Hv = shape_.num_v_heads, Dk = shape_.k_head_dim, Dv = shape_.v_head_dim;
-  at::parallel_for(0, Hv, 1, [&](int64_t h0, int64_t h1) {
-    std::vector<float> pred(Dv), delta(Dv);
-    for (int64_t h = h0; h < h1; ++h) {
-      float* S = state + h * Dk * Dv;
-      for (int64_t t = 0; t < n; ++t) {
-        const float* qt = q + (t * Hv + h) * Dk;
-        const float* kt = k + (t * Hv + h) * Dk;
-        const float* vt = v + (t * Hv + h) * Dv;
-        float* ot = out + (t * Hv + h) * Dv;
-        const float decay = std::exp(g[t * Hv + h]), b = beta[t * Hv + h];
+void GatedDeltaNet::conv_chunk(const float* mixed, int64_t stride, const DeltaChunk& ch, float* act) {
+  const int64_t C = shape_.conv_dim(), K = shape_.conv_kernel, n = ch.n, Kd = shape_.key_dim();
+  const int64_t Hk = shape_.num_k_heads, Dk = shape_.k_head_dim;
+  at::Tensor& conv_state = conv_state_[ch.slot];
+  if (ch.fresh) conv_state.zero_();
+  const float* prev = conv_state.data_ptr<float>();   // [K-1, C]
+  const float* w = conv_w_.data_ptr<float>();          // [K, C]
+  // Window row r (0 <= r < n + K - 1): the state's rows, then the chunk's.
+  auto window = [&](int64_t r) { return r < K - 1 ? prev + r * C : mixed + (r - (K - 1)) * stride; };
+  for (int64_t t = 0; t < n; ++t) {
+    float* out = act + t * C;
+    for (int64_t c = 0; c < C; ++c) out[c] = 0.0f;
+    for (int64_t j = 0; j < K; ++j) {
+      const float* in = window(t + j);
+      const float* tap = w + j * C;
+      for (int64_t c = 0; c < C; ++c) out[c] += in[c] * tap[c];
+    }
+    for (int64_t c = 0; c < C; ++c) out[c] = out[c] / (1.0f + std::exp(-out[c]));
+    const float q_scale = 1.0f / std::sqrt(static_cast<float>(Dk));
+    for (int64_t part = 0; part < 2; ++part)   // q then k, per key head: x / sqrt(sum x^2 + 1e-6)
+      for (int64_t hk = 0; hk < Hk; ++hk) {
+        float* x = out + part * Kd + hk * Dk;
+        float ss = 0.0f;
+        for (int64_t i = 0; i < Dk; ++i) ss += x[i] * x[i];
+        const float scale = 1.0f / std::sqrt(ss + 1e-6f) * (part == 0 ? q_scale : 1.0f);
+        for (int64_t i = 0; i < Dk; ++i) x[i] *= scale;
+      }
+  }
+  // The last K-1 window rows become the state (rows of the old state first when the chunk is shorter).
+  std::vector<float> next(static_cast<size_t>((K - 1) * C));
+  for (int64_t r = 0; r < K - 1; ++r) std::copy(window(n + r), window(n + r) + C, next.begin() + r * C);
+  std::copy(next.begin(), next.end(), conv_state.data_ptr<float>());
+}
+
+at::Tensor GatedDeltaNet::forward(const at::Tensor& h, const std::vector<DeltaChunk>& chunks) {
+  const int64_t T = h.size(0), C = shape_.conv_dim(), Kd = shape_.key_dim(), Vd = shape_.value_dim();
+  const int64_t Hk = shape_.num_k_heads, Hv = shape_.num_v_heads, Dk = shape_.k_head_dim, Dv = shape_.v_head_dim;
+  const int64_t groups = Hv / Hk;
+  at::Tensor proj = at::linear(h, in_proj_).contiguous();   // [T, P]: mixed (conv input), z, b, a
+  const int64_t P = proj.size(1);
+  at::Tensor beta = at::sigmoid(proj.narrow(1, C + Vd, Hv)).contiguous();
+  at::Tensor g = (neg_a_ * at::softplus(proj.narrow(1, C + Vd + Hv, Hv) + dt_bias_)).contiguous();
+  // Conv, SiLU and q/k normalisation per chunk (sequential over its tokens), into act [T, C].
+  at::Tensor act = at::empty({T, C});
+  for (const DeltaChunk& ch : chunks) {
+    if (ch.slot < 0 || ch.slot >= static_cast<int64_t>(conv_state_.size()))
+      throw std::logic_error("a linear-attention chunk has no state slot");
+    conv_chunk(proj.data_ptr<float>() + ch.row0 * P, P, ch, act.data_ptr<float>() + ch.row0 * C);
+  }
+  // The delta rule and the gated RMSNorm, one work item per (chunk, value head): its tokens in order.
+  at::Tensor out = at::empty({T, Hv, Dv});
+  const float* A = act.data_ptr<float>();
+  const float* Z = proj.data_ptr<float>() + C;
+  const float* G = g.data_ptr<float>();
+  const float* B = beta.data_ptr<float>();
+  const float* NW = norm_w_.data_ptr<float>();
+  float* O = out.data_ptr<float>();
+  const int64_t items = static_cast<int64_t>(chunks.size()) * Hv;
+  const int64_t grain = T * Hv >= 64 ? 1 : items;   // a few decode rows: one thread, no parallel region
+  at::parallel_for(0, items, grain, [&](int64_t i0, int64_t i1) {
+    std::vector<float> pred(Dv), delta(Dv), o(Dv);
+    for (int64_t item = i0; item < i1; ++item) {
+      const DeltaChunk& ch = chunks[item / Hv];
+      const int64_t h = item % Hv, hk = h / groups;
+      float* S = ssm_state_[ch.slot].data_ptr<float>() + h * Dk * Dv;
+      if (ch.fresh) std::fill(S, S + Dk * Dv, 0.0f);
+      for (int64_t t = ch.row0; t < ch.row0 + ch.n; ++t) {
+        const float* qt = A + t * C + hk * Dk;
+        const float* kt = A + t * C + Kd + hk * Dk;
+        const float* vt = A + t * C + 2 * Kd + h * Dv;
+        const float decay = std::exp(G[t * Hv + h]), b = B[t * Hv + h];
         std::fill(pred.begin(), pred.end(), 0.0f);
         for (int64_t i = 0; i < Dk; ++i) {   // decay the state and predict v from it: S^T k
           float* row = S + i * Dv;
@@ -73,61 +128,27 @@ void GatedDeltaNet::recurrence(const float* q, const float* k, const float* v, c
         }
         for (int64_t j = 0; j < Dv; ++j) {
           delta[j] = b * (vt[j] - pred[j]);
-          ot[j] = 0.0f;
+          o[j] = 0.0f;
         }
         for (int64_t i = 0; i < Dk; ++i) {   // write k delta^T, then read with q
           float* row = S + i * Dv;
           const float ki = kt[i], qi = qt[i];
           for (int64_t j = 0; j < Dv; ++j) {
             row[j] += ki * delta[j];
-            ot[j] += qi * row[j];
+            o[j] += qi * row[j];
           }
         }
+        // Gated RMSNorm of the head's output: weight * o / rms(o) * silu(z).
+        float ss = 0.0f;
+        for (int64_t j = 0; j < Dv; ++j) ss += o[j] * o[j];
+        const float r = 1.0f / std::sqrt(ss / static_cast<float>(Dv) + static_cast<float>(eps_));
+        const float* zt = Z + t * P + h * Dv;
+        float* ot = O + (t * Hv + h) * Dv;
+        for (int64_t j = 0; j < Dv; ++j) ot[j] = NW[j] * (o[j] * r) * (zt[j] / (1.0f + std::exp(-zt[j])));
       }
     }
   });
-}
-
-at::Tensor GatedDeltaNet::forward(const at::Tensor& h, const std::vector<DeltaChunk>& chunks) {
-  const int64_t T = h.size(0), C = shape_.conv_dim(), Kd = shape_.key_dim(), Vd = shape_.value_dim();
-  const int64_t Hk = shape_.num_k_heads, Hv = shape_.num_v_heads, Dk = shape_.k_head_dim, Dv = shape_.v_head_dim;
-  const int64_t K = shape_.conv_kernel, groups = Hv / Hk;
-  at::Tensor proj = at::linear(h, in_proj_);
-  at::Tensor mixed = proj.narrow(1, 0, C), z = proj.narrow(1, C, Vd);
-  at::Tensor beta = at::sigmoid(proj.narrow(1, C + Vd, Hv)).contiguous();
-  at::Tensor g = (neg_a_ * at::softplus(proj.narrow(1, C + Vd + Hv, Hv) + dt_bias_)).contiguous();
-  at::Tensor core = at::empty({T, Hv, Dv});
-  for (const DeltaChunk& ch : chunks) {
-    if (ch.slot < 0 || ch.slot >= static_cast<int64_t>(conv_state_.size()))
-      throw std::logic_error("a linear-attention chunk has no state slot");
-    const int64_t n = ch.n;
-    // Depthwise causal conv over the previous K-1 inputs and this chunk's.
-    at::Tensor& conv_state = conv_state_[ch.slot];
-    at::Tensor window = at::cat({ch.fresh ? at::zeros_like(conv_state) : conv_state, mixed.narrow(0, ch.row0, n)}, 0);
-    at::Tensor conv = window.narrow(0, 0, n) * conv_w_.select(1, 0);
-    for (int64_t j = 1; j < K; ++j) conv = conv + window.narrow(0, j, n) * conv_w_.select(1, j);
-    conv_state.copy_(window.narrow(0, n, K - 1));
-    at::Tensor act = at::silu(conv);
-    at::Tensor q = l2_normalize(act.narrow(1, 0, Kd).reshape({n, Hk, Dk}));
-    at::Tensor k = l2_normalize(act.narrow(1, Kd, Kd).reshape({n, Hk, Dk}));
-    at::Tensor v = act.narrow(1, 2 * Kd, Vd).reshape({n, Hv, Dv}).contiguous();
-    if (groups > 1) {
-      q = q.repeat_interleave(groups, 1);
-      k = k.repeat_interleave(groups, 1);
-    }
-    q = (q * (1.0 / std::sqrt(static_cast<double>(Dk)))).contiguous();
-    k = k.contiguous();
-    at::Tensor& state = ssm_state_[ch.slot];
-    if (ch.fresh) state.zero_();
-    recurrence(q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(), g.data_ptr<float>() + ch.row0 * Hv,
-               beta.data_ptr<float>() + ch.row0 * Hv, state.data_ptr<float>(),
-               core.data_ptr<float>() + ch.row0 * Hv * Dv, n);
-  }
-  // Gated RMSNorm per value head, then the output projection.
-  at::Tensor normed = core * at::rsqrt(core.pow(2).mean(-1, true) + eps_);
-  normed = norm_w_ * normed;
-  at::Tensor gated = normed * at::silu(z.reshape({T, Hv, Dv}));
-  return at::linear(gated.reshape({T, Vd}), out_proj_);
+  return at::linear(out.view({T, Vd}), out_proj_);
 }
 
 }  // namespace pocket

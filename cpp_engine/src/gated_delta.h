@@ -43,13 +43,14 @@ class GatedDeltaNet {
   at::Tensor forward(const at::Tensor& h, const std::vector<DeltaChunk>& chunks);
 
  private:
-  void recurrence(const float* q, const float* k, const float* v, const float* g, const float* beta, float* state,
-                  float* out, int64_t n) const;
+  // The conv over one chunk's rows of `mixed` (row stride `stride`), then SiLU, into act [n, conv_dim], with q and
+  // k L2-normalised per key head (q also scaled); the slot's conv state advanced.
+  void conv_chunk(const float* mixed, int64_t stride, const DeltaChunk& ch, float* act);
 
   GatedDeltaShape shape_;
   double eps_;
   at::Tensor in_proj_;     // [conv_dim + value_dim + 2 * Hv, hidden]: qkv, z, b, a
-  at::Tensor conv_w_;      // [conv_dim, K]
+  at::Tensor conv_w_;      // [K, conv_dim]
   at::Tensor neg_a_, dt_bias_, norm_w_, out_proj_;
   std::vector<at::Tensor> conv_state_, ssm_state_;   // per slot: [K-1, conv_dim], [Hv, Dk, Dv]
 };
