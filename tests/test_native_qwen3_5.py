@@ -1,7 +1,8 @@
 """Qwen3.5 (dense and MoE) on the native plane (pocketllm_cpp): greedy tokens equal transformers (fp32) under
 batching of mixed prompt lengths, chunked prefill, 32-token decodes and forced preemption (the recompute restarts
-the recurrent state); prefix caching is off for these hybrids; a multimodal checkpoint's text model (nested
-text_config, model.language_model.* names, stacked experts, skipped vision and MTP tensors) loads the same."""
+the recurrent state), and log-probabilities equal transformers' within 1e-4; prefix caching is off for these
+hybrids; a multimodal checkpoint's text model (nested text_config, model.language_model.* names, stacked experts,
+skipped vision and MTP tensors) loads the same."""
 
 from __future__ import annotations
 
@@ -150,3 +151,27 @@ def test_multimodal_layout_with_stacked_experts_loads_the_same(native, tiny_chec
     engine = _engine(native, str(tmp_path))
     assert engine.architecture == "Qwen3_5MoeForConditionalGeneration"
     assert engine.generate(_prompts()[1], NEW_TOKENS) == expected("qwen3_5_moe_text")[1]
+
+
+@pytest.mark.parametrize("arch", TINY_HYBRID_ARCHS)
+def test_logprobs_equal_transformers(native, tiny_checkpoint, hf_reference, arch):
+    """Every generated position's log-probabilities (chosen token and top 5) equal transformers' within 1e-4, with
+    the 70-token prompt's prefill split into 16-token chunks."""
+    path = tiny_checkpoint(arch)
+    prompt = _prompts()[2]
+    core = native.QwenBatchCore(_engine(native, path), 2)
+    core.set_prefill_token_budget(16)
+    sampling = _sampling(native, 12)
+    sampling.logprobs = 5
+    core.add("l", prompt, sampling)
+    events = []
+    while core.has_work():
+        events += core.step()
+    tokens = [e.token for e in events]
+    reference = torch.log_softmax(hf_reference.logits(path, prompt + tokens, all_positions=True), -1)
+    for i, event in enumerate(events):
+        row = reference[len(prompt) - 1 + i]
+        assert event.token == int(row.argmax())
+        assert abs(event.logprob - row[event.token].item()) < 1e-4
+        assert list(event.top_ids) == torch.topk(row, 5).indices.tolist()
+        assert max(abs(a - row[t].item()) for a, t in zip(event.top_logprobs, event.top_ids)) < 1e-4
