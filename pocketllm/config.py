@@ -87,9 +87,9 @@ class EngineArgs:
 
     model: str | None = _opt(None, "Checkpoint: a .gguf file, an HF safetensors directory, or a preset "
                              "name with load_format=dummy (default: the packaged SmolLM2-135M-Instruct GGUF).")
-    backend: str = _opt("auto", "auto | torch | cpp (the native plane: Qwen3 and Qwen3-MoE safetensors on CPU, "
-                                "docs/native.md). auto picks cpp only for Qwen3.5 safetensors, which the native "
-                                "plane does not run yet, so auto is torch.")
+    backend: str = _opt("auto", "auto | torch | cpp (the native plane: Qwen3, Qwen3.5 and their MoE variants as "
+                                "safetensors on CPU, docs/native.md). auto is torch: the native plane is not "
+                                "auto-selected yet, Qwen3.5 included.")
     device: str = _opt("auto", "auto (cuda when available, else cpu) | cpu | cuda.")
     dtype: str = _opt("auto", "Compute dtype: auto (float32 on CPU, bfloat16 on CUDA) | float32 | bfloat16 | "
                               "float16.")
