@@ -67,7 +67,7 @@ py::dict stats_dict(const BatchStats& s) {
 }  // namespace
 
 PYBIND11_MODULE(_native, m) {
-  m.doc() = "PocketLLM's native plane: a C++ Qwen3 engine over libtorch";
+  m.doc() = "PocketLLM's native plane: a C++ Qwen3 and Qwen3.5 engine over libtorch";
   m.attr("backend") = "cpu";
 
   py::class_<SamplingOptions>(m, "QwenBatchSamplingParams")

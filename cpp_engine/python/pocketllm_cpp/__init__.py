@@ -1,4 +1,5 @@
-"""PocketLLM's native plane: a C++ Qwen3 engine (``QwenEngine``) and its continuous-batching scheduler."""
+"""PocketLLM's native plane: a C++ Qwen3 and Qwen3.5 engine (``QwenEngine``) and its continuous-batching
+scheduler."""
 
 import torch  # noqa: F401  (loads libtorch, which the native library links against)
 
