@@ -1,0 +1,141 @@
+"""Speculative decoding with the checkpoint's MTP head (``method="mtp"``, Qwen3.5 dense and MoE): the head
+against a reference computation (fp32, its decoder layer from transformers), refusals, greedy outputs equal to
+the engine's without speculation (batched with mixed lengths, chunked prefill, preemption), a head made to agree
+with the target keeping proposals, and seeded sampling in distribution."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from conftest import write_checkpoint
+from safetensors.torch import load_file
+from test_speculative import _first_tokens, _generate, assert_same_distribution
+
+from pocketllm import LLM, EngineArgs, SamplingParams
+from pocketllm.errors import UnsupportedFeatureError
+from pocketllm.runner.mtp_head import MtpHead
+
+ARCHS = ("qwen3_5_text", "qwen3_5_moe_text")
+FULL_LAYER = 3          # the tiny Qwen3.5's full-attention layer, the MTP layer's model
+PROMPTS = [[(1000 + 7919 * (i + 1) * (n + 3)) % 49152 for i in range(length)]
+           for n, length in enumerate((5, 17, 40, 9))]
+KV = {"num_kv_blocks": 128}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny models on a shared 2-core machine: intra-op threads only thrash."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def mtp_spec(k: int = 3) -> dict:
+    return {"method": "mtp", "num_speculative_tokens": k}
+
+
+def _with_mtp_head(source: str, out_dir: str, agree: bool, layers: int = 1) -> str:
+    """A copy of the tiny Qwen3.5 checkpoint ``source`` with an MTP head (``mtp.*``, HF names): its layer the
+    full-attention layer's weights with noise, ``fc`` and the norms random. ``agree``: a head whose logits
+    are the target's at the same position (``fc`` passes the hidden state through, the layer adds nothing, the
+    norms are plain), so that it proposes the target's last token again; a target that repeats keeps them."""
+    weights = load_file(os.path.join(source, "model.safetensors"))
+    generator = torch.Generator().manual_seed(11)
+    hidden = weights["model.embed_tokens.weight"].shape[1]
+    prefix = f"model.layers.{FULL_LAYER}."
+    for name, tensor in list(weights.items()):
+        if name.startswith(prefix):
+            noise = 0.3 * tensor.std() * torch.randn(tensor.shape, generator=generator) if tensor.numel() > 1 else 0
+            weights["mtp.layers.0." + name[len(prefix):]] = (tensor + noise).contiguous()
+    norms = ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm")
+    for norm in norms:
+        weights[f"mtp.{norm}.weight"] = 0.2 * torch.randn(hidden, generator=generator)
+    weights["mtp.fc.weight"] = torch.randn(hidden, 2 * hidden, generator=generator) / (2 * hidden) ** 0.5
+    if agree:
+        for norm in norms:
+            weights[f"mtp.{norm}.weight"] = torch.zeros(hidden)
+        weights["mtp.fc.weight"] = torch.cat([torch.zeros(hidden, hidden), torch.eye(hidden)], dim=1)
+        for name in weights:
+            if name.startswith("mtp.layers.0.") and name.endswith(("o_proj.weight", "down_proj.weight",
+                                                                     "experts.down_proj")):
+                weights[name] = torch.zeros_like(weights[name])
+    with open(os.path.join(source, "config.json"), encoding="utf-8") as handle:
+        config = {**json.load(handle), "mtp_num_hidden_layers": layers}
+    write_checkpoint(out_dir, config, weights, source)
+    return out_dir
+
+
+@pytest.fixture(scope="module")
+def mtp_checkpoint(tiny_checkpoint, tmp_path_factory):
+    """Factory: ``mtp_checkpoint(arch, agree=False)`` -> the tiny Qwen3.5 ``arch`` with an MTP head (built once)."""
+    built: dict[tuple[str, bool], str] = {}
+
+    def make(arch: str, agree: bool = False) -> str:
+        if (arch, agree) not in built:
+            out = str(tmp_path_factory.mktemp(f"mtp-{arch}-{'agree' if agree else 'random'}"))
+            built[arch, agree] = _with_mtp_head(tiny_checkpoint(arch), out, agree)
+        return built[arch, agree]
+
+    return make
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# refusals
+
+
+def test_refusals(tiny_checkpoint, mtp_checkpoint, tmp_path):
+    with pytest.raises(UnsupportedFeatureError, match="mtp.*Qwen3.5"):
+        LLM(EngineArgs(model=tiny_checkpoint("llama"), speculative_config=mtp_spec()))
+    with pytest.raises(UnsupportedFeatureError, match="mtp.*mtp_num_hidden_layers 0"):
+        LLM(EngineArgs(model=tiny_checkpoint("qwen3_5_text"), speculative_config=mtp_spec(), **KV))
+    # The config declares the head, the weights lack it.
+    source = tiny_checkpoint("qwen3_5_text")
+    with open(os.path.join(source, "config.json"), encoding="utf-8") as handle:
+        config = {**json.load(handle), "mtp_num_hidden_layers": 1}
+    bare = str(tmp_path / "no-head-weights")
+    write_checkpoint(bare, config, load_file(os.path.join(source, "model.safetensors")), source)
+    with pytest.raises(UnsupportedFeatureError, match="mtp.*lacks"):
+        LLM(EngineArgs(model=bare, speculative_config=mtp_spec(), **KV))
+    with pytest.raises(UnsupportedFeatureError, match="'mtp' runs on one rank"):
+        LLM(EngineArgs(model=mtp_checkpoint("qwen3_5_text"), tensor_parallel_size=2, speculative_config=mtp_spec()))
+
+
+def test_checkpoint_with_a_head_runs_without_it(mtp_checkpoint, tiny_checkpoint):
+    """Without ``method="mtp"`` the head's weights are skipped and the model is the one without them."""
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    with_head, _ = _generate(EngineArgs(model=mtp_checkpoint("qwen3_5_text"), **KV), PROMPTS[:2], params)
+    plain, _ = _generate(EngineArgs(model=tiny_checkpoint("qwen3_5_text"), **KV), PROMPTS[:2], params)
+    assert [o.token_ids for o in with_head] == [o.token_ids for o in plain]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# greedy: token for token
+
+
+REGIMES = {
+    "default": KV,
+    "chunked-16": {**KV, "max_num_batched_tokens": 16},
+    "preemption": {"num_kv_blocks": 24, "block_size": 4, "max_num_batched_tokens": 24},
+}
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("regime", sorted(REGIMES))
+def test_greedy_equal_with_the_mtp_head(arch, regime, mtp_checkpoint, tiny_checkpoint):
+    """Batched prompts of mixed lengths, greedy: the tokens of the engine without speculation, with a random head
+    (hardly a proposal kept) and a head that agrees with a repeating target."""
+    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    args = EngineArgs(model=mtp_checkpoint(arch), **REGIMES[regime])
+    plain, _ = _generate(args, PROMPTS, params)
+    for agree in (False, True):
+        spec, stats = _generate(args.replace(model=mtp_checkpoint(arch, agree), speculative_config=mtp_spec()),
+                                PROMPTS, params)
+        assert [o.token_ids for o in spec] == [o.token_ids for o in plain], agree
+        assert stats["spec_verify_chunks"] > 0
+        print(arch, regime, agree, stats)
+        if regime == "preemption":
+            assert stats["num_preemptions"] > 0
