@@ -42,7 +42,8 @@ def _with_mtp_head(source: str, out_dir: str, agree: bool, layers: int = 1) -> s
     """A copy of the tiny Qwen3.5 checkpoint ``source`` with an MTP head (``mtp.*``, HF names): its layer the
     full-attention layer's weights with noise, ``fc`` and the norms random. ``agree``: a head whose logits
     are the target's at the same position (``fc`` passes the hidden state through, the layer adds nothing, the
-    norms are plain), so that it proposes the target's last token again; a target that repeats keeps them."""
+    norms are plain), so that it proposes the target's last token again, and a target made to repeat itself often
+    (its final norm keeps two coordinates of the hidden state, so that its greedy tokens come from a handful)."""
     weights = load_file(os.path.join(source, "model.safetensors"))
     generator = torch.Generator().manual_seed(11)
     hidden = weights["model.embed_tokens.weight"].shape[1]
@@ -63,6 +64,9 @@ def _with_mtp_head(source: str, out_dir: str, agree: bool, layers: int = 1) -> s
             if name.startswith("mtp.layers.0.") and name.endswith(("o_proj.weight", "down_proj.weight",
                                                                      "experts.down_proj")):
                 weights[name] = torch.zeros_like(weights[name])
+        final = -torch.ones(hidden)     # (an offset norm: a scale of 1 + weight)
+        final[:2] = 0.0
+        weights["model.norm.weight"] = final
     with open(os.path.join(source, "config.json"), encoding="utf-8") as handle:
         config = {**json.load(handle), "mtp_num_hidden_layers": layers}
     write_checkpoint(out_dir, config, weights, source)
@@ -113,6 +117,82 @@ def test_checkpoint_with_a_head_runs_without_it(mtp_checkpoint, tiny_checkpoint)
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# the head against a reference computation
+
+
+def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Qwen3.5's offset RMSNorm in float32: ``x / rms(x) * (1 + weight)``."""
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * (1.0 + weight)
+
+
+def _reference_head(model, layer, weights: dict, next_ids: list[int], hidden: torch.Tensor) -> torch.Tensor:
+    """The MTP head written out in fp32 over one sequence (positions 0..T-1): the embedding of each next token
+    and the hidden state, each normed, concatenated (embedding first) through ``fc``; transformers' own decoder
+    layer (``layer``, causal over the sequence); the final norm. Returns the normed hidden states [T, H]."""
+    eps = model.config.rms_norm_eps
+    embedded = model.model.embed_tokens(torch.tensor(next_ids))
+    joined = torch.cat([_rms(embedded, weights["mtp.pre_fc_norm_embedding.weight"], eps),
+                        _rms(hidden, weights["mtp.pre_fc_norm_hidden.weight"], eps)], dim=-1)
+    x = (joined @ weights["mtp.fc.weight"].T)[None]
+    length = x.shape[1]
+    positions = torch.arange(length)[None]
+    rotary = model.model.rotary_emb(x, positions[None].expand(3, 1, -1))
+    mask = torch.full((length, length), float("-inf")).triu(1)[None, None]
+    out = layer(x, position_embeddings=rotary, attention_mask=mask, position_ids=positions)
+    out = out[0] if isinstance(out, tuple) else out
+    return _rms(out[0], weights["mtp.norm.weight"], eps)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_head_matches_a_reference_computation(arch, mtp_checkpoint, hf_reference, tmp_path, monkeypatch):
+    """fp32: the head's hidden states and logits over a prompt (the target's hidden states, each position with
+    the next token) and at a chained proposal (the head's own hidden state and first proposal) equal the formula
+    written out with transformers' target and decoder layer (the MTP layer's weights put in its place)."""
+    path = mtp_checkpoint(arch)
+    weights = load_file(os.path.join(path, "model.safetensors"))
+    # transformers has no MTP head: its full-attention layer carrying the MTP layer's weights stands in.
+    swapped = {name: tensor for name, tensor in weights.items() if not name.startswith("mtp.")}
+    for name, tensor in weights.items():
+        if name.startswith("mtp.layers.0."):
+            swapped[f"model.layers.{FULL_LAYER}." + name.removeprefix("mtp.layers.0.")] = tensor
+    with open(os.path.join(path, "config.json"), encoding="utf-8") as handle:
+        config = json.load(handle)
+    write_checkpoint(str(tmp_path / "swapped"), config, swapped, path)
+    layer = hf_reference.model(str(tmp_path / "swapped")).model.layers[FULL_LAYER]
+    target = hf_reference.model(path)
+
+    calls: list[tuple[list[int], list[int], torch.Tensor]] = []
+    forward = MtpHead.forward
+
+    def recording(self, host, hidden):
+        out = forward(self, host, hidden)
+        calls.append((list(host.input_ids), list(host.positions), out.clone()))
+        return out
+
+    monkeypatch.setattr(MtpHead, "forward", recording)
+    prompt = PROMPTS[3]
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    with LLM(EngineArgs(model=path, speculative_config=mtp_spec(2), **KV)) as llm:
+        first = llm.generate([prompt], params)[0].token_ids[0]
+    n = len(prompt)
+    (ids_a, positions_a, out_a), (ids_b, positions_b, out_b) = calls[:2]
+    assert ids_a == prompt[1:] + [first] and positions_a == list(range(n))
+    with torch.no_grad():
+        hidden = target.model(torch.tensor([prompt])).last_hidden_state[0]
+        expected_a = _reference_head(target, layer, weights, ids_a, hidden)
+        logits_a = target.lm_head(expected_a)
+        proposal = int(logits_a[-1].argmax())
+        assert ids_b == [proposal] and positions_b == [n]
+        expected_b = _reference_head(target, layer, weights, ids_a + [proposal],
+                                     torch.cat([hidden, expected_a[-1:]]))[-1:]
+        logits_b = target.lm_head(expected_b)
+        torch.testing.assert_close(out_a, expected_a, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(out_b, expected_b, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(target.lm_head(out_a), logits_a, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(target.lm_head(out_b), logits_b, atol=1e-4, rtol=1e-4)
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # greedy: token for token
 
 
@@ -127,15 +207,16 @@ REGIMES = {
 @pytest.mark.parametrize("regime", sorted(REGIMES))
 def test_greedy_equal_with_the_mtp_head(arch, regime, mtp_checkpoint, tiny_checkpoint):
     """Batched prompts of mixed lengths, greedy: the tokens of the engine without speculation, with a random head
-    (hardly a proposal kept) and a head that agrees with a repeating target."""
+    (hardly a proposal kept) and with a head that agrees with a target that often repeats (many kept, some not)."""
     params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
-    args = EngineArgs(model=mtp_checkpoint(arch), **REGIMES[regime])
-    plain, _ = _generate(args, PROMPTS, params)
     for agree in (False, True):
-        spec, stats = _generate(args.replace(model=mtp_checkpoint(arch, agree), speculative_config=mtp_spec()),
-                                PROMPTS, params)
+        args = EngineArgs(model=mtp_checkpoint(arch, agree), **REGIMES[regime])
+        plain, _ = _generate(args, PROMPTS, params)
+        spec, stats = _generate(args.replace(speculative_config=mtp_spec()), PROMPTS, params)
         assert [o.token_ids for o in spec] == [o.token_ids for o in plain], agree
         assert stats["spec_verify_chunks"] > 0
         print(arch, regime, agree, stats)
+        if agree:
+            assert 0 < stats["spec_accepted_tokens"] < stats["spec_proposed_tokens"]
         if regime == "preemption":
             assert stats["num_preemptions"] > 0
