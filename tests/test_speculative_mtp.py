@@ -220,3 +220,22 @@ def test_greedy_equal_with_the_mtp_head(arch, regime, mtp_checkpoint, tiny_check
             assert 0 < stats["spec_accepted_tokens"] < stats["spec_proposed_tokens"]
         if regime == "preemption":
             assert stats["num_preemptions"] > 0
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# sampling: in distribution against the plain sampler
+
+
+def test_seeded_sampling_with_the_mtp_head_is_distribution_correct(mtp_checkpoint):
+    """The first four tokens of many seeded draws with and without the head (the agreeing one: its q is the
+    target's distribution one position earlier, so proposals are kept, rejected with a residual draw, and kept in
+    full with a bonus token; the second proposal comes from a chained step) come from one distribution: a
+    chi-square two-sample test, rare outcomes pooled."""
+    params = SamplingParams(max_tokens=4, temperature=1.0, top_k=3, ignore_eos=True)
+    args = EngineArgs(model=mtp_checkpoint("qwen3_5_text", agree=True), max_num_seqs=64, **KV)
+    draws = 1200
+    plain, _ = _first_tokens(args, PROMPTS[0], draws, params)
+    spec, stats = _first_tokens(args.replace(speculative_config=mtp_spec(2)), PROMPTS[0], draws, params)
+    assert stats["spec_proposed_tokens"] > stats["spec_verify_chunks"]     # chained proposals too
+    assert stats["spec_verify_chunks"] > 0 and 0 < stats["spec_accepted_tokens"] < stats["spec_proposed_tokens"]
+    assert_same_distribution(plain, spec)

@@ -30,9 +30,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from pocketllm.errors import UnsupportedFeatureError
 from pocketllm.layers.attention import Attention
 from pocketllm.layers.gated_delta import GatedDeltaNet
-from pocketllm.errors import UnsupportedFeatureError
 from pocketllm.layers.linear import QKVParallelLinear, ReplicatedLinear, RowParallelLinear, split_over_ranks
 from pocketllm.layers.norm import OffsetRMSNorm
 from pocketllm.layers.rotary import RotaryEmbedding, rope_settings
