@@ -222,6 +222,22 @@ def test_greedy_equal_with_the_mtp_head(arch, regime, mtp_checkpoint, tiny_check
             assert stats["num_preemptions"] > 0
 
 
+def test_bench_reports_the_acceptance_length_with_forced_acceptance(mtp_checkpoint, monkeypatch, capsys):
+    """The mechanics' benchmark with the head: random weights (``load_format="dummy"``, the head's drawn with the
+    rest), every proposal kept, so that the reported acceptance length is exactly k + 1."""
+    from argparse import Namespace
+
+    from pocketllm.bench import speculative
+
+    monkeypatch.setattr(speculative, "PROMPT_SETS", {"chat": ("Hello",)})
+    path = mtp_checkpoint("qwen3_5_moe_text")
+    spec = {**mtp_spec(2), "forced_acceptance": True}
+    args = Namespace(output_len=10, num_iters=1, output_json=None)
+    result = speculative.run(args, EngineArgs(model=path, load_format="dummy", speculative_config=spec, **KV))
+    assert result["sets"]["chat"]["with"]["mean_acceptance_length"] == 3.0
+    assert "mean acceptance length 3.00" in capsys.readouterr().out
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # sampling: in distribution against the plain sampler
 
