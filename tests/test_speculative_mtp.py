@@ -222,6 +222,27 @@ def test_greedy_equal_with_the_mtp_head(arch, regime, mtp_checkpoint, tiny_check
             assert stats["num_preemptions"] > 0
 
 
+def test_budget_logprobs_and_stop_tokens(mtp_checkpoint):
+    """However many proposals are kept, a request emits at most max_tokens, stops at a stop token (inside a verify
+    step's accepted run too), and its log-probabilities are those of the engine without speculation."""
+    args = EngineArgs(model=mtp_checkpoint("qwen3_5_text", agree=True), **KV)
+    long = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=2)
+    plain, _ = _generate(args, PROMPTS, long)
+    stop_at = plain[0].token_ids[9]
+    cases = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, logprobs=2) for n in (1, 2, 5)]
+    cases.append(SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=2, stop_token_ids=[stop_at]))
+    with LLM(args.replace(speculative_config=mtp_spec(4))) as llm:
+        for params in cases:
+            for out, ref in zip(llm.generate(PROMPTS, params), plain):
+                expected = ref.token_ids[:params.max_tokens]
+                if params.stop_token_ids and stop_at in expected:
+                    expected = expected[:expected.index(stop_at)]   # (a stop token is not returned)
+                assert out.token_ids == expected
+                for a, b in zip(out.logprobs, ref.logprobs):
+                    assert a.token_id == b.token_id and abs(a.logprob - b.logprob) < 1e-4
+        assert llm.stats()["spec_accepted_tokens"] > 0
+
+
 def test_bench_reports_the_acceptance_length_with_forced_acceptance(mtp_checkpoint, monkeypatch, capsys):
     """The mechanics' benchmark with the head: random weights (``load_format="dummy"``, the head's drawn with the
     rest), every proposal kept, so that the reported acceptance length is exactly k + 1."""
