@@ -116,6 +116,42 @@ def test_checkpoint_with_a_head_runs_without_it(mtp_checkpoint, tiny_checkpoint)
     assert [o.token_ids for o in with_head] == [o.token_ids for o in plain]
 
 
+def test_conditional_generation_checkpoint_with_stacked_experts(mtp_checkpoint, tmp_path):
+    """The head of a ``Qwen3_5MoeForConditionalGeneration`` checkpoint: the text weights under
+    ``model.language_model.``, the head's under ``mtp.`` at the top, every layer's experts stacked (one tensor
+    per layer, the head's too); greedy output and acceptance are the text checkpoint's."""
+    source = mtp_checkpoint("qwen3_5_moe_text", agree=True)
+    with open(os.path.join(source, "config.json"), encoding="utf-8") as handle:
+        text_config = json.load(handle)
+    config = {"architectures": ["Qwen3_5MoeForConditionalGeneration"], "model_type": "qwen3_5_moe",
+              "text_config": text_config, "tie_word_embeddings": False,
+              "vision_config": {"depth": 1, "hidden_size": 16, "num_heads": 2, "intermediate_size": 32,
+                                "out_hidden_size": text_config["hidden_size"]}}
+    weights: dict[str, torch.Tensor] = {}
+    experts: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
+    for name, tensor in load_file(os.path.join(source, "model.safetensors")).items():
+        if ".mlp.experts." in name:     # PREFIX.mlp.experts.E.{gate,up,down}_proj.weight
+            prefix, rest = name.split(".mlp.experts.")
+            index, part, _ = rest.split(".")
+            experts.setdefault(prefix, {}).setdefault(int(index), {})[part] = tensor
+            continue
+        weights[name if name.startswith("mtp.") else name.replace("model.", "model.language_model.", 1)] = tensor
+    assert any(prefix.startswith("mtp.") for prefix in experts)
+    for prefix, by_expert in experts.items():
+        stacked = prefix if prefix.startswith("mtp.") else prefix.replace("model.", "model.language_model.", 1)
+        order = sorted(by_expert)
+        weights[f"{stacked}.mlp.experts.gate_up_proj"] = torch.stack(
+            [torch.cat([by_expert[e]["gate_proj"], by_expert[e]["up_proj"]]) for e in order])
+        weights[f"{stacked}.mlp.experts.down_proj"] = torch.stack([by_expert[e]["down_proj"] for e in order])
+    directory = str(tmp_path / "conditional")
+    write_checkpoint(directory, config, weights, source)
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    text, text_stats = _generate(EngineArgs(model=source, speculative_config=mtp_spec(), **KV), PROMPTS, params)
+    nested, stats = _generate(EngineArgs(model=directory, speculative_config=mtp_spec(), **KV), PROMPTS, params)
+    assert [o.token_ids for o in nested] == [o.token_ids for o in text]
+    assert stats["spec_accepted_tokens"] == text_stats["spec_accepted_tokens"] > 0
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # the head against a reference computation
 
@@ -276,3 +312,23 @@ def test_seeded_sampling_with_the_mtp_head_is_distribution_correct(mtp_checkpoin
     assert stats["spec_proposed_tokens"] > stats["spec_verify_chunks"]     # chained proposals too
     assert stats["spec_verify_chunks"] > 0 and 0 < stats["spec_accepted_tokens"] < stats["spec_proposed_tokens"]
     assert_same_distribution(plain, spec)
+
+
+@pytest.mark.gpu
+def test_mtp_on_cuda_greedy_equal(mtp_checkpoint):
+    """On CUDA (float32; the target on the kernel path without decode graphs, the head's attention on the reference
+    path): greedy output equals the engine's without speculation, dense and MoE, with a random and an agreeing
+    head."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    for arch in ARCHS:
+        for agree in (False, True):
+            args = EngineArgs(model=mtp_checkpoint(arch, agree), device="cuda", dtype="float32", max_num_seqs=8,
+                              **KV)
+            plain, _ = _generate(args, PROMPTS, params)
+            spec, stats = _generate(args.replace(speculative_config=mtp_spec()), PROMPTS, params)
+            assert [o.token_ids for o in spec] == [o.token_ids for o in plain], (arch, agree)
+            assert stats["spec_verify_chunks"] > 0
+            if agree:
+                assert stats["spec_accepted_tokens"] > 0
