@@ -15,6 +15,7 @@ from safetensors.torch import load_file
 from test_speculative import _first_tokens, _generate, assert_same_distribution
 
 from pocketllm import LLM, EngineArgs, SamplingParams
+from pocketllm.engine.mtp_proposer import MtpProposer
 from pocketllm.errors import UnsupportedFeatureError
 from pocketllm.runner.mtp_head import MtpHead
 
@@ -256,6 +257,28 @@ def test_greedy_equal_with_the_mtp_head(arch, regime, mtp_checkpoint, tiny_check
             assert 0 < stats["spec_accepted_tokens"] < stats["spec_proposed_tokens"]
         if regime == "preemption":
             assert stats["num_preemptions"] > 0
+
+
+def test_a_verify_chunk_without_head_state_decodes_one_token(mtp_checkpoint, monkeypatch):
+    """A verify chunk whose request has no head state at the position before it (none is ever missing while the
+    head follows every step; here every other step's states are dropped) decodes one token instead: the same
+    greedy tokens, with fewer verify chunks."""
+    advance = MtpProposer.advance
+    calls = [0]
+
+    def forgetful(self, chunks, emitted):
+        advance(self, chunks, emitted)
+        calls[0] += 1
+        if calls[0] % 2:
+            self._states.clear()
+
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    args = EngineArgs(model=mtp_checkpoint("qwen3_5_text", agree=True), speculative_config=mtp_spec(), **KV)
+    full, full_stats = _generate(args, PROMPTS, params)
+    monkeypatch.setattr(MtpProposer, "advance", forgetful)
+    spec, stats = _generate(args, PROMPTS, params)
+    assert [o.token_ids for o in spec] == [o.token_ids for o in full]
+    assert 0 < stats["spec_verify_chunks"] < full_stats["spec_verify_chunks"]
 
 
 def test_budget_logprobs_and_stop_tokens(mtp_checkpoint):
