@@ -236,6 +236,7 @@ def test_head_matches_a_reference_computation(arch, mtp_checkpoint, hf_reference
 REGIMES = {
     "default": KV,
     "chunked-16": {**KV, "max_num_batched_tokens": 16},
+    "no-chunking": {**KV, "enable_chunked_prefill": False},
     "preemption": {"num_kv_blocks": 24, "block_size": 4, "max_num_batched_tokens": 24},
 }
 
@@ -252,7 +253,6 @@ def test_greedy_equal_with_the_mtp_head(arch, regime, mtp_checkpoint, tiny_check
         spec, stats = _generate(args.replace(speculative_config=mtp_spec()), PROMPTS, params)
         assert [o.token_ids for o in spec] == [o.token_ids for o in plain], agree
         assert stats["spec_verify_chunks"] > 0
-        print(arch, regime, agree, stats)
         if agree:
             assert 0 < stats["spec_accepted_tokens"] < stats["spec_proposed_tokens"]
         if regime == "preemption":
