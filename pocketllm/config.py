@@ -152,7 +152,9 @@ class EngineArgs:
         default=None, metadata={"help": 'Speculative decoding as JSON (vLLM\'s keys), e.g. {"method": "ngram", '
                                         '"num_speculative_tokens": 4, "prompt_lookup_min": 2, '
                                         '"prompt_lookup_max": 4}, or a draft model: {"method": "draft_model", '
-                                        '"model": "draft.gguf", "num_speculative_tokens": 4} (docs/library.md).'})
+                                        '"model": "draft.gguf", "num_speculative_tokens": 4}, or a Qwen3.5 '
+                                        'checkpoint\'s MTP head: {"method": "mtp", "num_speculative_tokens": 2} '
+                                        '(docs/library.md).'})
     backend_options: dict[str, Any] = field(
         default_factory=dict, metadata={"help": 'Backend-specific knobs as JSON, e.g. {"eos_token_id": 2}.'})
 

@@ -66,8 +66,8 @@ def test_bad_config_is_refused(bad):
     assert info.value.param == "speculative_config"
 
 
-def test_unbuilt_method_and_async_scheduling_are_refused(tiny_checkpoint):
-    with pytest.raises(UnsupportedFeatureError, match="mtp"):
+def test_mtp_without_a_head_and_async_scheduling_are_refused(tiny_checkpoint):
+    with pytest.raises(UnsupportedFeatureError, match="'mtp' runs the MTP head of a Qwen3.5"):
         LLM(EngineArgs(model=tiny_checkpoint("llama"), speculative_config={"method": "mtp",
                                                                            "num_speculative_tokens": 2}))
     with pytest.raises(UnsupportedFeatureError, match="async_scheduling"):

@@ -38,8 +38,8 @@ class TorchBackend:
             raise UnsupportedFeatureError("this process already runs a tensor-parallel engine; shut it down first "
                                           "(one engine per process under tensor parallelism)")
         spec = args.speculative_config
-        if args.tensor_parallel_size > 1 and spec is not None and spec.method == "draft_model":
-            raise UnsupportedFeatureError("speculative_config.method 'draft_model' runs on one rank; use "
+        if args.tensor_parallel_size > 1 and spec is not None and spec.method in ("draft_model", "mtp"):
+            raise UnsupportedFeatureError(f"speculative_config.method {spec.method!r} runs on one rank; use "
                                           "tensor_parallel_size=1 or method 'ngram'")
         self.args = args
         # Tensor parallelism: this process is rank 0 (it schedules and samples); the worker ranks are started

@@ -13,6 +13,7 @@ from pocketllm.config import EngineArgs
 from pocketllm.distributed import min_over_ranks
 from pocketllm.engine.block_manager import BlockManager
 from pocketllm.engine.draft_proposer import DraftModel, DraftProposer
+from pocketllm.engine.mtp_proposer import MtpProposer
 from pocketllm.engine.ngram_proposer import NgramProposer
 from pocketllm.engine.proposer import Proposer
 from pocketllm.engine.request import FinishReason, Request, RequestStatus
@@ -88,6 +89,16 @@ def _kv_dtype(args: EngineArgs, device: torch.device, weight_format: str) -> tor
     return None
 
 
+def _check_mtp(args: EngineArgs, kv_dtype: torch.dtype | None) -> None:
+    """Refuse what speculative ``method="mtp"`` does not run with (the checkpoint is checked as it loads)."""
+    if args.tensor_parallel_size > 1:
+        raise UnsupportedFeatureError("speculative_config.method 'mtp' runs on one rank; use "
+                                      "tensor_parallel_size=1 or method 'ngram'")
+    if kv_dtype == torch.float8_e4m3fn:
+        raise UnsupportedFeatureError("speculative_config.method 'mtp' keeps the MTP head's keys and values in the "
+                                      "compute dtype; use kv_cache_dtype='auto'")
+
+
 @dataclass(frozen=True)
 class PendingStep:
     """A launched step: its chunks and the tokens it is sampling on the device (None if nothing samples)."""
@@ -134,7 +145,10 @@ class EngineCore:
         if self.device.type == "cpu":
             logger.info("CPU weight format: %s (%s)", self.cpu_weight_format.name, self.cpu_weight_format.reason)
         kv_dtype = _kv_dtype(args, self.device, self.cpu_weight_format.name)
-        self.runner = ModelRunner(hf_config, self.device, self.dtype, args.block_size, args.seed, kv_dtype)
+        mtp = args.speculative_config is not None and args.speculative_config.method == "mtp"
+        if mtp:
+            _check_mtp(args, kv_dtype)
+        self.runner = ModelRunner(hf_config, self.device, self.dtype, args.block_size, args.seed, kv_dtype, mtp)
         if kv_dtype == torch.float8_e4m3fn and not self.runner.uses_kernels:
             raise UnsupportedFeatureError("kv_cache_dtype='fp8' needs the CUDA kernel path (a CUDA device and "
                                           "Triton); use kv_cache_dtype='auto'")
@@ -172,14 +186,19 @@ class EngineCore:
         self.runner.allocate_kv_cache(num_blocks)
         if self.draft_runner is not None:
             self.draft_runner.allocate_kv_cache(num_blocks)
-        if not args.enforce_eager:
+        if mtp and not args.enforce_eager and self.device.type == "cuda":
+            logger.info("decode CUDA graphs off: the MTP head reads every step's hidden states")
+        elif not args.enforce_eager:
             self.runner.capture_cuda_graphs(args.max_num_seqs, max_model_len)
             if self.draft_runner is not None:
                 self.draft_runner.capture_cuda_graphs(args.max_num_seqs, max_model_len)
         # A cached KV prefix would skip the recurrent state of that prefix: prefix caching is off for hybrids.
-        prefix_caching = args.enable_prefix_caching and self.state_pool is None
+        # With the MTP head too: a cached prefix would lack the head's keys and values (its layer of the cache
+        # holds them only where the head ran with the target's hidden states).
+        prefix_caching = args.enable_prefix_caching and self.state_pool is None and not mtp
         if args.enable_prefix_caching and not prefix_caching:
-            logger.info("prefix caching is off: this model keeps recurrent state that a cached prefix lacks")
+            logger.info("prefix caching is off: this model keeps recurrent state that a cached prefix lacks"
+                        if self.state_pool is not None else "prefix caching is off with the MTP head")
         # Every layer that uses the cache slides: blocks older than the longest window are released as requests
         # run past them.
         window = self.runner.kv_window
@@ -262,9 +281,11 @@ class EngineCore:
         spec = self.speculative
         if spec is None:
             return None
-        if spec.method not in ("ngram", "draft_model"):
+        if spec.method not in ("ngram", "draft_model", "mtp"):
             raise UnsupportedFeatureError(f"speculative_config.method {spec.method!r} is not available yet; "
-                                          "use 'ngram' or 'draft_model'")
+                                          "use 'ngram', 'draft_model' or 'mtp'")
+        if spec.method == "mtp":
+            return MtpProposer(self.runner, spec.num_speculative_tokens)
         if self.draft_runner is not None:
             return DraftProposer(self.draft_runner, spec.num_speculative_tokens)
         return NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max, spec.num_speculative_tokens)
@@ -408,8 +429,9 @@ class EngineCore:
         chunks = self.scheduler.schedule()
         if not chunks:
             return None
-        if isinstance(self.scheduler.proposer, DraftProposer):
-            chunks = self.scheduler.proposer.fill(chunks)
+        proposer = self.scheduler.proposer
+        if isinstance(proposer, (DraftProposer, MtpProposer)):
+            chunks = proposer.fill(chunks)
         if self.longest_first:
             chunks.sort(key=_one_token_rows_longest_first)
         previous = self.in_flight.sampled if self.in_flight is not None else None
@@ -419,6 +441,11 @@ class EngineCore:
             verified, sampled = self.runner.verify(chunks, logits, self.speculative.forced_acceptance), None
         else:
             sampled = self.runner.sample_async(chunks, logits)
+        if isinstance(proposer, MtpProposer):
+            # The MTP head runs the step's kept positions with the tokens after them: read the tokens back now.
+            if verified is None:
+                verified, sampled = [[token] for token in (sampled.to_host() if sampled is not None else ())], None
+            proposer.advance(chunks, verified)
         row = 0
         for chunk in chunks:
             request = chunk.request

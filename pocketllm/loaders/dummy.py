@@ -56,6 +56,7 @@ _QWEN3_5_COMMON: dict[str, Any] = {
     "rms_norm_eps": 1e-6, "attention_bias": False, "tie_word_embeddings": False, "full_attention_interval": 4,
     "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
     "linear_num_key_heads": 16, "linear_num_value_heads": 32, "eos_token_id": 248044, "dtype": "bfloat16",
+    "mtp_num_hidden_layers": 1,     # one MTP layer (speculative method "mtp"; random like the rest)
     "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25,
                         "mrope_section": [11, 11, 10], "mrope_interleaved": True},
 }

@@ -12,8 +12,15 @@ degenerate for text: all three position streams equal the token position, so it 
 (image and video inputs are refused before they reach the engine).
 
 Checkpoints: ``Qwen3_5ForCausalLM`` names (``model.layers...``) or the text part of a
-``Qwen3_5ForConditionalGeneration`` checkpoint (``model.language_model.layers...``; the vision tower and the
-multi-token-prediction head are skipped).
+``Qwen3_5ForConditionalGeneration`` checkpoint (``model.language_model.layers...``; the vision tower is
+skipped). The multi-token-prediction head (``mtp.*``) is loaded only when the model runner adds it
+(``add_mtp_head``, speculative ``method="mtp"``), else skipped.
+
+The MTP head (``MultiTokenPredictor``) predicts the token after next: at position ``p`` it takes the embedding
+of token ``p + 1`` and the target's hidden state at ``p`` (after the final norm), normalises each, projects
+their concatenation (embedding first) from ``2H`` to ``H`` (``fc``), runs one full-attention decoder layer of
+the model's own kind (dense or experts) with its own keys and values, and a final norm; its logits come from the
+target's LM head, its embedding from the target's table.
 """
 
 from __future__ import annotations
@@ -23,15 +30,17 @@ from typing import Any
 import torch
 from torch import nn
 
+from pocketllm.errors import UnsupportedFeatureError
 from pocketllm.layers.attention import Attention
 from pocketllm.layers.gated_delta import GatedDeltaNet
-from pocketllm.layers.linear import QKVParallelLinear, RowParallelLinear, split_over_ranks
+from pocketllm.layers.linear import QKVParallelLinear, ReplicatedLinear, RowParallelLinear, split_over_ranks
 from pocketllm.layers.norm import OffsetRMSNorm
 from pocketllm.layers.rotary import RotaryEmbedding, rope_settings
 from pocketllm.models.llama import CausalLM, PreNormBlock, head_dim_of
 from pocketllm.step.attention_metadata import AttentionMetadata
 
-SKIPPED_PREFIXES = ("mtp.", "model.visual.", "visual.")
+SKIPPED_PREFIXES = ("model.visual.", "visual.")
+MTP_PREFIX = "mtp."
 TEXT_PREFIXES = ("model.language_model.", "model.")
 
 
@@ -98,15 +107,51 @@ class HybridDecoderLayer(PreNormBlock):
         return self.self_attn(positions, hidden, meta)
 
 
+class MultiTokenPredictor(nn.Module):
+    """The checkpoint's MTP head (``mtp.*``): ``fc`` over the normed embedding and target hidden state, one
+    decoder ``layers[0]``, a final ``norm``. ``forward`` returns its hidden states after that norm (what the LM
+    head scores, and what the next chained step takes as its hidden state)."""
+
+    def __init__(self, config: Any, layer: nn.Module) -> None:
+        super().__init__()
+        hidden = config.hidden_size
+        self.pre_fc_norm_embedding = OffsetRMSNorm(hidden, config.rms_norm_eps)
+        self.pre_fc_norm_hidden = OffsetRMSNorm(hidden, config.rms_norm_eps)
+        self.fc = ReplicatedLinear(2 * hidden, hidden)
+        self.layers = nn.ModuleList([layer])
+        self.norm = OffsetRMSNorm(hidden, config.rms_norm_eps)
+
+    def forward(self, embedded: torch.Tensor, positions: torch.Tensor, target_hidden: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        """``embedded`` [T, H]: the embeddings of the tokens after ``positions``; ``target_hidden`` [T, H]: the
+        hidden states (after a final norm) at ``positions``."""
+        joined = torch.cat([self.pre_fc_norm_embedding(embedded), self.pre_fc_norm_hidden(target_hidden)], dim=-1)
+        hidden, residual = self.layers[0](positions, self.fc(joined), None, meta)
+        normed, _ = self.norm(hidden, residual)
+        return normed
+
+
+def mtp_layer_count(config: Any) -> int:
+    """The MTP layers a Qwen3.5 config declares (``mtp_num_hidden_layers``; 0 when it declares none)."""
+    return int(getattr(config, "mtp_num_hidden_layers", 0) or 0)
+
+
 class Qwen3_5ForCausalLM(CausalLM):
     """The shared decoder stack with hybrid layers and offset RMSNorms (the model runner's model interface)."""
 
     norm_class = OffsetRMSNorm
+    supports_mtp = True     # the checkpoint may carry an MTP head (``add_mtp_head``)
     packed_modules = {
         **CausalLM.packed_modules,
         "in_proj_qkv": ("in_proj", "qkv"), "in_proj_z": ("in_proj", "z"),
         "in_proj_b": ("in_proj", "b"), "in_proj_a": ("in_proj", "a"),
     }
+
+    def __init__(self, config: Any) -> None:
+        super().__init__(config)
+        self.mtp: MultiTokenPredictor | None = None
+        # With the MTP head: the target's hidden states (after the final norm) of every row of the last forward.
+        self.mtp_target_hidden: torch.Tensor | None = None
 
     def make_layer(self, config: Any, layer_index: int) -> nn.Module:
         if getattr(self, "rotary_emb", None) is None:
@@ -114,11 +159,41 @@ class Qwen3_5ForCausalLM(CausalLM):
         layer_type = list(config.layer_types)[layer_index]
         return HybridDecoderLayer(config, layer_type, self.make_mlp(config, layer_index), self.rotary_emb)
 
+    def add_mtp_head(self) -> None:
+        """Build the MTP head (``self.mtp``) for speculative ``method="mtp"``, under the caller's device and dtype;
+        refused for a config without one MTP layer."""
+        config = self.config
+        layers = mtp_layer_count(config)
+        if layers != 1:
+            what = "declares no MTP layer (mtp_num_hidden_layers 0)" if layers == 0 else f"declares {layers}"
+            raise UnsupportedFeatureError(f"speculative_config.method 'mtp' needs a checkpoint with one MTP layer; "
+                                          f"this one {what}")
+        if getattr(config, "mtp_use_dedicated_embeddings", False):
+            raise UnsupportedFeatureError("speculative_config.method 'mtp': an MTP head with embeddings of its own "
+                                          "(mtp_use_dedicated_embeddings) is not supported")
+        layer = HybridDecoderLayer(config, "full_attention", self.make_mlp(config, config.num_hidden_layers),
+                                   self.rotary_emb)
+        self.mtp = MultiTokenPredictor(config, layer)
+
+    def unnormed(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden, residual = super().unnormed(input_ids, positions, meta)
+        if self.mtp is not None:
+            # A new tensor (the step's own final norm may fuse the add in place).
+            self.mtp_target_hidden = self.norm(hidden + residual)
+        return hidden, residual
+
+    def mtp_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, target_hidden: torch.Tensor,
+                    meta: AttentionMetadata) -> torch.Tensor:
+        """The MTP head's hidden states (after its norm) at ``positions``, of ``input_ids`` (the tokens after
+        them) and the target's (or the head's own) hidden states there."""
+        return self.mtp(self.embed_tokens(input_ids), positions, target_hidden, meta)
+
     def checkpoint_name(self, name: str) -> str | None:
         """Our parameter name for a checkpoint entry (before packing); None for parts we do not run."""
-        if name.startswith(SKIPPED_PREFIXES):
+        if name.startswith(SKIPPED_PREFIXES) or (name.startswith(MTP_PREFIX) and self.mtp is None):
             return None
-        for prefix in TEXT_PREFIXES:
+        for prefix in () if name.startswith(MTP_PREFIX) else TEXT_PREFIXES:
             if name.startswith(prefix):
                 name = name[len(prefix):]
                 break

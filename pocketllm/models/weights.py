@@ -9,11 +9,11 @@ import torch
 from torch import nn
 
 from pocketllm.distributed import single_rank, tp_size
-from pocketllm.errors import CheckpointError
+from pocketllm.errors import CheckpointError, UnsupportedFeatureError
 from pocketllm.layers.gated_delta import GatedDeltaInProj
 from pocketllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear
 
-_EXPERT = re.compile(r"^(layers\.\d+\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
+_EXPERT = re.compile(r"^((?:mtp\.)?layers\.\d+\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
 
 
 def _default_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
@@ -56,6 +56,9 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) 
             getattr(param, "weight_loader", _default_loader)(param, tensor)
             loaded.add(name)
     missing = sorted(set(params) - loaded - ({"lm_head.weight"} if tied else set()))
+    if missing and all(name.startswith("mtp.") for name in missing):
+        raise UnsupportedFeatureError("speculative_config.method 'mtp' needs the checkpoint's MTP head weights "
+                                      f"(mtp.*); this checkpoint lacks {len(missing)} of them, e.g. {missing[:2]}")
     if missing:
         raise CheckpointError(f"checkpoint lacks {len(missing)} parameters, e.g. {missing[:4]}")
 

@@ -15,11 +15,12 @@ import torch
 
 from pocketllm.distributed import tp_rank, tp_size
 from pocketllm.distributed.step_channel import StepChannel
-from pocketllm.errors import InvalidRequestError
+from pocketllm.errors import InvalidRequestError, UnsupportedFeatureError
 from pocketllm.kernels import available as kernels_available
 from pocketllm.layers.attention_backend import TritonAttentionBackend
 from pocketllm.models.registry import model_class
 from pocketllm.models.weights import init_dummy_weights, load_weights
+from pocketllm.runner.mtp_head import MtpHead
 from pocketllm.runner.sampler import Sampler, SamplingRow
 from pocketllm.runner.spec_verify import verify
 from pocketllm.runner.step_backend import (
@@ -96,18 +97,26 @@ class ModelRunner:
     """
 
     def __init__(self, hf_config, device: torch.device, dtype: torch.dtype, block_size: int,
-                 seed: int, kv_dtype: torch.dtype | None = None) -> None:
+                 seed: int, kv_dtype: torch.dtype | None = None, mtp: bool = False) -> None:
+        """``mtp``: build the checkpoint's MTP head too (speculative ``method="mtp"``, ``mtp_head.py``), whose
+        attention is one more layer of the KV cache."""
         self.hf_config = hf_config
         self.device = device
         self.dtype = dtype
         self.kv_dtype = kv_dtype or dtype
         self.block_size = block_size
         cls = model_class(hf_config)
+        if mtp and not getattr(cls, "supports_mtp", False):
+            names = list(getattr(hf_config, "architectures", None) or [])
+            raise UnsupportedFeatureError(f"speculative_config.method 'mtp' runs the MTP head of a Qwen3.5 "
+                                          f"checkpoint; {names[0] if names else cls.__name__} is not one")
         with torch.device(device):
             default_dtype = torch.get_default_dtype()
             torch.set_default_dtype(dtype)
             try:
                 self.model = cls(hf_config)
+                if mtp:
+                    self.model.add_mtp_head()
             finally:
                 torch.set_default_dtype(default_dtype)
         self.model.eval()
@@ -138,6 +147,7 @@ class ModelRunner:
             triton = TritonAttentionBackend()
             for layer in self.attention_layers:
                 layer.backend = triton
+        self.mtp_head = MtpHead(self.model, device, block_size) if mtp else None
         # CPU: the flat decode step (cpu_decode.py) goes first, set up by ``load``.
         self.step_backends: list[StepBackend] = [self.host_step]
 
@@ -161,6 +171,8 @@ class ModelRunner:
             from pocketllm.runner.cpu_decode import setup_cpu
 
             step = setup_cpu(self.model, weight_format, self.block_size, cpu_compile)
+            if self.mtp_head is not None:
+                step = None   # with the MTP head every step runs the reference forward, which keeps every row
             self.step_backends = [self.host_step] if step is None else [CpuDecodeBackend(step, self.model),
                                                                          self.host_step]
         elif cpu_compile:
@@ -219,6 +231,8 @@ class ModelRunner:
         rows = min(max_num_seqs, tokens)
         logits = self.model.compute_logits(hidden[:rows]).float()
         del hidden, logits
+        if self.mtp_head is not None:
+            self.mtp_head.release_target_hidden()
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - base
         vocab = int(self.hf_config.vocab_size)
