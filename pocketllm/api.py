@@ -148,9 +148,9 @@ class _LoopHandoff:
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
         self.lock = threading.Lock()
-        self.items: list[tuple[asyncio.Queue, object]] = []
+        self.items: list[tuple[_Inbox, object]] = []
 
-    def put(self, results: asyncio.Queue, item: object) -> None:
+    def put(self, results: _Inbox, item: object) -> None:
         """Called on the engine thread; raises RuntimeError once the loop is closed."""
         with self.lock:
             self.items.append((results, item))
@@ -168,6 +168,34 @@ class _LoopHandoff:
             items, self.items = self.items, []
         for results, item in items:
             results.put_nowait(item)
+
+
+class _Inbox:
+    """One request's delivered items on the event loop, read by one consumer: each ``get_all`` returns every
+    item that has arrived, so a consumer that fell behind takes several tokens in one wake-up (and the
+    wake-up costs one future, not a queue's getter bookkeeping per item)."""
+
+    __slots__ = ("items", "waiter")
+
+    def __init__(self) -> None:
+        self.items: list[object] = []
+        self.waiter: asyncio.Future | None = None
+
+    def put_nowait(self, item: object) -> None:
+        self.items.append(item)
+        waiter = self.waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    async def get_all(self) -> list[object]:
+        while not self.items:
+            self.waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self.waiter
+            finally:
+                self.waiter = None
+        items, self.items = self.items, []
+        return items
 
 
 class _Facade:
@@ -361,9 +389,9 @@ class AsyncLLM(_Facade):
         return handoff
 
     async def _run(self, request: EngineRequest, request_id: str, stream: bool,
-                   chat: ChatOutputSpec | None = None) -> asyncio.Queue:
+                   chat: ChatOutputSpec | None = None) -> _Inbox:
         handoff = self._handoff()
-        results: asyncio.Queue = asyncio.Queue()
+        results = _Inbox()
 
         def emit(item: object) -> None:
             handoff.put(results, item)
@@ -376,7 +404,7 @@ class AsyncLLM(_Facade):
                      chat: ChatOutputSpec | None = None) -> RequestOutput:
         results = await self._run(request, request_id, stream=False, chat=chat)
         try:
-            item = await results.get()
+            item = (await results.get_all())[0]
         except asyncio.CancelledError:
             self._client.cancel(request_id)
             raise
@@ -398,20 +426,55 @@ class AsyncLLM(_Facade):
                               request_id: str | None = None,
                               chat_output: ChatOutputSpec | None = None) -> AsyncIterator[TokenEvent]:
         request = self._build(_prompt_list(prompt)[0], params)[0]
-        async for event in self._stream(request, request_id, chat_output):
-            yield event
+        async for batch in self._stream_batches(request, request_id, chat_output):
+            for event in batch:
+                yield event
 
-    async def _stream(self, request: EngineRequest, request_id: str | None,
-                      chat: ChatOutputSpec | None = None) -> AsyncIterator[TokenEvent]:
+    async def generate_stream_batches(self, prompt: Prompt, params: SamplingParams | None = None, *,
+                                      request_id: str | None = None, chat_output: ChatOutputSpec | None = None
+                                      ) -> AsyncIterator[list[TokenEvent]]:
+        """``generate_stream``'s events in lists: every event that had arrived when the caller asked for more
+        (one list a token while the caller keeps up, several tokens in one list when it falls behind)."""
+        request = self._build(_prompt_list(prompt)[0], params)[0]
+        async for batch in self._stream_batches(request, request_id, chat_output):
+            yield batch
+
+    async def open_stream(self, prompt: Prompt, params: SamplingParams | None = None, *,
+                          request_id: str | None = None, chat_output: ChatOutputSpec | None = None
+                          ) -> AsyncIterator[list[TokenEvent]]:
+        """Submit one request now and return its events in lists (as ``generate_stream_batches``): the request
+        runs whether or not the caller has started reading. Read the iterator to its end or ``aclose`` it (which
+        cancels the request)."""
+        request = self._build(_prompt_list(prompt)[0], params)[0]
         name = request_id or self._client.new_request_id()
-        results = await self._run(request, name, stream=True, chat=chat)
+        return self._batches(await self._run(request, name, stream=True, chat=chat_output), name)
+
+    async def _stream_batches(self, request: EngineRequest, request_id: str | None,
+                              chat: ChatOutputSpec | None = None) -> AsyncIterator[list[TokenEvent]]:
+        name = request_id or self._client.new_request_id()
+        batches = self._batches(await self._run(request, name, stream=True, chat=chat), name)
+        try:
+            async for batch in batches:
+                yield batch
+        finally:
+            await batches.aclose()
+
+    async def _batches(self, results: _Inbox, name: str) -> AsyncIterator[list[TokenEvent]]:
+        """A submitted request's events in lists of what had arrived; cancels the request if left early."""
         finished = False
         try:
             while not finished:
-                event = _stream_event(await results.get())
-                if event is not None:
-                    finished = event.finished
-                    yield event
+                batch: list[TokenEvent] = []
+                for item in await results.get_all():
+                    if isinstance(item, BaseException):
+                        if batch:   # what came before the error goes out first
+                            yield batch
+                        raise item
+                    if isinstance(item, TokenEvent) and not finished:
+                        finished = item.finished
+                        batch.append(item)
+                if batch:
+                    yield batch
         finally:
             if not finished:
                 self._client.cancel(name)
@@ -424,8 +487,9 @@ class AsyncLLM(_Facade):
     async def chat_stream(self, messages: Sequence[Mapping[str, Any]], params: SamplingParams | None = None,
                           **options: Any) -> AsyncIterator[TokenEvent]:
         request_id, request = self._build_chat(messages, params, options)
-        async for event in self._stream(request, request_id, request.chat_output):
-            yield event
+        async for batch in self._stream_batches(request, request_id, request.chat_output):
+            for event in batch:
+                yield event
 
     async def set_prefill_token_budget(self, tokens: int) -> None:
         """As ``LLM.set_prefill_token_budget``."""

@@ -85,6 +85,42 @@ def sse(payload: dict | str) -> str:
     return f"data: {data}\n\n"
 
 
+async def _arrived(ready: list) -> AsyncIterator[list]:
+    yield ready
+
+
+async def _one_choice(choice: _Choice, events: AsyncIterator[list[TokenEvent]]
+                      ) -> AsyncIterator[list[tuple[_Choice, TokenEvent | Exception]]]:
+    """One choice's event lists, each event with its choice; a failure as its exception, then the end."""
+    try:
+        async for batch in events:
+            yield [(choice, event) for event in batch]
+    except Exception as exc:   # reported to the client as an error event
+        yield [(choice, exc)]
+    finally:
+        await events.aclose()
+
+
+async def _merged(merged: asyncio.Queue, tasks: list[asyncio.Future]
+                  ) -> AsyncIterator[list[tuple[_Choice, TokenEvent | Exception]]]:
+    """The lists that the choices' tasks put in ``merged`` (None: a choice ended), what arrived together as
+    one list, until every task has ended; the tasks are cancelled if the reader leaves early."""
+    open_choices = len(tasks)
+    try:
+        while open_choices:
+            ready: list[tuple[_Choice, TokenEvent | Exception]] = []
+            for item in [await merged.get()] + [merged.get_nowait() for _ in range(merged.qsize())]:
+                if item is None:
+                    open_choices -= 1
+                else:
+                    ready.extend(item)
+            if ready:
+                yield ready
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
 class OpenAIServing:
     """Turns parsed requests into engine requests and engine outputs into OpenAI responses."""
 
@@ -323,49 +359,30 @@ class OpenAIServing:
         """The stream's chunks (an ``{"error": ...}`` object for a failed choice or a missed deadline), then
         ``"[DONE]"``, in batches: what the engine delivered together; the job ends when the iterator is closed
         or exhausted."""
-        events: asyncio.Queue = asyncio.Queue()
-
-        async def pump(choice: _Choice) -> None:
-            try:
-                async for event in self.llm.generate_stream(choice.prompt_ids, choice.params,
-                                                            request_id=choice.engine_id,
-                                                            chat_output=job.chat_output):
-                    await events.put((choice, event))
-            except Exception as exc:  # reported to the client as an error event
-                await events.put((choice, exc))
-            finally:
-                await events.put((choice, None))
-
-        tasks = [asyncio.ensure_future(pump(c)) for c in job.choices]
-        deadline = None if self.request_timeout is None else job.started + self.request_timeout
-        open_choices = len(job.choices)
         timed_out = False
         ran_its_course = False
+        timer = None
+        if self.request_timeout is not None:
+            def expire() -> None:
+                nonlocal timed_out
+                timed_out = True
+                self.cancel(job.request_id, "deadline")
+
+            timer = asyncio.get_running_loop().call_later(
+                max(0.0, job.started + self.request_timeout - time.monotonic()), expire)
+        arrivals = None
         try:
+            arrivals = await self._open_choices(job)
             if job.endpoint == "chat":
                 for choice in job.choices:
                     first = {**self._envelope(job, chunk=True), "choices": [
                         {"index": choice.index, "delta": {"role": "assistant", "content": ""},
                          "logprobs": None, "finish_reason": None}]}
                     yield [{**first, "usage": None} if job.include_usage else first]
-            while open_choices:
-                try:
-                    if deadline is None:
-                        ready = [await events.get()]
-                    else:
-                        ready = [await asyncio.wait_for(events.get(), max(0.0, deadline - time.monotonic()))]
-                except asyncio.TimeoutError:
-                    timed_out = True
-                    self.cancel(job.request_id, "deadline")
-                    deadline = None
-                    continue
-                while not events.empty():   # what else has arrived goes out with it
-                    ready.append(events.get_nowait())
+            async for ready in arrivals:
                 batch: list[dict | str] = []
                 for choice, event in ready:
-                    if event is None:
-                        open_choices -= 1
-                    elif isinstance(event, Exception):
+                    if isinstance(event, Exception):
                         batch.append({"error": {"message": str(event), "type": "server_error", "param": None,
                                                 "code": None}})
                     else:
@@ -373,6 +390,8 @@ class OpenAIServing:
                 if batch:
                     yield batch
             ran_its_course = True
+            if timer is not None:
+                timer.cancel()
             if timed_out:
                 yield [{"error": {"message": f"the request did not finish within {self.request_timeout} s",
                                   "type": "timeout", "param": None, "code": 504}}]
@@ -380,12 +399,41 @@ class OpenAIServing:
                 yield [{**self._envelope(job, chunk=True), "choices": [], "usage": self._usage(job, job.finished)}]
             yield ["[DONE]"]
         finally:
-            for task in tasks:
-                task.cancel()
+            if timer is not None:
+                timer.cancel()
+            if arrivals is not None:
+                await arrivals.aclose()
             if not ran_its_course:   # the client went away (the response was closed mid-stream)
                 job.aborted = job.aborted or "client_disconnect"
             self._cancel_choices(job)
             self._end(job)
+
+    async def _open_choices(self, job: Job) -> AsyncIterator[list[tuple[_Choice, TokenEvent | Exception]]]:
+        """Submit every choice now; return their engine events in lists of what arrived together, each with
+        its choice (an exception for a choice that failed), until every choice's stream has ended. One choice
+        is read directly; several by a task each, merged through a queue."""
+        if len(job.choices) == 1:
+            choice = job.choices[0]
+            try:
+                events = await self.llm.open_stream(choice.prompt_ids, choice.params, request_id=choice.engine_id,
+                                                    chat_output=job.chat_output)
+            except Exception as exc:   # reported to the client as an error event
+                return _arrived([(choice, exc)])
+            return _one_choice(choice, events)
+        merged: asyncio.Queue = asyncio.Queue()
+
+        async def pump(choice: _Choice) -> None:
+            try:
+                async for batch in self.llm.generate_stream_batches(choice.prompt_ids, choice.params,
+                                                                    request_id=choice.engine_id,
+                                                                    chat_output=job.chat_output):
+                    merged.put_nowait([(choice, event) for event in batch])
+            except Exception as exc:
+                merged.put_nowait([(choice, exc)])
+            finally:
+                merged.put_nowait(None)
+
+        return _merged(merged, [asyncio.ensure_future(pump(c)) for c in job.choices])
 
     def _stream_logprobs(self, job: Job, choice: _Choice, event: TokenEvent) -> dict | None:
         """The log-probabilities of the tokens whose text this chunk sends: those held with earlier, empty
