@@ -121,6 +121,19 @@ def test_fp8_cache_snapshot_round_trip(tiny_checkpoint, tmp_path) -> None:
     torch.testing.assert_close(_logprobs(second), _logprobs(first), rtol=0, atol=1e-5)
 
 
+def test_fp8_cache_under_tensor_parallelism(tiny_checkpoint) -> None:
+    """Two CPU ranks (gloo), each with its share of the KV heads as float8: the greedy tokens of one rank."""
+    tokens = []
+    for ranks in (1, 2):
+        args = EngineArgs(model=tiny_checkpoint("llama"), device="cpu", dtype="float32", kv_cache_dtype="fp8",
+                          tensor_parallel_size=ranks, num_kv_blocks=64, block_size=4, max_model_len=128,
+                          tensor_parallel_startup_timeout=120, tensor_parallel_shutdown_timeout=10)
+        with LLM(args) as llm:
+            outputs = llm.generate(PROMPTS, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+        tokens.append([out.token_ids for out in outputs])
+    assert tokens[0] == tokens[1]
+
+
 def test_fp8_cache_refusals(tiny_checkpoint) -> None:
     """cpu_compile compiles the fast decode path, which does not read a float8 cache, and DeepSeek-V4's attention
     is its own: both refused by name."""

@@ -270,6 +270,9 @@ class EngineCore:
                                                   draft.weight_type)
         runner = ModelRunner(draft.hf_config, self.device, self.dtype, args.block_size, args.seed,
                              _kv_dtype(args, self.device, weight_format.name))
+        if runner.kv_dtype == torch.float8_e4m3fn and not runner.reads_fp8_kv:
+            raise UnsupportedFeatureError(f"kv_cache_dtype='fp8': the draft model ({type(runner.model).__name__}) "
+                                          "cannot keep a float8 KV cache here; use kv_cache_dtype='auto'")
         if runner.state_layers:
             raise UnsupportedFeatureError("speculative_config.model keeps recurrent state, which a rejected "
                                           "proposal would need rolled back; choose a draft without it")
