@@ -121,8 +121,9 @@ class EngineArgs:
                                           "bfloat16 for decode-bound steps; the embedding and LM head keep the "
                                           "compute dtype; quality in docs/benchmarks.md; dense models).")
     kv_cache_dtype: str = _opt("auto", "auto (the compute dtype; on CPU with bfloat16/int4/int8 weights, bfloat16) | "
-                                       "bfloat16 | fp8 (CUDA: float8 e4m3 with scale 1, half the KV bytes of "
-                                       "bfloat16; magnitudes beyond 448 saturate).")
+                                       "bfloat16 | fp8 (float8 e4m3 with scale 1, half the KV bytes of bfloat16; "
+                                       "magnitudes beyond 448 saturate; on CPU a slow reference path for "
+                                       "measuring quality, docs/benchmarks.md).")
     async_scheduling: str = _opt("auto", "auto (on for CUDA) | on | off: schedule and launch step N+1 before "
                                           "step N's sampled tokens are read back.")
     enforce_eager: bool = _opt(False, "CUDA: run decode steps eagerly instead of replaying captured CUDA graphs.")

@@ -12,6 +12,16 @@ keeps that gap small).
 
 ``int4-torch`` is ``int4`` through torch's int4 kernel (bfloat16 activations) where the CPU would otherwise run
 the 4-bit x 8-bit kernel (``pocketllm/layers/q4_linear.py``).
+
+KV-cache dtypes (``--kv-dtypes``): the same measures with the weights fixed (``--kv-format``, default ``auto``:
+int4 for the default model here) and only the KV cache's dtype changing, every step (teacher-forced and greedy)
+through the PyTorch reference step, the path a float8 cache runs on CPU (the CPU decode fast path reads
+bfloat16/float32 rows only, so it is bypassed for every dtype alike). Each dtype is compared with every dtype
+listed before it: perplexity, the mean and largest absolute difference of the teacher-forced log-probability of
+the text's next token, top-1 agreement, identical greedy prefixes. ``float32`` is not a ``kv_cache_dtype`` value:
+its engine is built with a bfloat16 cache, which is then allocated again in float32 before anything runs.
+
+    python scripts/cpu_quality.py --kv-dtypes bfloat16 float32 fp8 --rows 1 8
 """
 
 from __future__ import annotations
@@ -20,6 +30,7 @@ import argparse
 import contextlib
 import math
 from types import SimpleNamespace
+from typing import NamedTuple
 
 import torch
 
@@ -27,6 +38,7 @@ from pocketllm.api import LLM
 from pocketllm.config import EngineArgs
 from pocketllm.kernels import cpu_native
 from pocketllm.sampling_params import SamplingParams
+from pocketllm.step.host_batch import gather_host_batch
 from pocketllm.step.scheduled_chunk import ScheduledChunk
 
 TEXT = (
@@ -64,12 +76,14 @@ def _chunk(ids: list[int], table: list[int]) -> ScheduledChunk:
 
 @torch.inference_mode()
 def perplexity(llm: LLM, ids: list[int], rows: int, length: int,
-               top2: list[tuple[int, float]] | None = None) -> float:
+               top2: list[tuple[int, float]] | None = None, reference_step: bool = False,
+               chosen: list[float] | None = None) -> float:
     """exp(mean negative log-likelihood) of ``rows`` windows of ``ids``, teacher-forced through the decode
-    step (every window's tokens 1..length-1 predicted from the ones before). ``top2`` collects each position's
-    (most likely token, its logit's lead over the second)."""
+    step, or the PyTorch reference step with ``reference_step`` (every window's tokens 1..length-1 predicted
+    from the ones before). ``top2`` collects each position's (most likely token, its logit's lead over the
+    second); ``chosen`` each position's log-probability of the text's next token."""
     runner = llm._client.backend.core.runner
-    if runner.cpu_decode is None:
+    if runner.cpu_decode is None and not reference_step:
         raise SystemExit("this model has no CPU decode step")
     block = runner.block_size
     per_row = -(-length // block)
@@ -79,13 +93,19 @@ def perplexity(llm: LLM, ids: list[int], rows: int, length: int,
     total, count = 0.0, 0
     for pos in range(length - 1):
         chunks = [_chunk(w[: pos + 1], t) for w, t in zip(windows, tables)]
-        hidden = runner.cpu_decode.forward(chunks)
-        logprobs = torch.log_softmax(runner.model.compute_logits(hidden).float(), dim=-1)
+        if reference_step:
+            logits = runner.reference_step.run(gather_host_batch(chunks, block))
+        else:
+            logits = runner.model.compute_logits(runner.cpu_decode.forward(chunks))
+        logprobs = torch.log_softmax(logits.float(), dim=-1)
         if top2 is not None:
             best = logprobs.topk(2, dim=-1)
             top2.extend((int(i[0]), float(v[0] - v[1])) for i, v in zip(best.indices, best.values))
         target = torch.tensor([w[pos + 1] for w in windows])
-        total -= float(logprobs.gather(1, target[:, None]).sum())
+        picked = logprobs.gather(1, target[:, None])[:, 0]
+        if chosen is not None:
+            chosen.extend(picked.tolist())
+        total -= float(picked.sum())
         count += rows
     return math.exp(total / count)
 
@@ -105,15 +125,80 @@ def common_prefix(a: list[int], b: list[int]) -> int:
     return n
 
 
+class KvRun(NamedTuple):
+    """What one KV-cache dtype measured: perplexity per row count, and over the largest row count's positions
+    each one's log-probability of the text's next token and (most likely token, top-2 logit gap); the greedy
+    tokens of every chat prompt."""
+
+    perplexity: dict[int, float]
+    chosen: list[float]
+    top2: list[tuple[int, float]]
+    greedy: list[list[int]]
+
+
+def measure_kv(kv_dtype: str, args: argparse.Namespace) -> KvRun:
+    """The measures of one KV-cache dtype, every step through the reference step."""
+    extra = {} if args.model is None else {"model": args.model}
+    cache = "bfloat16" if kv_dtype == "float32" else kv_dtype
+    llm = LLM(EngineArgs(device="cpu", max_model_len=512, cpu_weight_format=args.kv_format, kv_cache_dtype=cache,
+                         num_kv_blocks=args.kv_blocks, **extra))
+    with llm:
+        runner = llm._client.backend.core.runner
+        if kv_dtype == "float32":
+            runner.kv_dtype = torch.float32
+            runner.allocate_kv_cache(runner.num_blocks)
+        runner.step_backends = [runner.host_step]   # the reference step for every dtype alike
+        dtype = runner.attention_layers[0].k_cache.dtype
+        resolved = llm.engine_caps().details.get("cpu_weight_format", args.kv_format)
+        print(f"kv {kv_dtype}: cache {dtype}, weights {resolved}", flush=True)
+        ids = llm._client.encode_prompt(TEXT)
+        top2: list[tuple[int, float]] = []
+        chosen: list[float] = []
+        widest = max(args.rows)
+        ppl = {rows: perplexity(llm, ids, rows, args.length, top2 if rows == widest else None, True,
+                                chosen if rows == widest else None) for rows in args.rows}
+        tokens = greedy(llm, args.tokens)
+    return KvRun(ppl, chosen, top2, tokens)
+
+
+def compare_kv(name: str, run: KvRun, base_name: str, base: KvRun) -> str:
+    """One line: ``run`` against ``base``."""
+    delta = (torch.tensor(run.chosen) - torch.tensor(base.chosen)).abs()
+    flips = [gap for (token, _), (ref_token, gap) in zip(run.top2, base.top2) if token != ref_token]
+    top1 = 1 - len(flips) / max(1, len(run.top2))
+    widest = f"{max(flips):.3f}" if flips else "-"
+    ppl = ", ".join(f"{run.perplexity[r]:.4f} vs {base.perplexity[r]:.4f} ({r} rows, "
+                    f"{run.perplexity[r] - base.perplexity[r]:+.4f})" for r in run.perplexity)
+    agree = [common_prefix(a, b) for a, b in zip(run.greedy, base.greedy)]
+    return (f"kv {name} vs {base_name}: perplexity {ppl}; chosen-token |logprob delta| mean {float(delta.mean()):.4f}"
+            f" max {float(delta.max()):.4f} over {delta.numel()} positions; teacher-forced top-1 agreement "
+            f"{top1:.4f} ({len(flips)} differ; {base_name}'s top-2 logit gap there at most {widest}); identical "
+            f"greedy prefix: {agree}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="Model (default: the engine's default model).")
     parser.add_argument("--formats", nargs="+", default=["auto", "int4"],
                         help="cpu_weight_format values, or fp8 (quantization='fp8').")
+    parser.add_argument("--kv-dtypes", nargs="+", default=None, choices=["bfloat16", "float32", "fp8"],
+                        help="Compare these KV-cache dtypes instead of weight formats (reference step).")
+    parser.add_argument("--kv-format", default="auto", help="cpu_weight_format of the --kv-dtypes runs.")
+    parser.add_argument("--kv-blocks", type=int, default=256, help="KV blocks of the --kv-dtypes runs.")
     parser.add_argument("--rows", nargs="+", type=int, default=[1, 8], help="Rows per teacher-forced step.")
     parser.add_argument("--length", type=int, default=128, help="Tokens per window.")
     parser.add_argument("--tokens", type=int, default=64, help="Greedy tokens per chat prompt.")
     args = parser.parse_args()
+    if args.kv_dtypes:
+        runs: dict[str, KvRun] = {}
+        for kv_dtype in args.kv_dtypes:
+            run = measure_kv(kv_dtype, args)
+            print(f"kv {kv_dtype}: perplexity " + ", ".join(f"{p:.4f} ({r} rows)" for r, p in run.perplexity.items()),
+                  flush=True)
+            for base_name, base in runs.items():
+                print(compare_kv(kv_dtype, run, base_name, base), flush=True)
+            runs[kv_dtype] = run
+        return
     reference = None
     reference_top2: list[tuple[int, float]] | None = None
     for fmt in args.formats:

@@ -149,9 +149,11 @@ class EngineCore:
         if mtp:
             _check_mtp(args, kv_dtype)
         self.runner = ModelRunner(hf_config, self.device, self.dtype, args.block_size, args.seed, kv_dtype, mtp)
-        if kv_dtype == torch.float8_e4m3fn and not self.runner.uses_kernels:
+        if kv_dtype == torch.float8_e4m3fn and not self.runner.reads_fp8_kv:
             raise UnsupportedFeatureError("kv_cache_dtype='fp8' needs the CUDA kernel path (a CUDA device and "
-                                          "Triton); use kv_cache_dtype='auto'")
+                                          "Triton) or, on CPU, the reference attention of a model built on the "
+                                          f"shared attention layers ({type(self.runner.model).__name__} is not); "
+                                          "use kv_cache_dtype='auto'")
         self.runner.load(weights, dummy_seed=args.seed, weight_format=self.cpu_weight_format.name,
                          cpu_compile=args.cpu_compile, quantization=args.quantization)
         self.speculative = args.speculative_config
@@ -268,6 +270,9 @@ class EngineCore:
                                                   draft.weight_type)
         runner = ModelRunner(draft.hf_config, self.device, self.dtype, args.block_size, args.seed,
                              _kv_dtype(args, self.device, weight_format.name))
+        if runner.kv_dtype == torch.float8_e4m3fn and not runner.reads_fp8_kv:
+            raise UnsupportedFeatureError(f"kv_cache_dtype='fp8': the draft model ({type(runner.model).__name__}) "
+                                          "cannot keep a float8 KV cache here; use kv_cache_dtype='auto'")
         if runner.state_layers:
             raise UnsupportedFeatureError("speculative_config.model keeps recurrent state, which a rejected "
                                           "proposal would need rolled back; choose a draft without it")

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from pocketllm.errors import InvalidRequestError, UnsupportedFeatureError
+from pocketllm.kernels.fp8 import copy_rows_
 
 FORMAT = "pocketllm-kv/1"
 _META_KEY = "pocketllm_kv"
@@ -214,6 +215,7 @@ def import_prefix(core, snapshot: KVSnapshot, model_path: str) -> int:
         src = torch.tensor(sources, dtype=torch.int64)
         dst = torch.tensor(targets, dtype=torch.int64, device=device)
         for layer, k, v in zip(layers, snapshot.keys, snapshot.values):
-            layer.k_cache.index_copy_(0, dst, k.index_select(0, src).to(device=device, dtype=layer.k_cache.dtype))
-            layer.v_cache.index_copy_(0, dst, v.index_select(0, src).to(device=device, dtype=layer.v_cache.dtype))
+            # (same dtype as the cache: ``check_compatible``; a float8 cache's codes are copied as they are)
+            copy_rows_(layer.k_cache, dst, k.index_select(0, src).to(device=device))
+            copy_rows_(layer.v_cache, dst, v.index_select(0, src).to(device=device))
     return served

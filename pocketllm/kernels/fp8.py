@@ -6,6 +6,10 @@ activations go through the skinny Triton kernels (``gemv``), which widen the cod
 rows go through ``scaled_product``: on a GPU with float8 tensor cores (compute capability 8.9 and later) the
 activations are quantised per row to float8 and multiplied by cuBLAS's scaled product; elsewhere (CPU, older
 GPUs) the codes are widened to the activations' dtype first, which gives the same values with more traffic.
+
+A float8 KV cache (``kv_cache_dtype="fp8"``) has no scale at all: ``quantize_kv`` is the conversion the Triton
+store kernels make (``kernels/attention.py``, ``kernels/fused.py``), which the PyTorch reference attention makes
+too, so that CPU measures the quality the GPU gives.
 """
 
 from __future__ import annotations
@@ -67,3 +71,21 @@ def scaled_product(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
     if bias is not None:
         out = out + bias
     return out.reshape(*shape[:-1], codes.shape[0])
+
+
+def quantize_kv(x: torch.Tensor) -> torch.Tensor:
+    """Keys or values as a float8 KV cache holds them: e4m3 codes with scale 1 (no per-tensor, per-head or
+    per-token scale), rounded to nearest even from float32, magnitudes beyond 448 saturating to +-448 (NaN
+    stays NaN). The Triton store kernels convert the same way (through float32, a saturating conversion); reading
+    the cache widens the codes to the queries' dtype, which holds every e4m3 value exactly."""
+    return x.float().clamp(-FP8_MAX, FP8_MAX).to(FP8)
+
+
+def copy_rows_(cache: torch.Tensor, index: torch.Tensor, rows: torch.Tensor) -> None:
+    """``cache.index_copy_(0, index, rows)`` with ``rows`` converted to the cache's dtype (``quantize_kv`` for a
+    float8 cache, whose codes are then copied as bytes: torch has no float8 ``index_copy_`` on CPU)."""
+    if cache.dtype == FP8:
+        codes = rows if rows.dtype == FP8 else quantize_kv(rows)
+        cache.view(torch.uint8).index_copy_(0, index, codes.view(torch.uint8))
+    else:
+        cache.index_copy_(0, index, rows if rows.dtype == cache.dtype else rows.to(cache.dtype))

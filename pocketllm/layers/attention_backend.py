@@ -6,8 +6,8 @@ without kernels), with the plain ``AttentionMetadata`` the reference step builds
 the Triton kernels (CUDA) with the kernel metadata (``context_lens_gpu`` and the rest) the CUDA step builds, and
 also takes the fused QKV projection (``forward_packed``: q/k norm, rotary and the KV store in the attention
 launches). The model runner binds a layer's backend together with the step backend that builds its metadata
-(``runner/model_runner.py``). The kernel modules are imported inside the Triton backend's methods only, so that
-everything here imports where Triton is absent.
+(``runner/model_runner.py``). The Triton kernel modules are imported inside the Triton backend's methods only, so
+that everything here imports where Triton is absent (``kernels/fp8.py`` is torch only).
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pocketllm.kernels.fp8 import copy_rows_
 from pocketllm.step.attention_metadata import AttentionMetadata
 
 if TYPE_CHECKING:
@@ -54,7 +55,9 @@ class AttentionBackend(ABC):
 
 
 class TorchAttentionBackend(AttentionBackend):
-    """The PyTorch reference: ``index_copy_`` into the cache, SDPA over each sequence's gathered blocks."""
+    """The PyTorch reference: ``index_copy_`` into the cache, SDPA over each sequence's gathered blocks. A float8
+    cache (``kv_cache_dtype="fp8"``) holds e4m3 codes with scale 1, quantised and widened as the Triton kernels
+    do (``kernels/fp8.py``: ``quantize_kv``)."""
 
     name = "torch"
 
@@ -62,8 +65,10 @@ class TorchAttentionBackend(AttentionBackend):
                 meta: AttentionMetadata) -> torch.Tensor:
         k_flat = layer.k_cache.view(-1, layer.num_kv_heads, layer.head_dim)
         v_flat = layer.v_cache.view(-1, layer.num_kv_heads, layer.head_dim)
-        k_flat.index_copy_(0, meta.slot_mapping, k.to(k_flat.dtype))
-        v_flat.index_copy_(0, meta.slot_mapping, v.to(v_flat.dtype))
+        # A float8 cache stores ``quantize_kv``'s codes (scale 1, as the Triton store kernels do); reads below
+        # widen every cache dtype to the queries' dtype.
+        copy_rows_(k_flat, meta.slot_mapping, k)
+        copy_rows_(v_flat, meta.slot_mapping, v)
         if meta.is_decode_only:
             out = self._decode(layer, q, meta)
         else:

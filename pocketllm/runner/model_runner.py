@@ -170,9 +170,19 @@ class ModelRunner:
         if self.device.type == "cpu":
             from pocketllm.runner.cpu_decode import setup_cpu
 
+            fp8_cache = self.kv_dtype == torch.float8_e4m3fn
+            if fp8_cache and cpu_compile:
+                raise UnsupportedFeatureError("cpu_compile compiles the CPU decode fast path, which does not read "
+                                              "a float8 KV cache; drop cpu_compile or kv_cache_dtype='fp8'")
             step = setup_cpu(self.model, weight_format, self.block_size, cpu_compile)
             if self.mtp_head is not None:
                 step = None   # with the MTP head every step runs the reference forward, which keeps every row
+            elif step is not None and fp8_cache:
+                # The fast path's attention (and its dense K/V rows) read bfloat16/float32 rows only: every step
+                # of a float8 cache runs the reference step, whose attention quantises and widens as CUDA does.
+                logger.info("CPU decode fast path off: kv_cache_dtype='fp8' runs the reference attention "
+                            "(a path for measuring quality, not speed)")
+                step = None
             self.step_backends = [self.host_step] if step is None else [CpuDecodeBackend(step, self.model),
                                                                          self.host_step]
         elif cpu_compile:
@@ -184,6 +194,13 @@ class ModelRunner:
         """Whether steps run the Triton kernels (CUDA with Triton, a model with attention layers that takes the
         kernel step)."""
         return self.cuda_step is not None
+
+    @property
+    def reads_fp8_kv(self) -> bool:
+        """Whether a float8 KV cache runs here: on the Triton kernels (CUDA), or on CPU through the PyTorch
+        reference attention of a model that uses the shared attention layers (not DeepSeek-V4's own)."""
+        return self.uses_kernels or (self.device.type == "cpu" and bool(self.attention_layers)
+                                     and getattr(self.model, "kernel_step", True))
 
     @property
     def cpu_decode(self) -> CpuDecodeStep | None:
