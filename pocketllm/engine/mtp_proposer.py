@@ -1,4 +1,4 @@
-"""The checkpoint's own MTP head (speculative ``method="mtp"``, Qwen3.5): proposes each verify chunk's tokens.
+"""The checkpoint's own MTP head (speculative ``method="mtp"``: Qwen3.5, DeepSeek-V4): proposes verify tokens.
 
 At position ``p`` the head reads the target's hidden state at ``p`` and the token at ``p + 1``, and predicts the
 token at ``p + 2``. Its keys and values are one more layer of the target's KV cache (``runner/mtp_head.py``), so
@@ -35,7 +35,7 @@ from pocketllm.step.scheduled_chunk import ScheduledChunk
 
 @dataclass(frozen=True)
 class HeadState:
-    """The head's hidden state (after its norm) at a request's last kept ``position``."""
+    """The head's hidden state (as ``MtpHead.forward`` returns it) at a request's last kept ``position``."""
 
     request: Request
     position: int

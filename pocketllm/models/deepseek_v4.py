@@ -50,7 +50,8 @@ Where the per-request state lives
 
 Runs on the PyTorch reference step on CPU and on CUDA (``kernel_step = False``: no CPU decode plan, no Triton
 attention or decode CUDA graphs, since its attention is its own; plain torch ops on the device, in the engine's
-dtype), on one rank. The multi-token-prediction layers (``mtp.*``) are skipped at load. Config features
+dtype), on one rank. The multi-token-prediction layer (``mtp.*``) is loaded only when the model runner adds it
+(``add_mtp_head``, speculative ``method="mtp"``: ``deepseek_v4_mtp.py``), else skipped. Config features
 transformers' reference does not compute, or that we do not, are refused at load by name.
 """
 
@@ -95,6 +96,17 @@ UPSTREAM_RENAMES = tuple((re.compile(pattern), replacement) for pattern, replace
     (r"\.(shared_experts|experts\.\d+)\.w3\.", r".\1.up_proj."),
     (r"\.(shared_experts|experts\.\d+)\.w2\.", r".\1.down_proj."),
 ))
+MTP_LAYER = re.compile(r"^mtp\.(?:layers\.)?(\d+)\.")
+
+
+def _mtp_name(name: str) -> str:
+    """An MTP layer's entry (``mtp.N.`` or ``mtp.layers.N.``) as ``mtp.layers.N.``, its own hyper-head named as
+    the model's; refused for the compressor of a compressed MTP layer, which ours is not."""
+    if re.search(r"\.(compressor|indexer)\.", name):
+        raise UnsupportedFeatureError(f"speculative_config.method 'mtp': this checkpoint's MTP layer compresses its "
+                                      f"attention ({name}); PocketLLM runs a sliding-window MTP layer")
+    name = MTP_LAYER.sub(r"mtp.layers.\1.", name)
+    return re.sub(r"\.hc_head_(fn|base|scale)$", r".hc_head.hc_\1", name)
 
 
 # ----------------------------------------------------------------------------------------------- config checks
@@ -360,10 +372,29 @@ class WindowPool(nn.Module):
                          overlap_gate=((self.rate, self.dim), torch.float32))
         return specs
 
-    def pool(self, hidden: torch.Tensor, slot: int, start: int) -> tuple[int, torch.Tensor]:
+    def pool(self, hidden: torch.Tensor, slot: int, start: int, checkpoint: int = -1) -> tuple[int, torch.Tensor]:
         """One sequence's new tokens ``hidden`` [t, H] from position ``start``: (index of the first window closed
-        now, the entries [n, dim] of the windows closed now); the slot's state carried over."""
+        now, the entries [n, dim] of the windows closed now); the slot's state carried over. ``checkpoint`` >= 0
+        (a verify chunk of speculative decoding): the tokens are pooled one at a time and the state after each
+        but the last is copied to slots ``checkpoint``, ``checkpoint + 1``, ... (the engine rolls ``slot`` back to
+        the one after the last accepted position)."""
         kv, gate = self.kv_proj(hidden).float(), self.gate_proj(hidden).float()
+        if checkpoint < 0:
+            return self._pool(kv, gate, slot, start)
+        parts = []
+        for row in range(kv.shape[0]):
+            parts.append(self._pool(kv[row:row + 1], gate[row:row + 1], slot, start + row)[1])
+            if row < kv.shape[0] - 1:
+                for name in self.state_names():
+                    state = getattr(self, name)
+                    state[checkpoint + row].copy_(state[slot])
+        return start // self.rate, torch.cat(parts)
+
+    def state_names(self) -> tuple[str, ...]:
+        return ("open_kv", "open_gate") + (("overlap_kv", "overlap_gate") if self.overlap else ())
+
+    def _pool(self, kv: torch.Tensor, gate: torch.Tensor, slot: int, start: int) -> tuple[int, torch.Tensor]:
+        """``pool`` of projected rows ``kv``, ``gate`` [t, width] (float32)."""
         held = start % self.rate
         if held:
             kv = torch.cat((self.open_kv[slot, :held], kv))
@@ -420,10 +451,10 @@ class Indexer(WindowPool):
         self.keys = Attention(self.heads, self.dim, 1, self.dim ** -0.5)
 
     def select(self, hidden: torch.Tensor, q_residual: torch.Tensor, positions: torch.Tensor, slot: int,
-               table: torch.Tensor, block_size: int, visible: torch.Tensor) -> torch.Tensor:
-        """Which of the visible entries [t, n] each query keeps (bool [t, n])."""
+               table: torch.Tensor, block_size: int, visible: torch.Tensor, checkpoint: int = -1) -> torch.Tensor:
+        """Which of the visible entries [t, n] each query keeps (bool [t, n]). ``checkpoint``: ``pool``'s."""
         start = int(positions[0])
-        first, entries = self.pool(hidden, slot, start)
+        first, entries = self.pool(hidden, slot, start, checkpoint)
         if entries.shape[0]:
             index = torch.arange(first, first + entries.shape[0], device=hidden.device)
             write_rows(self.keys.k_cache, cache_slots(table, index, block_size), entries)
@@ -451,11 +482,12 @@ class Compressor(WindowPool):
         self.indexer = Indexer(config, rate, rotary) if layer_type == CSA else None
 
     def history(self, hidden: torch.Tensor, q_residual: torch.Tensor, positions: torch.Tensor, slot: int,
-                table: torch.Tensor, block_size: int, cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                table: torch.Tensor, block_size: int, cache: torch.Tensor,
+                checkpoint: int = -1) -> tuple[torch.Tensor, torch.Tensor]:
         """One sequence's chunk: new entries pooled and paged into ``cache``; returns every entry of the
-        sequence so far [n, D] and which of them each query attends (bool [t, n])."""
+        sequence so far [n, D] and which of them each query attends (bool [t, n]). ``checkpoint``: ``pool``'s."""
         start = int(positions[0])
-        first, entries = self.pool(hidden, slot, start)
+        first, entries = self.pool(hidden, slot, start, checkpoint)
         if entries.shape[0]:
             index = torch.arange(first, first + entries.shape[0], device=hidden.device)
             write_rows(cache, cache_slots(table, index, block_size), entries)
@@ -464,7 +496,8 @@ class Compressor(WindowPool):
         history = read_rows(cache, cache_slots(table, index, block_size))
         visible = index[None, :] < ((positions + 1) // self.rate)[:, None]
         if self.indexer is not None:
-            visible = self.indexer.select(hidden, q_residual, positions, slot, table, block_size, visible)
+            visible = self.indexer.select(hidden, q_residual, positions, slot, table, block_size, visible,
+                                          checkpoint)
         return history, visible
 
 
@@ -510,9 +543,11 @@ class DeepseekV4Attention(nn.Module):
             history = visible = None
             if self.compressor is not None:
                 slot = meta.state_slots_host[i]
+                checkpoints = meta.state_checkpoints_host
                 history, visible = self.compressor.history(hidden[begin:end], q_residual[begin:end],
                                                            positions[begin:end], slot, table, meta.block_size,
-                                                           self.attn.v_cache)
+                                                           self.attn.v_cache, -1 if checkpoints is None
+                                                           else checkpoints[i])
             outputs.append(self._attend(q[begin:end], positions[begin:end], table, meta.block_size, history,
                                         visible))
         out = torch.cat(outputs) if outputs else q.new_zeros(0, self.heads, self.dim)
@@ -629,11 +664,10 @@ class DeepseekV4MoE(nn.Module):
 class DeepseekV4DecoderLayer(nn.Module):
     """Attention then feed-forward, each between a hyper-connection and a merge back into the streams."""
 
-    def __init__(self, config: Any, layer_index: int, rotary: dict[str, InterleavedRotary]) -> None:
+    def __init__(self, config: Any, layer_type: str, mlp_type: str, rotary: dict[str, InterleavedRotary]) -> None:
         super().__init__()
-        layer_type = _layer_types(config)[layer_index]
         self.self_attn = DeepseekV4Attention(config, layer_type, rotary)
-        self.mlp = DeepseekV4MoE(config, config.mlp_layer_types[layer_index] == HASH_MOE)
+        self.mlp = DeepseekV4MoE(config, mlp_type == HASH_MOE)
         self.input_layernorm = Fp32RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = Fp32RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.attn_hc = HyperConnection(config)
@@ -654,6 +688,7 @@ class DeepseekV4ForCausalLM(nn.Module):
 
     # On CUDA the model runner runs the reference step (this attention is not the Triton kernels').
     kernel_step = False
+    supports_mtp = True     # the checkpoint may carry an MTP layer (``add_mtp_head``)
 
     def __init__(self, config: Any) -> None:
         super().__init__()
@@ -666,12 +701,36 @@ class DeepseekV4ForCausalLM(nn.Module):
                                      for label in ("main", "compress")})
         rotary = dict(self.rotary.items())
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DeepseekV4DecoderLayer(config, i, rotary)
-                                    for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(DeepseekV4DecoderLayer(config, kind, mlp, rotary)
+                                    for kind, mlp in zip(_layer_types(config), config.mlp_layer_types))
         self.hc_head = HyperHead(config)
         self.norm = Fp32RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
         self.sliding_windows = [layer.self_attn.window for layer in self.layers]
+        self.mtp: nn.Module | None = None
+        # With the MTP layer: the last decoder layer's streams [T, hc, D] of every row of the last forward.
+        self.mtp_target_hidden: torch.Tensor | None = None
+
+    def add_mtp_head(self) -> None:
+        """Build the MTP layer (``self.mtp``) for speculative ``method="mtp"``, under the caller's device and
+        dtype; refused for a config without one MTP layer (``num_nextn_predict_layers``)."""
+        from pocketllm.models.deepseek_v4_mtp import DeepseekV4MultiTokenPredictor
+
+        self.mtp = DeepseekV4MultiTokenPredictor(self.config, dict(self.rotary.items()))
+
+    def mtp_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, target_hidden: torch.Tensor,
+                    meta: AttentionMetadata) -> torch.Tensor:
+        """The MTP layer's output streams at ``positions``, of ``input_ids`` (the tokens after them) and the
+        target's (or the layer's own) streams there."""
+        if self.mtp is None:
+            raise RuntimeError("mtp_forward needs the MTP layer (add_mtp_head)")
+        return self.mtp(self.embed_tokens(input_ids), target_hidden, input_ids, positions, meta)
+
+    def mtp_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The LM head's logits of the MTP layer's output streams (through its own hyper-head and norm)."""
+        if self.mtp is None:
+            raise RuntimeError("mtp_logits needs the MTP layer (add_mtp_head)")
+        return self.compute_logits(self.mtp.collapse(hidden))
 
     def decode_plan(self) -> None:
         """None: the CPU decode plan describes none of this architecture; it runs the reference path."""
@@ -683,6 +742,8 @@ class DeepseekV4ForCausalLM(nn.Module):
         streams = hidden.unsqueeze(1).expand(-1, self.streams, -1).contiguous()
         for layer in self.layers:
             streams = layer(streams, input_ids, positions, meta)
+        if self.mtp is not None:
+            self.mtp_target_hidden = streams
         return self.norm(self.hc_head(streams))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -690,10 +751,13 @@ class DeepseekV4ForCausalLM(nn.Module):
 
     def checkpoint_name(self, name: str) -> str | None:
         """Our parameter name for a checkpoint entry, in DeepSeek's own names (what published checkpoints and
-        transformers' ``save_pretrained`` write) or transformers' module names; None for the MTP layers."""
-        if name.startswith(SKIPPED_PREFIXES):
+        transformers' ``save_pretrained`` write) or transformers' module names; None for the MTP layer unless
+        ``add_mtp_head`` built it (``mtp.0.*``, in DeepSeek's names, loads as ``mtp.layers.0.*``)."""
+        if name.startswith(SKIPPED_PREFIXES) and self.mtp is None:
             return None
         name = name.removeprefix("model.")
+        if name.startswith("mtp."):
+            name = _mtp_name(name)
         for pattern, replacement in UPSTREAM_RENAMES:
             name = pattern.sub(replacement, name)
         if ".self_attn." in name:

@@ -108,8 +108,8 @@ class ModelRunner:
         cls = model_class(hf_config)
         if mtp and not getattr(cls, "supports_mtp", False):
             names = list(getattr(hf_config, "architectures", None) or [])
-            raise UnsupportedFeatureError(f"speculative_config.method 'mtp' runs the MTP head of a Qwen3.5 "
-                                          f"checkpoint; {names[0] if names else cls.__name__} is not one")
+            raise UnsupportedFeatureError(f"speculative_config.method 'mtp' runs the MTP head of a Qwen3.5 or "
+                                          f"DeepSeek-V4 checkpoint; {names[0] if names else cls.__name__} is not one")
         with torch.device(device):
             default_dtype = torch.get_default_dtype()
             torch.set_default_dtype(dtype)

@@ -5,7 +5,8 @@ the others, and the head's keys and values of position ``p`` sit in the slot the
 ``p``. So the head follows the target's blocks, their release after a rejected proposal and preemption, with no
 bookkeeping of its own. The head always attends through the PyTorch reference backend (on CUDA too: its steps
 are small and its metadata is the reference step's), and its hidden states come from the target's last forward
-(``mtp_target_hidden``, every row, after the final norm).
+(``mtp_target_hidden``, every row: Qwen3.5's after the final norm, DeepSeek-V4's hyper-connection streams before
+its hyper-head). The head's own layer keeps no state slots (DeepSeek-V4's MTP layer is a sliding one).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ class MtpHead:
             layer.backend = TorchAttentionBackend()
 
     def target_hidden(self) -> torch.Tensor:
-        """The target's hidden states (after its final norm) of every row of its last forward."""
+        """The target's hidden states (as the model keeps them for its head) of every row of its last forward."""
         hidden = self.model.mtp_target_hidden
         if hidden is None:
             raise RuntimeError("the MTP head needs the target's hidden states, but no forward kept them")
@@ -45,12 +46,14 @@ class MtpHead:
 
     @torch.inference_mode()
     def forward(self, host: HostBatch, hidden: torch.Tensor) -> torch.Tensor:
-        """The head's hidden states (after its norm) of every row of ``host``: ``host.input_ids`` are the tokens
-        after ``host.positions``, ``hidden`` [rows, H] the hidden states at those positions."""
+        """The head's hidden states of every row of ``host`` (Qwen3.5: after its norm [rows, H]; DeepSeek-V4: its
+        output streams [rows, hc, H]): ``host.input_ids`` are the tokens after ``host.positions``, ``hidden`` the
+        hidden states at those positions."""
         ids, positions, meta = self.reference.tensors(host, None)
         return self.model.mtp_forward(ids, positions, hidden, meta)
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The LM head's logits of the head's hidden states."""
-        return self.model.compute_logits(hidden)
+        """The LM head's logits of the head's hidden states (through the model's ``mtp_logits`` where it has one:
+        DeepSeek-V4's MTP layer collapses its streams first)."""
+        return getattr(self.model, "mtp_logits", self.model.compute_logits)(hidden)
