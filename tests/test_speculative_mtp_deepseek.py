@@ -308,12 +308,12 @@ def test_greedy_equal_with_the_mtp_layer(regime, mtp_checkpoint):
 
 
 def test_seeded_sampling_with_the_mtp_layer_is_distribution_correct(mtp_checkpoint):
-    """The first three tokens of many seeded draws with and without the agreeing MTP layer (proposals kept,
+    """The first four tokens of many seeded draws with and without the agreeing MTP layer (proposals kept,
     rejected with a residual draw, and kept in full with a bonus token; the second from a chained step) come from
     one distribution: a chi-square two-sample test, rare outcomes pooled."""
-    params = SamplingParams(max_tokens=3, temperature=1.0, top_k=3, ignore_eos=True)
+    params = SamplingParams(max_tokens=4, temperature=1.0, top_k=3, ignore_eos=True)
     args = EngineArgs(model=mtp_checkpoint(agree=True), max_num_seqs=64, **KV)
-    draws = 600
+    draws = 800
     plain, _ = _first_tokens(args, PROMPTS[0], draws, params)
     spec, stats = _first_tokens(args.replace(speculative_config=mtp_spec(2)), PROMPTS[0], draws, params)
     assert stats["spec_proposed_tokens"] > stats["spec_verify_chunks"]     # chained proposals too
