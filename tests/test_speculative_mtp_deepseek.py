@@ -319,3 +319,18 @@ def test_seeded_sampling_with_the_mtp_layer_is_distribution_correct(mtp_checkpoi
     assert stats["spec_proposed_tokens"] > stats["spec_verify_chunks"]     # chained proposals too
     assert stats["spec_verify_chunks"] > 0 and 0 < stats["spec_accepted_tokens"] < stats["spec_proposed_tokens"]
     assert_same_distribution(plain, spec)
+
+
+def test_greedy_equal_with_ngram_proposals(tiny_checkpoint):
+    """The target's own rollback with any proposer: prompt-lookup proposals on repeating prompts, greedy, with
+    preemption — the compressed layers' open windows go back to their state after the last kept position."""
+    prompts = [[(311 * (i % period) + 7) % VOCAB for i in range(length)]
+               for period, length in ((3, 14), (5, 27), (4, 9))]
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    for regime in ("default", "preemption"):
+        args = EngineArgs(model=tiny_checkpoint(ARCH), **REGIMES[regime])
+        plain, _ = _generate(args, prompts, params)
+        ngram = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+        spec, stats = _generate(args.replace(speculative_config=ngram), prompts, params)
+        assert [o.token_ids for o in spec] == [o.token_ids for o in plain], regime
+        assert stats["spec_verify_chunks"] > 0 and stats["spec_accepted_tokens"] < stats["spec_proposed_tokens"]
