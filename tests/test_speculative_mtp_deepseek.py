@@ -140,6 +140,12 @@ def test_refusals(tiny_checkpoint, mtp_checkpoint, tmp_path):
     write_checkpoint(compressed, config, weights, source)
     with pytest.raises(UnsupportedFeatureError, match="mtp.*compresses its attention"):
         LLM(EngineArgs(model=compressed, speculative_config=mtp_spec(), **KV))
+    del weights["mtp.0.attn.compressor.wkv.weight"]
+    weights["mtp.0.ffn.gate.tid2eid"] = weights["model.layers.0.ffn.gate.tid2eid"].clone()
+    hashed = str(tmp_path / "hashed")
+    write_checkpoint(hashed, config, weights, source)
+    with pytest.raises(UnsupportedFeatureError, match="mtp.*token hash"):
+        LLM(EngineArgs(model=hashed, speculative_config=mtp_spec(), **KV))
     with pytest.raises(UnsupportedFeatureError, match="'mtp' runs on one rank"):
         LLM(EngineArgs(model=source, tensor_parallel_size=2, speculative_config=mtp_spec(), **KV))
 

@@ -101,10 +101,14 @@ MTP_LAYER = re.compile(r"^mtp\.(?:layers\.)?(\d+)\.")
 
 def _mtp_name(name: str) -> str:
     """An MTP layer's entry (``mtp.N.`` or ``mtp.layers.N.``) as ``mtp.layers.N.``, its own hyper-head named as
-    the model's; refused for the compressor of a compressed MTP layer, which ours is not."""
+    the model's; refused for the compressor of a compressed MTP layer and the table of a hash-routed one, which ours
+    are not."""
     if re.search(r"\.(compressor|indexer)\.", name):
         raise UnsupportedFeatureError(f"speculative_config.method 'mtp': this checkpoint's MTP layer compresses its "
                                       f"attention ({name}); PocketLLM runs a sliding-window MTP layer")
+    if name.endswith(".tid2eid"):
+        raise UnsupportedFeatureError(f"speculative_config.method 'mtp': this checkpoint's MTP layer routes its "
+                                      f"experts by token hash ({name}); PocketLLM runs a score-routed MTP layer")
     name = MTP_LAYER.sub(r"mtp.layers.\1.", name)
     return re.sub(r"\.hc_head_(fn|base|scale)$", r".hc_head.hc_\1", name)
 

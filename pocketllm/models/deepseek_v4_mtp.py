@@ -12,7 +12,7 @@ transformers' config keeps ``layer_types`` and ``mlp_layer_types`` for the main 
 is fixed here: sliding-window attention without a compressor (its keys one more layer of the paged KV cache,
 addressed by position, so a rejected proposal's keys go back with the target's blocks), and score-routed
 experts (hashed routing covers only the first layers). A checkpoint whose MTP layer carries compressor weights
-is refused by name as it loads.
+or a hash-routing table is refused by name as it loads.
 """
 
 from __future__ import annotations
