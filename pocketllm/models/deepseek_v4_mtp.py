@@ -53,7 +53,10 @@ class DeepseekV4MtpLayer(DeepseekV4DecoderLayer):
                 positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """The block's output streams [T, hc, D] of ``embedded`` [T, D] (the embeddings of ``input_ids``, the
         tokens after ``positions``) and ``streams`` [T, hc, D] (the hidden streams at ``positions``)."""
-        mixed = self.e_proj(self.enorm(embedded)).unsqueeze(1) + self.h_proj(self.hnorm(streams))
+        normed = self.hnorm(streams)
+        # (The projection on rows [T * hc, D]: a CPU weight format's linear layers take two dimensions.)
+        projected = self.h_proj(normed.flatten(0, 1)).view_as(normed)
+        mixed = self.e_proj(self.enorm(embedded)).unsqueeze(1) + projected
         return self(mixed, input_ids, positions, meta)
 
     def collapse(self, streams: torch.Tensor) -> torch.Tensor:
