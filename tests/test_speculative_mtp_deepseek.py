@@ -249,7 +249,16 @@ def test_layer_matches_a_reference_computation(mtp_checkpoint, hf_reference, mon
         calls.append((list(host.input_ids), list(host.positions), out.clone()))
         return out
 
+    scored: list[torch.Tensor] = []
+    head_logits = MtpHead.logits
+
+    def recording_logits(self, hidden):
+        out = head_logits(self, hidden)
+        scored.append(out.clone())
+        return out
+
     monkeypatch.setattr(MtpHead, "forward", recording)
+    monkeypatch.setattr(MtpHead, "logits", recording_logits)
     prompt = PROMPTS[2]
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     with LLM(EngineArgs(model=path, speculative_config=mtp_spec(2), **KV)) as llm:
@@ -276,7 +285,9 @@ def test_layer_matches_a_reference_computation(mtp_checkpoint, hf_reference, mon
                                       torch.cat([streams, expected_a[-1:]]))[-1:]
         torch.testing.assert_close(out_a, expected_a, atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(out_b, expected_b, atol=1e-4, rtol=1e-4)
-        torch.testing.assert_close(logits(out_b), logits(expected_b), atol=1e-4, rtol=1e-4)
+        # The engine's logits (the layer's hyper-head, norm and the LM head) of the first and chained proposals.
+        torch.testing.assert_close(scored[0], logits_a[-1:], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(scored[1], logits(expected_b), atol=1e-4, rtol=1e-4)
 
 
 # ---------------------------------------------------------------------------------------------------------------
