@@ -164,6 +164,32 @@ def test_async_llm_16_concurrent_streams(model_dir):
     assert streamed == whole
 
 
+def test_open_stream_runs_before_it_is_read_and_hands_over_what_arrived_together(model_dir):
+    async def main() -> None:
+        async with AsyncLLM(EngineArgs(model=model_dir)) as llm:
+            params = _greedy(12, ignore_eos=True)
+            whole = (await llm.generate(PROMPT, params))[0]
+            stream = await llm.open_stream(PROMPT, params, request_id="early")
+            deadline = time.monotonic() + 60
+            while llm.is_active("early"):   # the request runs to its end while nobody reads
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.01)
+            batches = [batch async for batch in stream]
+            assert len(batches) == 1, "everything that had arrived, in one list"
+            assert [t for e in batches[0] for t in e.token_ids] == whole.token_ids and batches[0][-1].finished
+            kept = [batch async for batch in llm.generate_stream_batches(PROMPT, params)]
+            assert [t for b in kept for e in b for t in e.token_ids] == whole.token_ids
+            left = await llm.open_stream(PROMPT, _greedy(4000, ignore_eos=True), request_id="left")
+            first = await left.__anext__()
+            assert first and llm.is_active("left")
+            await left.aclose()   # leaving early cancels the request
+            while llm.is_active("left"):
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.01)
+
+    asyncio.run(main())
+
+
 def test_chat_uses_template_and_token_prompts(llm):
     messages = [{"role": "user", "content": "What is 2+2?"}]
     rendered = llm.render_chat(messages)
