@@ -68,8 +68,7 @@ def test_bench_serve(tiny_checkpoint, tmp_path, tokenizer):
     else:
         model = ["--model", _config_only(tiny_checkpoint("llama"), tmp_path / "m"), "--load-format", "dummy"]
     server = ServerProcess(*model, *SMALL_ENGINE)
-    try:
-        server.wait_ready(120)
+    try:   # no wait here: the benchmark waits for /ready itself
         out = tmp_path / "serve.json"
         assert main(["bench", "serve", "--base-url", server.url, "--num-requests", "4", "--request-rate", "50",
                      "--max-concurrency", "3", "--min-input-len", "4", "--max-input-len", "12",
@@ -83,6 +82,38 @@ def test_bench_serve(tiny_checkpoint, tmp_path, tokenizer):
     for name in ("ttft_s", "tpot_s", "itl_s", "e2e_s"):
         assert result[name]["p50"] is not None and result[name]["p99"] >= result[name]["p50"]
     assert result["requests_per_s"] > 0 and result["output_tokens_per_s"] > 0
+
+
+def test_bench_serve_waits_for_ready_and_stops_on_a_refusal_that_will_not_pass():
+    import asyncio
+
+    import httpx
+
+    from pocketllm.bench.serve import ServerNotReady, _wait_ready
+
+    def server(answers: list[tuple[int, str]]):
+        calls = []
+
+        def handle(request: httpx.Request) -> httpx.Response:
+            calls.append(request.url.path)
+            status, message = answers[min(len(calls), len(answers)) - 1]
+            body = {"status": "ready"} if status == 200 else {"error": {"message": message}}
+            return httpx.Response(status, json=body)
+
+        return httpx.AsyncClient(transport=httpx.MockTransport(handle)), calls
+
+    async def wait(answers, seconds=30.0):
+        client, calls = server(answers)
+        async with client:
+            await _wait_ready(client, "http://bench.test", seconds, {})
+        return calls
+
+    loading = (503, "the model is still loading; retry when /ready answers 200")
+    assert asyncio.run(wait([loading, loading, (200, "")])) == ["/ready"] * 3
+    with pytest.raises(ServerNotReady, match="cannot serve: the model failed to load: no such file"):
+        asyncio.run(wait([loading, (503, "the model failed to load: no such file")]))
+    with pytest.raises(ServerNotReady, match="not ready within 0.6 s .the model is still loading"):
+        asyncio.run(wait([loading], seconds=0.6))
 
 
 def test_bench_latency_with_llama_cpp_peer(smollm2_gguf, tmp_path, capsys):

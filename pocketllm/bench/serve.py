@@ -22,6 +22,7 @@ import time
 from typing import Any
 
 from pocketllm.bench import common
+from pocketllm.errors import PocketLLMError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -42,6 +43,42 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--temperature", type=float, default=0.0, help="Sampling temperature (default: 0).")
     parser.add_argument("--seed", type=int, default=0, help="Seed of the workload and the arrival times.")
     parser.add_argument("--timeout", type=float, default=600.0, help="Seconds one request may take.")
+    parser.add_argument("--wait-ready", type=float, default=600.0,
+                        help="Seconds to wait for the server's /ready to answer 200 before sending anything (a "
+                             "server still loading its model is waited for; 0: do not wait; default: %(default)s).")
+
+
+class ServerNotReady(PocketLLMError):
+    """The server did not become ready for the benchmark."""
+
+
+# /ready refusals that waiting cannot change (anything else, or no answer yet, is a server still starting)
+_FINAL_REFUSALS = ("failed to load", "engine has stopped", "shutting down")
+
+
+async def _wait_ready(client: Any, base_url: str, seconds: float, headers: dict[str, str]) -> None:
+    """Poll ``/ready`` until it answers 200; raise ``ServerNotReady`` on a refusal that will not pass or when
+    ``seconds`` run out."""
+    import httpx
+
+    deadline = time.monotonic() + seconds
+    last = "no answer"
+    while True:
+        try:
+            response = await client.get(base_url + "/ready", headers=headers, timeout=5.0)
+            if response.status_code == 200:
+                return
+            try:
+                last = response.json()["error"]["message"]
+            except (ValueError, KeyError, TypeError):
+                last = f"/ready answered {response.status_code}"
+            if any(phrase in last for phrase in _FINAL_REFUSALS):
+                raise ServerNotReady(f"the server at {base_url} cannot serve: {last}")
+        except httpx.HTTPError as exc:
+            last = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+        if time.monotonic() >= deadline:
+            raise ServerNotReady(f"the server at {base_url} was not ready within {seconds:g} s ({last})")
+        await asyncio.sleep(0.5)
 
 
 def _stats(values: list[float]) -> dict[str, float | None]:
@@ -101,6 +138,8 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
     rng = random.Random(args.seed + 1)
     limits = httpx.Limits(max_connections=args.max_concurrency or args.num_requests)
     async with httpx.AsyncClient(timeout=args.timeout, limits=limits) as client:
+        if args.wait_ready > 0:
+            await _wait_ready(client, args.base_url, args.wait_ready, headers)
         model = args.served_model
         if model is None:
             listed = (await client.get(args.base_url + "/v1/models", headers=headers)).json()
