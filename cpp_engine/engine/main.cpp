@@ -766,7 +766,52 @@ const char* kUsage =
     "Serves the harness's JSONL protocol (see pocketllm/harness/PROTOCOL.md) on stdin/stdout with a Qwen3,\n"
     "Qwen3-MoE or Qwen3.5 safetensors checkpoint on CPU.\n";
 
+// --tokenize DIR: no model, only its tokenizer. Each stdin line is a JSON string; each answer line holds its
+// "ids" (encoded without the post-processor's special tokens), "decoded" (the ids decoded whole) and "streamed"
+// (the ids decoded one token at a time, as generation streams them, joined).
+int tokenize(const std::string& dir) {
+  BpeTokenizer tokenizer(dir + "/tokenizer.json");
+  std::string line;
+  char buf[1 << 16];
+  std::string pending;
+  auto serve = [&](const std::string& text) {
+    WireValue out = WireValue::object();
+    try {
+      WireValue in = parse_wire(text);
+      if (!in.is_string()) throw std::runtime_error("each line must be a JSON string");
+      std::vector<int64_t> ids = tokenizer.encode(in.text, false);
+      WireValue list = WireValue::array();
+      Utf8Stream stream;
+      std::string streamed;
+      for (int64_t id : ids) {
+        list.items.push_back(WireValue::num(id));
+        streamed += stream.push(tokenizer.token_bytes(id));
+      }
+      streamed += stream.flush();
+      out.set("ids", list).set("decoded", WireValue::str(tokenizer.decode(ids, false)))
+          .set("streamed", WireValue::str(streamed));
+    } catch (const std::exception& err) {
+      out.set("error", WireValue::str(err.what()));
+    }
+    send(out);
+  };
+  while (true) {
+    ssize_t n = ::read(0, buf, sizeof buf);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) break;
+    pending.append(buf, static_cast<size_t>(n));
+    size_t cut;
+    while ((cut = pending.find('\n')) != std::string::npos) {
+      serve(pending.substr(0, cut));
+      pending.erase(0, cut + 1);
+    }
+  }
+  if (!pending.empty()) serve(pending);
+  return 0;
+}
+
 int run(int argc, char** argv) {
+  if (argc == 3 && std::string(argv[1]) == "--tokenize") return tokenize(argv[2]);
   std::string model;
   QwenEngineOptions options;
   options.kv_cache_mb = 256.0;
