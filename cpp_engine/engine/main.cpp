@@ -1,6 +1,9 @@
 // pocketllm_engine: the harness's JSONL protocol (pocketllm/harness/PROTOCOL.md) over stdio, served by the
 // native engine without Python. One JSON object per line in on stdin, id-tagged answers on stdout, logs on
 // stderr. A reader thread (this one) parses lines; the batch scheduler's thread streams tokens back.
+#include <poll.h>
+#include <pthread.h>
+#include <signal.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -163,6 +166,14 @@ class Server {
     return load_error_;
   }
   bool stop_reading() const { return stop_reading_; }
+
+  // SIGTERM or SIGINT: no new requests, nothing more read; what runs finishes.
+  void begin_stop() {
+    std::lock_guard<std::mutex> guard(mutex_);
+    if (!draining_) log("INFO", "draining: " + std::to_string(requests_.size()) + " request(s) in flight");
+    draining_ = true;
+    stop_reading_ = true;
+  }
 
   void handle(const std::string& line) {
     WireValue request;
@@ -839,7 +850,33 @@ int run(int argc, char** argv) {
   g_out_fd = ::dup(1);
   ::dup2(2, 1);
 
-  Server server(model, options, max_seqs);
+  // SIGTERM and SIGINT are taken by one thread (sigwait): the first drains (exit 0, or 130 after SIGINT), a
+  // second SIGINT ends the process at once. A closed stdout is an error on write, not a SIGPIPE.
+  ::signal(SIGPIPE, SIG_IGN);
+  static sigset_t stop_signals;
+  sigemptyset(&stop_signals);
+  sigaddset(&stop_signals, SIGINT);
+  sigaddset(&stop_signals, SIGTERM);
+  pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);   // every thread started from here on inherits it
+  static int wake[2] = {-1, -1};
+  if (::pipe(wake) != 0) throw std::runtime_error("cannot create a pipe");
+  static std::atomic<int> received{0};
+  static Server* server_ptr = new Server(model, options, max_seqs);   // outlives the signal thread
+  Server& server = *server_ptr;
+  std::thread([] {
+    while (true) {
+      int sig = 0;
+      if (sigwait(&stop_signals, &sig) != 0) continue;
+      if (received.load() == 0) {
+        received = sig;
+        server_ptr->begin_stop();
+        ssize_t ignored = ::write(wake[1], "x", 1);
+        (void)ignored;
+      } else if (sig == SIGINT) {
+        std::_Exit(130);
+      }
+    }
+  }).detach();
   log("DEBUG", "loading " + model);
   std::thread loader([&] { server.load(); });
   std::string pending;
@@ -850,6 +887,12 @@ int run(int argc, char** argv) {
     if (!blank) server.handle(line);
   };
   while (!server.stop_reading()) {
+    struct pollfd fds[2] = {{0, POLLIN, 0}, {wake[0], POLLIN, 0}};
+    if (::poll(fds, 2, -1) < 0) {
+      if (errno == EINTR) continue;
+      break;
+    }
+    if (fds[1].revents) break;
     ssize_t n = ::read(0, buf, sizeof buf);
     if (n < 0 && errno == EINTR) continue;
     if (n <= 0) break;
@@ -870,11 +913,12 @@ int run(int argc, char** argv) {
   if (!pending.empty() && !skipping && !server.stop_reading()) serve(pending);
   loader.join();
   server.drain();
+  int status = 0;
   if (server.failed()) {
     send_error("the model failed to load: " + server.load_error(), nullptr);
-    return 1;
+    status = 1;
   }
-  return 0;
+  return received.load() == SIGINT ? 130 : status;
 }
 
 }  // namespace
