@@ -103,17 +103,44 @@ TEXTS = [
     "१२३ ٣٤٥ ½ ⅓", "mixed123abc456", "e\u0301 combining", "\u00a0nbsp\u2009thin\u3000ideo", "trailing space ",
     "fin.\n\n", "x\u2028y\x85z", "£€¥ $100 @user #tag", "CamelCaseWordsHere", "a  b   c    d", "\U0001f600" * 5,
     "<|im_start|><|im_end|>", "{\"json\": [1, 2.5, null]}", "http://example.com/a?b=c&d=e#f",
+    "line one\r\n  \n\tindented\n", "12345678901234567890", "x1y22z333", " (hello) [world]!\n\n  ok", "I'VE i'Ll",
+    "word\u3000\u3000next", ".\n.\r\r\nend", "    four spaces then\n\n\n    code",
 ]
 
 
-def test_tokenizer_matches_the_tokenizers_library(engine_exe, qwen3):
+# The split patterns of Qwen's and Llama 3's byte-level tokenizers (the GPT-2 one is ByteLevel's own).
+QWEN_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
+              r"\s*[\r\n]+|\s+(?!\S)|\s+")
+LLAMA3_SPLIT = QWEN_SPLIT.replace(r"|\p{N}|", r"|\p{N}{1,3}|")
+
+
+def _with_split(source: str, target: str, pattern: str) -> str:
+    """A copy of ``source``'s tokenizer.json whose pre-tokenizer is ``pattern``'s split then the byte-level map
+    (the vocabulary and merges stay: any split of the text still encodes)."""
+    os.makedirs(target, exist_ok=True)
+    with open(os.path.join(source, "tokenizer.json"), encoding="utf-8") as handle:
+        config = json.load(handle)
+    config["pre_tokenizer"] = {"type": "Sequence", "pretokenizers": [
+        {"type": "Split", "pattern": {"Regex": pattern}, "behavior": "Isolated", "invert": False},
+        {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False}]}
+    with open(os.path.join(target, "tokenizer.json"), "w", encoding="utf-8") as handle:
+        json.dump(config, handle)
+    return target
+
+
+@pytest.mark.parametrize("split", ["gpt2", "qwen", "llama3"])
+def test_tokenizer_matches_the_tokenizers_library(engine_exe, qwen3, tmp_path, split):
     """Encoding (added tokens first, the declared pre-tokenizer split, merges by rank) and decoding, whole and
-    one token at a time as generation streams it, equal the ``tokenizers`` library's on the checkpoint's file."""
+    one token at a time as generation streams it, equal the ``tokenizers`` library's: on the checkpoint's own
+    file (ByteLevel's GPT-2 split), and on copies of it declaring Qwen's and Llama 3's split patterns."""
     from tokenizers import Tokenizer
 
-    reference = Tokenizer.from_file(os.path.join(qwen3, "tokenizer.json"))
+    directory = qwen3 if split == "gpt2" else _with_split(
+        qwen3, str(tmp_path / split), QWEN_SPLIT if split == "qwen" else LLAMA3_SPLIT)
+    reference = Tokenizer.from_file(os.path.join(directory, "tokenizer.json"))
     lines = "".join(json.dumps(text) + "\n" for text in TEXTS)
-    out = subprocess.run([engine_exe, "--tokenize", qwen3], input=lines.encode(), capture_output=True, timeout=120)
+    out = subprocess.run([engine_exe, "--tokenize", directory], input=lines.encode(), capture_output=True,
+                         timeout=120)
     assert out.returncode == 0, out.stderr.decode(errors="replace")
     answers = [json.loads(line) for line in out.stdout.decode().split("\n") if line]
     assert len(answers) == len(TEXTS)
