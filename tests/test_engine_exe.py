@@ -277,3 +277,40 @@ def test_engine_refuses_a_chat_template_it_cannot_render(pipe_process, qwen3, tm
         assert done["finish"] in ("budget", "eos")
     finally:
         proc.stop()
+
+
+CONVERSATIONS = [
+    [{"role": "user", "content": "Hi"}],
+    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2 + 2?"}],
+    [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello! How can I help?"},
+     {"role": "user", "content": "Tell me a joke 😀\nwith two lines"}],
+    [{"role": "user", "content": "  spaces  and\ttabs  "}, {"role": "assistant", "content": ""},
+     {"role": "user", "content": "{{ not jinja }} {% raw %}"}],
+    [{"role": "user", "content": "Q1"}, {"role": "assistant", "content": "<think>\nhmm\n</think>\n\nA1"},
+     {"role": "user", "content": "Q2"}],
+]
+
+
+@pytest.mark.parametrize("template", ["checkpoint", "qwen3_5.jinja", "r1_distill.jinja", "gemma3.jinja"])
+def test_chat_rendering_matches_the_template(engine_exe, qwen3, tmp_path, template):
+    """ChatML templates (the tiny checkpoint's SmolLM one, Qwen3.5's) render as transformers renders them, with
+    the generation prompt; templates of other families are refused by name."""
+    from transformers import AutoTokenizer
+
+    model = qwen3
+    if template != "checkpoint":
+        model = checkpoint_without_template(qwen3, str(tmp_path / "model"))
+        with open(os.path.join(pipe_tests.__file__.rsplit(os.sep, 1)[0], "fixtures", "chat_templates", template),
+                  encoding="utf-8") as src, open(os.path.join(model, "chat_template.jinja"), "w",
+                                                 encoding="utf-8") as dst:
+            dst.write(src.read())
+    lines = "".join(json.dumps(messages) + "\n" for messages in CONVERSATIONS)
+    out = subprocess.run([engine_exe, "--render-chat", model], input=lines.encode(), capture_output=True, timeout=60)
+    answers = [json.loads(line) for line in out.stdout.decode().split("\n") if line]
+    assert len(answers) == len(CONVERSATIONS)
+    if template in ("r1_distill.jinja", "gemma3.jinja"):
+        assert all("not a ChatML template" in answer["error"] for answer in answers)
+        return
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    for messages, answer in zip(CONVERSATIONS, answers):
+        assert answer["text"] == tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)

@@ -27,6 +27,8 @@ class ChatTemplate {
   bool chatml_ = false;
   bool has_default_system_ = false;
   std::string default_system_;
+  std::string generation_suffix_;
+  bool trim_ = false, drop_thinking_ = false;   // after "<|im_start|>assistant\n" (Qwen3.5: an empty think block)
 };
 
 }  // namespace pocket

@@ -821,8 +821,44 @@ int tokenize(const std::string& dir) {
   return 0;
 }
 
+// --render-chat DIR: each stdin line is a JSON list of {"role", "content"} messages; each answer line holds the
+// "text" the chat template renders (with the generation prompt), or the "error" chat is refused with.
+int render_chat(const std::string& dir) {
+  ChatTemplate chat(dir);
+  std::string pending;
+  char buf[1 << 16];
+  auto serve = [&](const std::string& line) {
+    WireValue out = WireValue::object();
+    try {
+      WireValue in = parse_wire(line);
+      std::vector<ChatMessage> messages;
+      for (const WireValue& m : in.items) messages.push_back({m.find("role")->text, m.find("content")->text});
+      std::string why = chat.refusal();
+      if (why.empty()) out.set("text", WireValue::str(chat.render(messages)));
+      else out.set("error", WireValue::str(why));
+    } catch (const std::exception& err) {
+      out.set("error", WireValue::str(err.what()));
+    }
+    send(out);
+  };
+  while (true) {
+    ssize_t n = ::read(0, buf, sizeof buf);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) break;
+    pending.append(buf, static_cast<size_t>(n));
+    size_t cut;
+    while ((cut = pending.find('\n')) != std::string::npos) {
+      serve(pending.substr(0, cut));
+      pending.erase(0, cut + 1);
+    }
+  }
+  if (!pending.empty()) serve(pending);
+  return 0;
+}
+
 int run(int argc, char** argv) {
   if (argc == 3 && std::string(argv[1]) == "--tokenize") return tokenize(argv[2]);
+  if (argc == 3 && std::string(argv[1]) == "--render-chat") return render_chat(argv[2]);
   std::string model;
   QwenEngineOptions options;
   options.kv_cache_mb = 256.0;
