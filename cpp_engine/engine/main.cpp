@@ -348,7 +348,7 @@ class Server {
     };
     if (const WireValue* n = obj.find("n")) {
       integer("n", *n);
-      if (n->big || n->integer == 0 || n->integer < -1)
+      if ((n->big && n->text[0] == '-') || n->integer == 0 || n->integer < -1)
         throw std::invalid_argument("n must be a positive token budget, or -1 for 'until the context is full'; got " +
                                     n->text);
     }
@@ -573,7 +573,7 @@ class Server {
       }
       const int64_t room = limit - prompt_len;
       const WireValue* n = obj.find("n");
-      sampling.max_new_tokens = (!n || n->integer == -1) ? room : std::min(n->integer, room);
+      sampling.max_new_tokens = (!n || n->integer == -1 || n->big) ? room : std::min(n->integer, room);
       if (const WireValue* stop = obj.find("stop")) {
         if (stop->is_string()) request->stops.push_back(stop->text);
         else for (const auto& s : stop->items) request->stops.push_back(s.text);
