@@ -12,6 +12,7 @@ import functools
 import json
 import os
 import random
+import signal
 import subprocess
 import time
 
@@ -314,3 +315,22 @@ def test_chat_rendering_matches_the_template(engine_exe, qwen3, tmp_path, templa
     tokenizer = AutoTokenizer.from_pretrained(model)
     for messages, answer in zip(CONVERSATIONS, answers):
         assert answer["text"] == tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+
+@pytest.mark.parametrize("sig, status", [(signal.SIGTERM, 0), (signal.SIGINT, 130)])
+def test_engine_signal_drains_then_exits(pipe_process, sig, status):
+    """SIGTERM or SIGINT: nothing more is read, the running request finishes, then the exit status is the pipe's
+    (0, or 130 after SIGINT)."""
+    proc = pipe_process("--ctx", "512")
+    try:
+        proc.wait_ready()
+        proc.send({"op": "generate", "id": "run", "prompt": "Once upon a time", "n": 400, "temp": 0})
+        assert "chunk" in proc.router.first("run")
+        proc.proc.send_signal(sig)
+        assert proc.proc.wait(60) == status, proc.error_output()
+        proc.reader.join(10)
+        _, done = proc.router.collect("run", timeout=1)
+        assert done["finish"] == "budget" and done["usage"]["gen_tokens"] == 400
+        assert not proc.impure
+    finally:
+        proc.stop()
