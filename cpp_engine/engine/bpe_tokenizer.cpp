@@ -212,6 +212,12 @@ BpeTokenizer::BpeTokenizer(const std::string& path) {
     for (const Json& a : added->array) {
       const std::string& content = a.at("content").as_string();
       int64_t id = a.at("id").as_int();
+      for (const char* flag : {"lstrip", "rstrip", "single_word"}) {
+        const Json* set = a.find(flag);
+        if (set && set->type == Json::Type::Bool && set->boolean)
+          throw std::runtime_error(path + ": added token " + content + " sets " + flag +
+                                   ", which this tokenizer does not implement");
+      }
       added_.emplace_back(content, id);
       id_to_bytes_[static_cast<size_t>(id)] = content;
       if (a.has("special") && a.at("special").boolean) special_ids_.insert(id);
