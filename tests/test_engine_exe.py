@@ -334,3 +334,24 @@ def test_engine_signal_drains_then_exits(pipe_process, sig, status):
         assert not proc.impure
     finally:
         proc.stop()
+
+
+def test_engine_load_failure_is_reported_then_exits_one(pipe_process, qwen3, tmp_path):
+    """A checkpoint it cannot serve (here a tokenizer with a WordPiece model): health says failed, the reason
+    comes as an error line, and the process exits 1, as the pipe does."""
+    model = str(tmp_path / "wordpiece")
+    checkpoint_without_template(qwen3, model)
+    with open(os.path.join(model, "tokenizer.json"), encoding="utf-8") as handle:
+        config = json.load(handle)
+    config["model"]["type"] = "WordPiece"
+    with open(os.path.join(model, "tokenizer.json"), "w", encoding="utf-8") as handle:
+        json.dump(config, handle)
+    proc = pipe_process("--model", model)
+    try:
+        assert proc.proc.wait(60) == 1, proc.error_output()
+        proc.reader.join(10)
+        error = proc.router.untagged_matching(lambda line: "error" in line, timeout=1)
+        assert "the model failed to load" in error["error"] and "only BPE" in error["error"]
+        assert not proc.impure
+    finally:
+        proc.stop()

@@ -53,6 +53,14 @@ double ms_since(Clock::time_point t, Clock::time_point now) {
 
 // --- output ---------------------------------------------------------------------------------------
 int g_out_fd = 1;
+int g_wake_fd = -1;   // a byte written here wakes the reader (a signal, a failed load)
+
+void wake_reader() {
+  if (g_wake_fd >= 0) {
+    ssize_t ignored = ::write(g_wake_fd, "x", 1);
+    (void)ignored;
+  }
+}
 std::mutex g_out_mutex;
 bool g_verbose = false;
 
@@ -154,6 +162,7 @@ class Server {
       log("ERROR", std::string("the model failed to load: ") + err.what());
       for (auto& request : deferred) finish_with_error(request, "the model failed to load: " + load_error_);
       stop_reading_ = true;
+      wake_reader();
     }
   }
 
@@ -896,6 +905,7 @@ int run(int argc, char** argv) {
   pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);   // every thread started from here on inherits it
   static int wake[2] = {-1, -1};
   if (::pipe(wake) != 0) throw std::runtime_error("cannot create a pipe");
+  g_wake_fd = wake[1];
   static std::atomic<int> received{0};
   static Server* server_ptr = new Server(model, options, max_seqs);   // outlives the signal thread
   Server& server = *server_ptr;
@@ -906,8 +916,7 @@ int run(int argc, char** argv) {
       if (received.load() == 0) {
         received = sig;
         server_ptr->begin_stop();
-        ssize_t ignored = ::write(wake[1], "x", 1);
-        (void)ignored;
+        wake_reader();
       } else if (sig == SIGINT) {
         std::_Exit(130);
       }
