@@ -30,9 +30,10 @@ install: $(VENV)/.installed
 	$(BIN)/python -m pocketllm.kernels.cpu_native --build
 	$(BIN)/python -m pocketllm.loaders.default_model
 
-# The native plane (cpp_engine: pocketllm_cpp, docs/native.md), built with CMake against the venv's torch into
-# $(NATIVE_BUILD); configured once, then rebuilt incrementally (a no-op when nothing changed). The tests find the
-# module through PYTHONPATH=$(NATIVE_BUILD)/python. `POCKETLLM_BUILD_CPP=1 pip install --no-build-isolation .`
+# The native plane (cpp_engine: pocketllm_cpp and the pocketllm_engine executable, docs/native.md), built with
+# CMake against the venv's torch into $(NATIVE_BUILD); configured once, then rebuilt incrementally (a no-op when
+# nothing changed). The tests find the module through PYTHONPATH=$(NATIVE_BUILD)/python and the executable
+# through POCKETLLM_ENGINE. `POCKETLLM_BUILD_CPP=1 pip install --no-build-isolation .`
 # installs it instead (setup.py, the same build directory).
 NATIVE_BUILD ?= cpp_engine/build-python
 NATIVE_JOBS ?= 2
@@ -40,7 +41,7 @@ native: install
 	@test -f $(NATIVE_BUILD)/CMakeCache.txt || cmake -S cpp_engine -B $(NATIVE_BUILD) -DCMAKE_BUILD_TYPE=Release \
 		-DPOCKET_BUILD_PYTHON=ON -DPython3_EXECUTABLE=$(abspath $(BIN)/python) \
 		-DCMAKE_PREFIX_PATH="$$($(BIN)/python -c 'import torch; print(torch.utils.cmake_prefix_path)')"
-	cmake --build $(NATIVE_BUILD) --target pocketllm_cpp -j $(NATIVE_JOBS)
+	cmake --build $(NATIVE_BUILD) --target pocketllm_cpp pocketllm_engine -j $(NATIVE_JOBS)
 
 serve: install
 	$(BIN)/pocketllm serve $(SERVE_ARGS)
@@ -67,7 +68,8 @@ chromium:
 # Skips are listed (-rs) and limited to tests/allowed_skips.txt: any other skip fails the run.
 test: install native $(VENV)/.llama-cpp chromium
 	$(BIN)/ruff check pocketllm tests
-	PYTHONPATH=$(abspath $(NATIVE_BUILD))/python POCKETLLM_REQUIRE_NATIVE=1 $(BIN)/python -m pytest -q $(PYTEST_ARGS)
+	PYTHONPATH=$(abspath $(NATIVE_BUILD))/python POCKETLLM_ENGINE=$(abspath $(NATIVE_BUILD))/pocketllm_engine \
+		POCKETLLM_REQUIRE_NATIVE=1 $(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 # The files whose tests wait on a running engine (servers, the harness, the library's streams and cancels), run
 # with the engine slowed by a test-only delay before every step (POCKETLLM_TEST_STEP_DELAY_MS, read by
@@ -79,7 +81,8 @@ SLOW_TESTS ?= tests/test_server.py tests/test_harness_host.py tests/test_harness
 	tests/test_structured_outputs.py tests/test_tp_server.py tests/test_web_client.py tests/test_bench.py \
 	tests/test_streamed_tool_calls.py tests/test_responses_server.py tests/test_native_backend.py
 test-slow: install native chromium
-	PYTHONPATH=$(abspath $(NATIVE_BUILD))/python POCKETLLM_REQUIRE_NATIVE=1 POCKETLLM_TEST_STEP_DELAY_MS=$(STEP_DELAY_MS) \
+	PYTHONPATH=$(abspath $(NATIVE_BUILD))/python POCKETLLM_ENGINE=$(abspath $(NATIVE_BUILD))/pocketllm_engine \
+		POCKETLLM_REQUIRE_NATIVE=1 POCKETLLM_TEST_STEP_DELAY_MS=$(STEP_DELAY_MS) \
 		$(BIN)/python -m pytest -q $(PYTEST_ARGS) $(SLOW_TESTS)
 
 # The reliability tests at full length: the HTTP fuzzer with 20,000 body cases and 2,000 raw requests, the JSONL

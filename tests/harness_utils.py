@@ -83,12 +83,14 @@ class Router:
 
 
 class PipeProcess:
-    """``pocketllm pipe`` with its stdout parsed line by line (a non-JSON line is a protocol violation)."""
+    """``pocketllm pipe`` with its stdout parsed line by line (a non-JSON line is a protocol violation);
+    ``command`` runs another program that serves the protocol (``pocketllm_engine --model DIR``) instead."""
 
-    def __init__(self, *args: str) -> None:
+    def __init__(self, *args: str, command: list[str] | None = None) -> None:
         self.stderr = tempfile.TemporaryFile()
-        self.proc = subprocess.Popen([sys.executable, "-m", "pocketllm", "pipe", *args], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=self.stderr, env=_env())
+        argv = [*command, *args] if command else [sys.executable, "-m", "pocketllm", "pipe", *args]
+        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.stderr,
+                                     env=_env())
         self.router = Router()
         self.impure: list[bytes] = []
         self.reader = threading.Thread(target=self._read, daemon=True)

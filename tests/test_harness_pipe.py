@@ -11,10 +11,22 @@ from harness_utils import FRANCE, FUZZ_LINES, USAGE_KEYS, PipeProcess, checkpoin
 pytestmark = pytest.mark.usefixtures("smollm2_gguf")
 
 
+# tests/test_engine_exe.py runs these tests against the native executable: it overrides these two fixtures.
+@pytest.fixture(scope="module")
+def pipe_process():
+    """Starts the pipe under test with the given arguments: ``pocketllm pipe`` with the default model."""
+    return PipeProcess
+
 
 @pytest.fixture(scope="module")
-def pipe():
-    proc = PipeProcess("--ctx", "2048", "--max-seqs", "6")
+def no_template_model(tmp_path_factory, tiny_checkpoint):
+    """A checkpoint whose tokenizer has no chat template."""
+    return checkpoint_without_template(tiny_checkpoint("llama"), str(tmp_path_factory.mktemp("no-template")))
+
+
+@pytest.fixture(scope="module")
+def pipe(pipe_process):
+    proc = pipe_process("--ctx", "2048", "--max-seqs", "6")
     # The first line is answered at once, while the model is still loading.
     proc.send({"op": "health", "id": "first"})
     proc.first_health = proc.router.first("first", timeout=60)
@@ -221,11 +233,11 @@ def test_fuzz_lines_then_health(pipe):
     assert text == "The capital of France is Paris."
 
 
-def test_every_id_is_answered_after_a_line_whose_id_holds_a_lone_surrogate():
+def test_every_id_is_answered_after_a_line_whose_id_holds_a_lone_surrogate(pipe_process):
     """A lone surrogate in an id is echoed back escaped; the lines after it, a generation and the shutdown
     included, are all answered, and the process exits 0."""
     surrogate = "\ud800"   # sent as the JSON escape \ud800 (json.dumps escapes it)
-    proc = PipeProcess("--ctx", "256")
+    proc = pipe_process("--ctx", "256")
     try:
         proc.wait_ready()
         proc.send({"op": "health", "id": surrogate})
@@ -244,9 +256,9 @@ def test_every_id_is_answered_after_a_line_whose_id_holds_a_lone_surrogate():
         proc.stop()
 
 
-def test_eof_drains_and_exits_zero():
+def test_eof_drains_and_exits_zero(pipe_process):
     """Closing stdin lets running requests finish, then the process exits 0 (its own process)."""
-    proc = PipeProcess("--ctx", "256")
+    proc = pipe_process("--ctx", "256")
     try:
         proc.wait_ready()
         proc.send({"op": "generate", "id": "last", "prompt": "Once upon a time", "n": 12, "temp": 0})
@@ -260,9 +272,8 @@ def test_eof_drains_and_exits_zero():
         proc.stop()
 
 
-def test_chat_refused_without_template_and_shutdown_drains(tmp_path, tiny_checkpoint):
-    model = checkpoint_without_template(tiny_checkpoint("llama"), str(tmp_path / "no-template"))
-    proc = PipeProcess("--model", model, "--ctx", "256", "--verbose")   # DEBUG logs, all on stderr
+def test_chat_refused_without_template_and_shutdown_drains(pipe_process, no_template_model):
+    proc = pipe_process("--model", no_template_model, "--ctx", "256", "--verbose")   # DEBUG logs, all on stderr
     try:
         proc.wait_ready()
         _, error = proc.request({"op": "chat", "id": 1, "messages": FRANCE})
