@@ -396,6 +396,7 @@ def hf_reference() -> SimpleNamespace:
 
 
 NATIVE_SKIP = "the native module pocketllm_cpp is not built"
+ENGINE_SKIP = "the native executable pocketllm_engine is not built"
 
 
 @pytest.fixture(scope="session")

@@ -18,10 +18,10 @@ import time
 
 import pytest
 import test_harness_pipe as pipe_tests
+from conftest import ENGINE_SKIP
 from harness_utils import FRANCE, FUZZ_LINES, USAGE_KEYS, PipeProcess, checkpoint_without_template, fuzz_lines
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ENGINE_SKIP = "the native executable pocketllm_engine is not built"
 
 _MODEL_WORDS = "asserts the default model's own words or its GGUF route; the tiny random Qwen3 cannot say them"
 _NOT_PASSED = {

@@ -8,7 +8,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from conftest import ALLOWED_SKIPS, NATIVE_SKIP, read_allowed_skips, skip_guard_errors
+from conftest import ALLOWED_SKIPS, ENGINE_SKIP, NATIVE_SKIP, read_allowed_skips, skip_guard_errors
 
 ALLOWED = {"the CPU has no AVX-512 VNNI": 2, "needs a CUDA device": 1}
 
@@ -38,8 +38,10 @@ def test_browser_skip_needs_the_opt_out() -> None:
 def test_the_repository_list_names_hardware_only() -> None:
     allowed = read_allowed_skips()
     assert allowed and all(count > 0 for count in allowed.values())
-    # Hardware, or the optional native build, which `make test` builds and then requires (POCKETLLM_REQUIRE_NATIVE)
-    assert all("CUDA" in reason or "CPU" in reason or reason == NATIVE_SKIP for reason in allowed), allowed
+    # Hardware, or the optional native build (module and executable), which `make test` builds and then requires
+    # (POCKETLLM_REQUIRE_NATIVE, POCKETLLM_ENGINE)
+    assert all("CUDA" in reason or "CPU" in reason or reason in (NATIVE_SKIP, ENGINE_SKIP) for reason in allowed), \
+        allowed
 
 
 def test_malformed_line_is_refused(tmp_path: Path) -> None:
