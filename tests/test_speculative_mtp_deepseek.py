@@ -18,6 +18,7 @@ import torch
 from conftest import write_checkpoint
 from safetensors.torch import load_file
 from test_speculative import _first_tokens, _generate, assert_same_distribution
+from test_speculative_mtp import mtp_spec, one_thread  # noqa: F401 (one_thread: an autouse fixture)
 
 from pocketllm import LLM, EngineArgs, SamplingParams
 from pocketllm.errors import UnsupportedFeatureError
@@ -30,19 +31,6 @@ PROMPTS = [[(1000 + 7919 * (i + 1) * (n + 3)) % VOCAB for i in range(length)]
 MTP_OWN = ("enorm", "hnorm", "norm", "e_proj", "h_proj")     # the MTP layer's tensors outside its decoder block
 CPU = {"device": "cpu"}
 KV = {**CPU, "num_kv_blocks": 128}
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models on a shared 2-core machine: intra-op threads only thrash."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-def mtp_spec(k: int = 3) -> dict:
-    return {"method": "mtp", "num_speculative_tokens": k}
 
 
 def _noisy(tensor: torch.Tensor, generator: torch.Generator) -> torch.Tensor:

@@ -15,6 +15,7 @@
 #include <cstdio>
 #include <cstring>
 #include <fstream>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -786,14 +787,31 @@ const char* kUsage =
     "Serves the harness's JSONL protocol (see pocketllm/harness/PROTOCOL.md) on stdin/stdout with a Qwen3,\n"
     "Qwen3-MoE or Qwen3.5 safetensors checkpoint on CPU.\n";
 
+// The test modes' input: `serve` for each stdin line (without its newline, the last one even if unterminated)
+// until end of input; returns the exit status.
+int for_each_stdin_line(const std::function<void(const std::string&)>& serve) {
+  std::string pending;
+  char buf[1 << 16];
+  while (true) {
+    ssize_t n = ::read(0, buf, sizeof buf);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) break;
+    pending.append(buf, static_cast<size_t>(n));
+    size_t cut;
+    while ((cut = pending.find('\n')) != std::string::npos) {
+      serve(pending.substr(0, cut));
+      pending.erase(0, cut + 1);
+    }
+  }
+  if (!pending.empty()) serve(pending);
+  return 0;
+}
+
 // --tokenize DIR: no model, only its tokenizer. Each stdin line is a JSON string; each answer line holds its
 // "ids" (encoded without the post-processor's special tokens), "decoded" (the ids decoded whole) and "streamed"
 // (the ids decoded one token at a time, as generation streams them, joined).
 int tokenize(const std::string& dir) {
   BpeTokenizer tokenizer(dir + "/tokenizer.json");
-  std::string line;
-  char buf[1 << 16];
-  std::string pending;
   auto serve = [&](const std::string& text) {
     WireValue out = WireValue::object();
     try {
@@ -815,27 +833,13 @@ int tokenize(const std::string& dir) {
     }
     send(out);
   };
-  while (true) {
-    ssize_t n = ::read(0, buf, sizeof buf);
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) break;
-    pending.append(buf, static_cast<size_t>(n));
-    size_t cut;
-    while ((cut = pending.find('\n')) != std::string::npos) {
-      serve(pending.substr(0, cut));
-      pending.erase(0, cut + 1);
-    }
-  }
-  if (!pending.empty()) serve(pending);
-  return 0;
+  return for_each_stdin_line(serve);
 }
 
 // --render-chat DIR: each stdin line is a JSON list of {"role", "content"} messages; each answer line holds the
 // "text" the chat template renders (with the generation prompt), or the "error" chat is refused with.
 int render_chat(const std::string& dir) {
   ChatTemplate chat(dir);
-  std::string pending;
-  char buf[1 << 16];
   auto serve = [&](const std::string& line) {
     WireValue out = WireValue::object();
     try {
@@ -850,19 +854,7 @@ int render_chat(const std::string& dir) {
     }
     send(out);
   };
-  while (true) {
-    ssize_t n = ::read(0, buf, sizeof buf);
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) break;
-    pending.append(buf, static_cast<size_t>(n));
-    size_t cut;
-    while ((cut = pending.find('\n')) != std::string::npos) {
-      serve(pending.substr(0, cut));
-      pending.erase(0, cut + 1);
-    }
-  }
-  if (!pending.empty()) serve(pending);
-  return 0;
+  return for_each_stdin_line(serve);
 }
 
 int run(int argc, char** argv) {

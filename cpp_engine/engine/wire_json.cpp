@@ -1,6 +1,8 @@
 // The protocol's JSON (wire_json.h).
 #include "wire_json.h"
 
+#include "../src/json.h"
+
 #include <cctype>
 #include <cerrno>
 #include <cmath>
@@ -10,24 +12,6 @@
 
 namespace pocket {
 namespace {
-
-void put_utf8(std::string& out, uint32_t cp) {
-  if (cp < 0x80) {
-    out += static_cast<char>(cp);
-  } else if (cp < 0x800) {
-    out += static_cast<char>(0xC0 | (cp >> 6));
-    out += static_cast<char>(0x80 | (cp & 0x3F));
-  } else if (cp < 0x10000) {
-    out += static_cast<char>(0xE0 | (cp >> 12));
-    out += static_cast<char>(0x80 | ((cp >> 6) & 0x3F));
-    out += static_cast<char>(0x80 | (cp & 0x3F));
-  } else {
-    out += static_cast<char>(0xF0 | (cp >> 18));
-    out += static_cast<char>(0x80 | ((cp >> 12) & 0x3F));
-    out += static_cast<char>(0x80 | ((cp >> 6) & 0x3F));
-    out += static_cast<char>(0x80 | (cp & 0x3F));
-  }
-}
 
 // Next code point of (possibly surrogate-carrying) UTF-8 at s[i]; advances i. Bad bytes read as U+FFFD.
 uint32_t next_cp(const std::string& s, size_t& i) {
@@ -95,7 +79,7 @@ struct Reader {
             else i = save;   // not a pair: the high surrogate stays alone
           }
           if (cp >= 0xD800 && cp < 0xE000) v.lone_surrogate = true;
-          put_utf8(v.text, cp);
+          append_utf8(v.text, cp);
           break;
         }
         default: fail("an invalid escape");

@@ -6,6 +6,25 @@
 #include <sstream>
 
 namespace pocket {
+
+void append_utf8(std::string& out, uint32_t cp) {
+  if (cp < 0x80) {
+    out += static_cast<char>(cp);
+  } else if (cp < 0x800) {
+    out += static_cast<char>(0xC0 | (cp >> 6));
+    out += static_cast<char>(0x80 | (cp & 0x3F));
+  } else if (cp < 0x10000) {
+    out += static_cast<char>(0xE0 | (cp >> 12));
+    out += static_cast<char>(0x80 | ((cp >> 6) & 0x3F));
+    out += static_cast<char>(0x80 | (cp & 0x3F));
+  } else {
+    out += static_cast<char>(0xF0 | (cp >> 18));
+    out += static_cast<char>(0x80 | ((cp >> 12) & 0x3F));
+    out += static_cast<char>(0x80 | ((cp >> 6) & 0x3F));
+    out += static_cast<char>(0x80 | (cp & 0x3F));
+  }
+}
+
 namespace {
 
 struct Parser {
@@ -23,17 +42,6 @@ struct Parser {
     size_t n = std::char_traits<char>::length(word);
     if (s.compare(i, n, word) == 0) { i += n; return true; }
     return false;
-  }
-  static void utf8(std::string& out, uint32_t cp) {
-    if (cp < 0x80) { out += static_cast<char>(cp); }
-    else if (cp < 0x800) { out += static_cast<char>(0xC0 | (cp >> 6)); out += static_cast<char>(0x80 | (cp & 0x3F)); }
-    else if (cp < 0x10000) {
-      out += static_cast<char>(0xE0 | (cp >> 12)); out += static_cast<char>(0x80 | ((cp >> 6) & 0x3F));
-      out += static_cast<char>(0x80 | (cp & 0x3F));
-    } else {
-      out += static_cast<char>(0xF0 | (cp >> 18)); out += static_cast<char>(0x80 | ((cp >> 12) & 0x3F));
-      out += static_cast<char>(0x80 | ((cp >> 6) & 0x3F)); out += static_cast<char>(0x80 | (cp & 0x3F));
-    }
   }
   uint32_t hex4() {
     if (i + 4 > s.size()) fail("short \\u escape");
@@ -77,7 +85,7 @@ struct Parser {
             if (lo < 0xDC00 || lo >= 0xE000) fail("bad surrogate pair");
             cp = 0x10000 + ((cp - 0xD800) << 10) + (lo - 0xDC00);
           }
-          utf8(out, cp);
+          append_utf8(out, cp);
           break;
         }
         default: fail("bad escape");

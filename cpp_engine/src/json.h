@@ -45,4 +45,8 @@ struct Json {
   Json& set(const std::string& key, Json value) { object[key] = std::move(value); return *this; }
 };
 
+// Appends code point `cp` to `out` as UTF-8 (a surrogate's three-byte form included: the callers decide what
+// a lone surrogate means).
+void append_utf8(std::string& out, uint32_t cp);
+
 }  // namespace pocket

@@ -27,7 +27,7 @@ from pocketllm.engine.request import Request
 from pocketllm.runner.model_runner import ModelRunner
 from pocketllm.runner.sampler import SamplingRow
 from pocketllm.runner.spec_verify import draw_proposals
-from pocketllm.step.host_batch import HostBatch
+from pocketllm.step.host_batch import HostBatch, token_slice
 from pocketllm.step.pending_inputs import PendingInputs
 from pocketllm.step.sampled import SampledToken
 from pocketllm.step.scheduled_chunk import ScheduledChunk
@@ -50,17 +50,6 @@ class HeadRows:
     request: Request
     start: int
     next_tokens: list[int]
-
-
-def _tokens(request: Request, start: int, end: int) -> list[int]:
-    """The request's known tokens ``start:end`` (prompt, then output), without copying its whole history."""
-    prompt = request.prompt_token_ids
-    n = len(prompt)
-    if end <= n:
-        return prompt[start:end]
-    if start >= n:
-        return request.output_token_ids[start - n:end - n]
-    return prompt[start:] + request.output_token_ids[:end - n]
 
 
 def head_batch(rows: list[HeadRows], block_size: int) -> HostBatch:
@@ -119,9 +108,9 @@ class MtpProposer:
             if chunk.draft:
                 next_tokens = tokens     # the accepted proposals, then the target's own token
             elif chunk.samples:
-                next_tokens = _tokens(request, start + 1, chunk.end) + tokens[:1] if tokens else []
+                next_tokens = token_slice(request, start + 1, chunk.end) + tokens[:1] if tokens else []
             else:
-                next_tokens = _tokens(request, start + 1, chunk.end + 1)
+                next_tokens = token_slice(request, start + 1, chunk.end + 1)
             if next_tokens:
                 rows.append(HeadRows(request, start, next_tokens))
                 index.extend(range(offset, offset + len(next_tokens)))

@@ -41,7 +41,8 @@ class HostBatch:
         return self.num_tokens == self.num_seqs and len(self.sample_index) == self.num_seqs
 
 
-def _token_slice(request, start: int, end: int) -> list[int]:
+def token_slice(request, start: int, end: int) -> list[int]:
+    """The request's known tokens ``start:end`` (prompt, then output), without copying its whole history."""
     prompt = request.prompt_token_ids
     n = len(prompt)
     if end <= n:
@@ -89,7 +90,7 @@ def gather_host_batch(chunks: Sequence, block_size: int) -> HostBatch:
             positions.append(start)
             slots.append(table[start // block_size] * block_size + start % block_size)
         else:
-            ids.extend(_token_slice(request, start, end))
+            ids.extend(token_slice(request, start, end))
             positions.extend(range(start, end))
             pos = np.arange(start, end)
             slots.extend((np.asarray(table, dtype=np.int64)[pos // block_size] * block_size
