@@ -395,6 +395,16 @@ def hf_reference() -> SimpleNamespace:
     return SimpleNamespace(greedy=hf_greedy, logits=hf_logits, model=load_hf_model)
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny models on a shared 2-core machine: intra-op threads only thrash (a module opts in with
+    ``pytestmark = pytest.mark.usefixtures("one_thread")``)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 NATIVE_SKIP = "the native module pocketllm_cpp is not built"
 ENGINE_SKIP = "the native executable pocketllm_engine is not built"
 

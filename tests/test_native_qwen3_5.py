@@ -18,13 +18,7 @@ NEW_TOKENS = 32
 PROMPT_LENGTHS = (5, 17, 70, 9)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models on a shared 2-core machine: intra-op threads only thrash."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _prompts(vocab: int = 49152) -> list[list[int]]:

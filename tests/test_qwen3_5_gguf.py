@@ -34,13 +34,7 @@ PARTS = {"input_layernorm": "attn_norm", "post_attention_layernorm": "post_atten
          "mlp.shared_expert_gate": "ffn_gate_inp_shexp"}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models on a shared 2-core machine: intra-op threads only thrash."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _prompts(vocab: int = 49152) -> list[list[int]]:

@@ -26,13 +26,7 @@ PROMPTS = [[(1000 + 7919 * (i + 1) * (n + 3)) % 49152 for i in range(length)]
 KV = {"num_kv_blocks": 128}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models on a shared 2-core machine: intra-op threads only thrash."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def mtp_spec(k: int = 3) -> dict:

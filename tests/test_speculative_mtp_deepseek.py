@@ -18,7 +18,7 @@ import torch
 from conftest import write_checkpoint
 from safetensors.torch import load_file
 from test_speculative import _first_tokens, _generate, assert_same_distribution
-from test_speculative_mtp import mtp_spec, one_thread  # noqa: F401 (one_thread: an autouse fixture)
+from test_speculative_mtp import mtp_spec
 
 from pocketllm import LLM, EngineArgs, SamplingParams
 from pocketllm.errors import UnsupportedFeatureError
@@ -28,6 +28,7 @@ ARCH = "deepseek_v4"
 VOCAB = 49152
 PROMPTS = [[(1000 + 7919 * (i + 1) * (n + 3)) % VOCAB for i in range(length)]
            for n, length in enumerate((5, 17, 30, 9))]
+pytestmark = pytest.mark.usefixtures("one_thread")
 MTP_OWN = ("enorm", "hnorm", "norm", "e_proj", "h_proj")     # the MTP layer's tensors outside its decoder block
 CPU = {"device": "cpu"}
 KV = {**CPU, "num_kv_blocks": 128}
