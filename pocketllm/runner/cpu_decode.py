@@ -36,10 +36,11 @@ DENSE_ROWS_MAX = 16
 
 
 def setup_cpu(model: torch.nn.Module, weight_format: str, block_size: int,
-              compile_step: bool = False) -> CpuDecodeStep | None:
+              compile_step: bool = False, fast_path: bool = True) -> CpuDecodeStep | None:
     """Convert ``model``'s linear layers to ``weight_format`` (bfloat16, int4, int8; float32/auto: as loaded) and
     return the decode fast path when the model's layers are ones it computes (else None), compiled with
-    ``compile_step``."""
+    ``compile_step``; ``fast_path=False``: the conversion and the checks only (the caller runs every step on the
+    reference forward)."""
     if weight_format in ("bfloat16", "int4", "int8"):
         if tp_size() != 1:
             raise InvalidRequestError("cpu_weight_format bfloat16/int4/int8 runs on one rank only",
@@ -58,7 +59,7 @@ def setup_cpu(model: torch.nn.Module, weight_format: str, block_size: int,
                                       f"{type(model).__name__} has layers it does not compute", param="cpu_compile")
         logger.info("CPU decode fast path off: %s has layers it does not compute", type(model).__name__)
         return None
-    return CpuDecodeStep(plan, block_size, compile_step)
+    return CpuDecodeStep(plan, block_size, compile_step) if fast_path else None
 
 
 class DecodeBatch(NamedTuple):

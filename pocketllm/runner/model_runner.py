@@ -174,15 +174,14 @@ class ModelRunner:
             if fp8_cache and cpu_compile:
                 raise UnsupportedFeatureError("cpu_compile compiles the CPU decode fast path, which does not read "
                                               "a float8 KV cache; drop cpu_compile or kv_cache_dtype='fp8'")
-            step = setup_cpu(self.model, weight_format, self.block_size, cpu_compile)
-            if self.mtp_head is not None:
-                step = None   # with the MTP head every step runs the reference forward, which keeps every row
-            elif step is not None and fp8_cache:
-                # The fast path's attention (and its dense K/V rows) read bfloat16/float32 rows only: every step
-                # of a float8 cache runs the reference step, whose attention quantises and widens as CUDA does.
+            # With the MTP head every step runs the reference forward, which keeps every row. The fast path's
+            # attention (and its dense K/V rows) read bfloat16/float32 rows only: every step of a float8 cache
+            # runs the reference step, whose attention quantises and widens as CUDA does.
+            fast_path = self.mtp_head is None and not fp8_cache
+            step = setup_cpu(self.model, weight_format, self.block_size, cpu_compile, fast_path)
+            if fp8_cache and self.mtp_head is None:
                 logger.info("CPU decode fast path off: kv_cache_dtype='fp8' runs the reference attention "
                             "(a path for measuring quality, not speed)")
-                step = None
             self.step_backends = [self.host_step] if step is None else [CpuDecodeBackend(step, self.model),
                                                                          self.host_step]
         elif cpu_compile:
