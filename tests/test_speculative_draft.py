@@ -343,6 +343,7 @@ def test_draft_model_on_cuda_greedy_equal(tiny_checkpoint, near_llama):
             spec, stats = _generate(args.replace(speculative_config=draft(path)), TINY_PROMPTS, params)
             assert [o.token_ids for o in spec] == [o.token_ids for o in plain], (eager, path)
             assert stats["spec_verify_chunks"] > 0
+            assert (stats["spec_graph_steps"] > 0) != eager
     forced = EngineArgs(model=tiny_checkpoint("llama"), device="cuda", dtype="bfloat16", load_format="dummy",
                         num_kv_blocks=256, max_num_seqs=8,
                         speculative_config=draft(tiny_checkpoint("llama"), k=3, forced_acceptance=True))

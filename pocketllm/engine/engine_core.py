@@ -191,9 +191,11 @@ class EngineCore:
         if mtp and not args.enforce_eager and self.device.type == "cuda":
             logger.info("decode CUDA graphs off: the MTP head reads every step's hidden states")
         elif not args.enforce_eager:
-            self.runner.capture_cuda_graphs(args.max_num_seqs, max_model_len)
+            # Speculating: verify chunks (and the draft's catch-up chunks) replay graphs as decode rows too.
+            flat_rows = spec is not None
+            self.runner.capture_cuda_graphs(args.max_num_seqs, max_model_len, flat_rows)
             if self.draft_runner is not None:
-                self.draft_runner.capture_cuda_graphs(args.max_num_seqs, max_model_len)
+                self.draft_runner.capture_cuda_graphs(args.max_num_seqs, max_model_len, flat_rows)
         # A cached KV prefix would skip the recurrent state of that prefix: prefix caching is off for hybrids.
         # With the MTP head too: a cached prefix would lack the head's keys and values (its layer of the cache
         # holds them only where the head ran with the target's hidden states).
@@ -392,6 +394,8 @@ class EngineCore:
             "spec_verify_chunks": self.num_verify_chunks,
             "spec_proposed_tokens": self.num_proposed_tokens,
             "spec_accepted_tokens": self.num_accepted_tokens,
+            # CUDA: steps of verify chunks the target replayed from graphs (``HostBatch.flattened``)
+            "spec_graph_steps": self.runner.cuda_step.flat_replays if self.runner.cuda_step is not None else 0,
         }
 
     def has_work(self) -> bool:

@@ -133,12 +133,13 @@ class TritonAttentionBackend(AttentionBackend):
 
     def forward_packed(self, layer: Attention, qkv: torch.Tensor, positions: torch.Tensor, rotary: nn.Module,
                        q_norm: nn.Module | None, k_norm: nn.Module | None, meta: AttentionMetadata) -> torch.Tensor:
-        """Small decode steps: one packed launch (Q/K/V prepared inside the attention kernel); else the QKV
-        preparation kernel (KV store included), then ``attend``."""
+        """Small decode steps: one packed launch (Q/K/V prepared inside the attention kernel, each row storing its
+        own keys/values); else (and for rows that read each other's: ``rows_share_context``) the QKV preparation
+        kernel (KV store included), then ``attend``."""
         from pocketllm.kernels.attention import packed_decode_supported, paged_decode_packed
         from pocketllm.kernels.fused import qkv_prepare
 
-        if (meta.is_decode_only and qkv.shape[0] <= PACKED_DECODE_MAX_ROWS
+        if (meta.is_decode_only and not meta.rows_share_context and qkv.shape[0] <= PACKED_DECODE_MAX_ROWS
                 and (q_norm is None or PACKED_DECODE_WITH_QK_NORM) and packed_decode_supported(layer.head_dim)):
             out = paged_decode_packed(
                 qkv, positions, rotary.cos_cache, rotary.sin_cache, None if q_norm is None else q_norm.weight,

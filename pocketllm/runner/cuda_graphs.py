@@ -10,6 +10,13 @@ Decode-only batches (one new token per sequence, every sequence sampling) of up 
 sequences replay a graph captured for the next bucket size up and the number of context splits the step's
 longest context needs (``decode_splits``); padding rows carry ``slot = -1`` (the
 kernels store nothing) and ``context_len = 0`` (attention writes zeros), so they touch no real state.
+
+With speculative decoding, a step of short chunks in which every token samples (verify chunks, a draft model's
+catch-up chunk, beside decode rows) replays the same graphs with each token as a row of its own
+(``HostBatch.flattened``): its context ends at its own position, and its sequence's block table is repeated.
+Such rows read keys and values other rows store in the step, which the packed decode launch (each row storing
+its own inside attention) would race on: below ``PACKED_DECODE_MAX_ROWS`` rows those steps replay a second set
+of graphs captured without it.
 Graph inputs live in one static device buffer whose layout is fixed at capture time. A graph ends with the
 LM head (the final norm in its kernel where that measured faster), writing the logits into one static buffer
 shared by every graph; the step's sampling reads them before the next step's graph is queued.
@@ -24,11 +31,16 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from pocketllm.layers.attention_backend import PACKED_DECODE_MAX_ROWS
 from pocketllm.step.attention_metadata import AttentionMetadata
 from pocketllm.step.host_batch import HostBatch
 from pocketllm.step.sampled import SampleResult
 
 logger = logging.getLogger("pocketllm.runner")
+
+
+# A chunk of up to this many tokens may run as decode rows (``HostBatch.flattened``) in a speculative step.
+FLAT_MAX_QUERY = 16
 
 
 def graph_buckets(max_num_seqs: int) -> list[int]:
@@ -96,6 +108,10 @@ class CudaStepRunner:
         self.eager_buffer = torch.empty(1 << 16, dtype=torch.int32, device=device)
         # Decode graphs by (batch-size bucket, context splits): the split count follows the step's contexts.
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        # The graphs flattened steps replay (``capture``'s ``flat_rows``; empty: such steps run eagerly), and how
+        # many steps did.
+        self.flat_graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self.flat_replays = 0
         self.graph_logits: torch.Tensor | None = None
         self.graph_meta: dict[tuple[int, int], AttentionMetadata] = {}
         self.max_graph_bs = 0
@@ -125,8 +141,13 @@ class CudaStepRunner:
         """Logits (model dtype) of the rows that sample this step (None if none does); pending inputs are taken
         from ``previous_tokens`` on the device."""
         n = host.num_seqs
-        if host.is_plain_decode and n <= self.max_graph_bs and max(len(t) for t in host.tables) <= self.graph_width:
+        fits = max(len(t) for t in host.tables) <= self.graph_width
+        if host.is_plain_decode and n <= self.max_graph_bs and fits:
             return self._replay(host, previous_tokens)
+        if (self.flat_graphs and fits and host.num_tokens <= self.max_graph_bs
+                and len(host.sample_index) == host.num_tokens and host.max_query_len <= FLAT_MAX_QUERY):
+            self.flat_replays += 1
+            return self._replay(host.flattened(), previous_tokens, self.flat_graphs)
         (hidden, residual), sample_index = self._eager(host, previous_tokens)
         if not host.sample_index:
             return None
@@ -178,7 +199,7 @@ class CudaStepRunner:
             slot_mapping=view("slots"), block_tables=dev[o:o + n * width].view(n, width),
             query_start=host.query_start, context_lens=host.context_lens, block_size=self.block_size,
             context_lens_gpu=view("ctx"), query_start_gpu=view("qstart"),
-            max_query_len=max(b - a for a, b in zip(host.query_start, host.query_start[1:])),
+            max_query_len=host.max_query_len,
             num_splits=splits, decode_tile=self._tile(lead, splits) if lead else None,
             num_decode_rows=0 if decode else lead,
             split_counters=self._counters(lead) if lead else None,
@@ -204,14 +225,16 @@ class CudaStepRunner:
         return contexts
 
     def capture(self, max_num_seqs: int, max_model_len: int,
-                one_row_settings: dict[int, Callable[[], None]] | None = None) -> None:
+                one_row_settings: dict[int, Callable[[], None]] | None = None, flat_rows: bool = False) -> None:
         """Capture one decode graph per bucket size up to ``max_num_seqs`` and split count the bucket can take
         (largest first, one memory pool). A one-row graph is captured after ``one_row_settings`` of its split
         count (or the nearest count it has) set the products' one-row settings; afterwards those of the largest
-        count stay set, for one-row steps run eagerly."""
+        count stay set, for one-row steps run eagerly. ``flat_rows``: also the graphs of flattened steps (those
+        of buckets of 2 to ``PACKED_DECODE_MAX_ROWS`` rows captured again, without the packed decode launch)."""
         from pocketllm.kernels.attention import decode_split_options
 
         started = time.perf_counter()
+        flat_rows = flat_rows and self.state_padding_slot is None   # (a state slot runs its tokens in order)
         self.graph_width = -(-max_model_len // self.block_size)
         maxb, seg = max_num_seqs, _align(max_num_seqs)
         self.segment = seg
@@ -232,13 +255,21 @@ class CudaStepRunner:
                 if bs == 1 and settled:
                     one_row_settings[min(settled, key=lambda s: abs(s - splits))]()
                 self._capture_one(bs, splits, (ids, pos, slots, ctx, state, tables), counters)
+                if flat_rows and bs > PACKED_DECODE_MAX_ROWS:
+                    self.flat_graphs[bs, splits] = self.graphs[bs, splits]
+                elif flat_rows and bs > 1:
+                    self.flat_graphs[bs, splits], _ = self._decode_graph(
+                        bs, splits, (ids, pos, slots, ctx, state, tables), counters, self.graph_logits[:bs],
+                        self.pool, rows_share_context=True)
         if settled:
             one_row_settings[settled[-1]]()
         torch.cuda.synchronize(self.device)
         self.max_graph_bs = max_num_seqs
         self.buckets = sorted({bs for bs, _ in self.graphs})
-        logger.info("captured %d decode CUDA graphs (batch sizes %s, each per split count) in %.1f s",
-                    len(self.graphs), self.buckets, time.perf_counter() - started)
+        flat = sum(self.flat_graphs[key] is not self.graphs[key] for key in self.flat_graphs)
+        logger.info("captured %d decode CUDA graphs (batch sizes %s, each per split count; %d more for flattened "
+                    "speculative steps) in %.1f s", len(self.graphs), self.buckets, flat,
+                    time.perf_counter() - started)
 
     def _capture_one(self, bs: int, splits: int, inputs: tuple[torch.Tensor, ...], counters: torch.Tensor) -> None:
         """Capture the decode graph of bucket ``bs`` with ``splits`` context splits over the static ``inputs``
@@ -248,9 +279,11 @@ class CudaStepRunner:
         self.graph_meta[bs, splits] = meta
 
     def _decode_graph(self, bs: int, splits: int, inputs: tuple[torch.Tensor, ...], counters: torch.Tensor,
-                      logits: torch.Tensor, pool) -> tuple[torch.cuda.CUDAGraph, AttentionMetadata]:
+                      logits: torch.Tensor, pool, rows_share_context: bool = False
+                      ) -> tuple[torch.cuda.CUDAGraph, AttentionMetadata]:
         """A graph of the decode step of ``bs`` rows over the static ``inputs`` (as ``_capture_one``) writing
-        ``logits``, captured into ``pool`` (None: a pool of its own) after one eager run, and its metadata."""
+        ``logits``, captured into ``pool`` (None: a pool of its own) after one eager run, and its metadata
+        (``rows_share_context``: rows of a flattened step)."""
         ids, pos, slots, ctx, state, tables = inputs
         hybrid = self.state_padding_slot is not None
         meta = AttentionMetadata(
@@ -258,7 +291,8 @@ class CudaStepRunner:
             context_lens=[0] * bs, block_size=self.block_size, context_lens_gpu=ctx[:bs],
             query_start_gpu=None, max_query_len=1, num_splits=splits, decode_tile=self._tile(bs, splits),
             split_counters=counters, state_slots=state[:bs] if hybrid else None,
-            state_slots_host=[self.state_padding_slot] * bs if hybrid else None)
+            state_slots_host=[self.state_padding_slot] * bs if hybrid else None,
+            rows_share_context=rows_share_context)
         self.model.logits_unnormed(*self.model.unnormed(ids[:bs], pos[:bs], meta), logits)  # compile, warm up
         torch.cuda.synchronize(self.device)
         graph = torch.cuda.CUDAGraph()
@@ -307,7 +341,9 @@ class CudaStepRunner:
         steps = max(3, min(60, int(block_ms / timed(3))))
         return min(timed(steps) for _ in range(3))   # the least of three runs of ~block_ms
 
-    def _replay(self, host: HostBatch, previous_tokens: torch.Tensor | None) -> torch.Tensor:
+    def _replay(self, host: HostBatch, previous_tokens: torch.Tensor | None,
+                graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] | None = None) -> torch.Tensor:
+        """Replay the decode graph (of ``graphs``, by default the plain ones) for the host batch's rows."""
         n = host.num_seqs
         bs = next(b for b in self.buckets if b >= n)
         maxb, seg, width = self.max_graph_bs, self.segment, self.graph_width
@@ -329,5 +365,5 @@ class CudaStepRunner:
         self.ring.send(i, size, self.static)
         host.pending.fill(self.static[:n], previous_tokens)
         key = bs, self._splits(bs, host.context_lens)
-        self.graphs[key].replay()
+        (self.graphs if graphs is None else graphs)[key].replay()
         return self.graph_logits[:n]

@@ -257,9 +257,10 @@ class ModelRunner:
         torch.cuda.empty_cache()
         return peak + sampler
 
-    def capture_cuda_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
+    def capture_cuda_graphs(self, max_num_seqs: int, max_model_len: int, flat_rows: bool = False) -> None:
         """CUDA: capture the decode graphs (after the KV cache is allocated); a no-op elsewhere, and under
-        tensor parallelism (the step's all-reduces run eagerly)."""
+        tensor parallelism (the step's all-reduces run eagerly). ``flat_rows`` (speculative decoding): also those
+        that verify chunks and other short chunks replay as decode rows (``CudaStepRunner.capture``)."""
         if self.cuda_step is None:
             return
         settings = self.choose_kernels()
@@ -268,7 +269,7 @@ class ModelRunner:
             return
         with torch.inference_mode():
             one_row = self.settle_in_step(settings, max_model_len) if settings else {}
-            self.cuda_step.capture(max_num_seqs, max_model_len, one_row)
+            self.cuda_step.capture(max_num_seqs, max_model_len, one_row, flat_rows)
 
     def choose_kernels(self) -> list[OneRowSetting]:
         """CUDA: time the skinny Triton kernel against cuBLAS on each distinct weight shape (LM head and the

@@ -33,6 +33,9 @@ class AttentionMetadata:
     # the decode kernel attends (the prefill kernel takes the rest; 0 otherwise).
     num_decode_rows: int = 0
     split_counters: torch.Tensor | None = None      # decode, num_splits > 1: int32 ≥ num_seqs × KV heads, zero
+    # Decode rows that are positions of one sequence (``HostBatch.flattened``): a row reads keys/values that other
+    # rows of the step store, so every row's store lands before any row attends (no store inside attention).
+    rows_share_context: bool = False
     # Hybrid (recurrent-state) models only; None otherwise: each sequence's slot in the state pool.
     state_slots: torch.Tensor | None = None         # [num_seqs] int64
     state_slots_host: list[int] | None = None       # host copy

@@ -40,6 +40,28 @@ class HostBatch:
         """One token per sequence and every sequence samples: the shape decode graphs are captured for."""
         return self.num_tokens == self.num_seqs and len(self.sample_index) == self.num_seqs
 
+    @property
+    def max_query_len(self) -> int:
+        return max(b - a for a, b in zip(self.query_start, self.query_start[1:]))
+
+    def flattened(self) -> HostBatch:
+        """The same tokens, each a sequence of its own: one query row attending its sequence's context up to and
+        including its own position, through its sequence's block table. A step of short chunks (verify chunks,
+        a draft's catch-up) then has the shape of a decode step. Rows of one sequence read keys and values that
+        other rows of the same step store (``AttentionMetadata.rows_share_context``). For models without
+        recurrent state only: a state slot advances one sequence's tokens in order."""
+        if any(slot >= 0 for slot in self.state_slots):
+            raise ValueError("a batch with recurrent-state slots cannot be flattened into decode rows")
+        contexts: list[int] = []
+        tables: list[list[int]] = []
+        for i, (start, end) in enumerate(zip(self.query_start, self.query_start[1:])):
+            first = self.context_lens[i] - (end - start) + 1
+            contexts.extend(range(first, self.context_lens[i] + 1))
+            tables.extend([self.tables[i]] * (end - start))
+        count = self.num_tokens
+        return HostBatch(self.input_ids, self.positions, self.slots, list(range(count + 1)), contexts,
+                         self.sample_index, tables, self.pending, [-1] * count, [-1] * count)
+
 
 def token_slice(request, start: int, end: int) -> list[int]:
     """The request's known tokens ``start:end`` (prompt, then output), without copying its whole history."""
