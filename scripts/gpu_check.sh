@@ -53,6 +53,9 @@ sys.exit('the server was not ready within 300 s')" >> "$OUT/bench.log" 2>&1; the
   fi
   kill -INT $server; wait $server
 }
+# The tiny test checkpoints take the default model's tokenizer: a tokenizer-only copy of its GGUF, carried in
+# build/ (python scripts/tokenizer_gguf.py SOURCE.gguf build/smollm2-tokenizer.gguf), where the package is absent.
+if [ -f build/smollm2-tokenizer.gguf ]; then export POCKETLLM_TEST_TOKENIZER_GGUF=$PWD/build/smollm2-tokenizer.gguf; fi
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv | tee "$OUT/bench.log"
 $PY -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/bench.log"
 for stage in $stages; do

