@@ -409,6 +409,50 @@ def test_fused_experts_match_the_expert_loop(dtype, tokens, num_experts, top_k):
     assert _rel(out, ref) < (1e-4 if dtype == torch.float32 else 2e-2)
 
 
+@pytest.mark.parametrize("tokens", [1, 5])
+def test_fused_experts_with_deepseek_v4_clamped_swiglu(tokens):
+    """``swiglu_limit``: gate clamped from above, up to ±limit, before the product (DeepSeek-V4's experts);
+    weights large enough that the clamps bite."""
+    _need_kernels(torch.float32, uses_dot=True)
+    from pocketllm.kernels.moe import fused_experts
+    from pocketllm.models.deepseek_v4 import clamped_swiglu
+
+    torch.manual_seed(1)
+    num_experts, top_k, hidden_size, inter, limit = 8, 3, 64, 48, 2.0
+    w13 = torch.randn(num_experts, 2 * inter, hidden_size, device=DEVICE) * 0.5
+    w2 = torch.randn(num_experts, hidden_size, inter, device=DEVICE) * 0.1
+    hidden = torch.randn(tokens, hidden_size, device=DEVICE)
+    experts = torch.stack([torch.randperm(num_experts, device=DEVICE)[:top_k] for _ in range(tokens)])
+    weights = torch.rand(tokens, top_k, device=DEVICE)
+    out = fused_experts(hidden, w13, w2, weights, experts, swiglu_limit=limit)
+    ref = torch.zeros(tokens, hidden_size, dtype=torch.float64, device=DEVICE)
+    clamped = 0
+    for t in range(tokens):
+        for j in range(top_k):
+            e = int(experts[t, j])
+            gate, up = (w13[e].double() @ hidden[t].double()).chunk(2)
+            clamped += int((gate > limit).sum() + (up.abs() > limit).sum())
+            ref[t] += float(weights[t, j]) * (w2[e].double() @ clamped_swiglu(gate, up, limit))
+    assert clamped > 0
+    assert _rel(out, ref) < 1e-4
+    assert _rel(fused_experts(hidden, w13, w2, weights, experts), ref) > 1e-2   # the clamps matter here
+
+
+@pytest.mark.parametrize("n", [4, 3])
+def test_sinkhorn_in_one_launch_equals_the_loop(n):
+    _need_kernels()
+    from pocketllm.kernels.sinkhorn import sinkhorn_fused
+    from pocketllm.models.deepseek_v4 import sinkhorn
+
+    torch.manual_seed(2)
+    comb = torch.softmax(torch.randn(7, n, n, device=DEVICE) * 2, dim=-1) + 1e-6
+    expected = sinkhorn(comb.cpu(), 20, 1e-6)
+    out = sinkhorn_fused(comb, 20, 1e-6)
+    torch.testing.assert_close(out.cpu(), expected, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(out.sum(dim=-2).cpu(), torch.ones(7, n), rtol=1e-4, atol=1e-4)
+    assert sinkhorn_fused(comb[:0], 20, 1e-6).shape == (0, n, n)
+
+
 # ------------------------------------------------------------------------------------------- sampling
 
 def test_gumbel_argmax_draws_from_softmax_over_temperature():

@@ -85,11 +85,12 @@ def _block_layout(experts: torch.Tensor, num_experts: int, block_m: int) -> tupl
 
 
 def fused_experts(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
-                  experts: torch.Tensor) -> torch.Tensor:
+                  experts: torch.Tensor, swiglu_limit: float | None = None) -> torch.Tensor:
     """SwiGLU experts: ``sum_j weights[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t))`` with ``e = experts[t, j]``.
 
     ``hidden`` [T, H], ``w13`` [E, 2I, H] (gate rows then up rows), ``w2`` [E, H, I], ``weights`` and
-    ``experts`` [T, top_k]. Returns [T, H] in ``hidden``'s dtype.
+    ``experts`` [T, top_k]. Returns [T, H] in ``hidden``'s dtype. ``swiglu_limit`` (DeepSeek-V4): the gate
+    clamped from above and the up projection to ±limit before the product.
     """
     from pocketllm.kernels.fused import silu_and_mul
 
@@ -100,7 +101,11 @@ def fused_experts(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, wei
     rows, block_expert = _block_layout(experts, num_experts, block_m)
     hidden = hidden.contiguous()
     gate_up = _grouped(hidden, w13, rows, block_expert, pairs, top_k, None, block_m)
-    act = silu_and_mul(gate_up)
+    if swiglu_limit is None:
+        act = silu_and_mul(gate_up)
+    else:
+        gate, up = gate_up.chunk(2, dim=-1)
+        act = torch.nn.functional.silu(gate.clamp(max=swiglu_limit)) * up.clamp(-swiglu_limit, swiglu_limit)
     scale = weights.flatten().contiguous()
     down = _grouped(act, w2, rows, block_expert, pairs, 1, scale, block_m)
     return down.view(tokens, top_k, -1).sum(dim=1)

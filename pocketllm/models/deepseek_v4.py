@@ -68,6 +68,7 @@ from torch import nn
 
 from pocketllm.distributed import tp_size
 from pocketllm.errors import UnsupportedFeatureError
+from pocketllm.kernels import available as kernels_available
 from pocketllm.layers.attention import Attention
 from pocketllm.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from pocketllm.layers.linear import ReplicatedLinear
@@ -256,7 +257,11 @@ class Fp32RMSNorm(nn.Module):
 
 def sinkhorn(comb: torch.Tensor, iterations: int, eps: float) -> torch.Tensor:
     """Alternate column and row normalisation of [..., n, n] towards a doubly stochastic matrix (column first,
-    ``iterations`` column passes)."""
+    ``iterations`` column passes); on CUDA in one launch (``kernels/sinkhorn.py``)."""
+    if comb.is_cuda and kernels_available(comb.device) and comb.dim() == 3 and comb.dtype == torch.float32:
+        from pocketllm.kernels.sinkhorn import sinkhorn_fused
+
+        return sinkhorn_fused(comb, iterations, eps)
     comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
     for _ in range(iterations - 1):
         comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)
@@ -454,10 +459,10 @@ class Indexer(WindowPool):
         # The paged store of the pooled keys (the value half is unused).
         self.keys = Attention(self.heads, self.dim, 1, self.dim ** -0.5)
 
-    def select(self, hidden: torch.Tensor, q_residual: torch.Tensor, positions: torch.Tensor, slot: int,
+    def select(self, hidden: torch.Tensor, q_residual: torch.Tensor, positions: torch.Tensor, start: int, slot: int,
                table: torch.Tensor, block_size: int, visible: torch.Tensor, checkpoint: int = -1) -> torch.Tensor:
-        """Which of the visible entries [t, n] each query keeps (bool [t, n]). ``checkpoint``: ``pool``'s."""
-        start = int(positions[0])
+        """Which of the visible entries [t, n] each query keeps (bool [t, n]); ``start``: the first position (a
+        host copy of ``positions[0]``). ``checkpoint``: ``pool``'s."""
         first, entries = self.pool(hidden, slot, start, checkpoint)
         if entries.shape[0]:
             index = torch.arange(first, first + entries.shape[0], device=hidden.device)
@@ -485,12 +490,12 @@ class Compressor(WindowPool):
         super().__init__(config, config.head_dim, rate, layer_type == CSA, rotary)
         self.indexer = Indexer(config, rate, rotary) if layer_type == CSA else None
 
-    def history(self, hidden: torch.Tensor, q_residual: torch.Tensor, positions: torch.Tensor, slot: int,
-                table: torch.Tensor, block_size: int, cache: torch.Tensor,
+    def history(self, hidden: torch.Tensor, q_residual: torch.Tensor, positions: torch.Tensor, start: int,
+                slot: int, table: torch.Tensor, block_size: int, cache: torch.Tensor,
                 checkpoint: int = -1) -> tuple[torch.Tensor, torch.Tensor]:
-        """One sequence's chunk: new entries pooled and paged into ``cache``; returns every entry of the
-        sequence so far [n, D] and which of them each query attends (bool [t, n]). ``checkpoint``: ``pool``'s."""
-        start = int(positions[0])
+        """One sequence's chunk from position ``start`` (the host's copy of ``positions[0]``): new entries pooled
+        and paged into ``cache``; returns every entry of the sequence so far [n, D] and which of them each query
+        attends (bool [t, n]). ``checkpoint``: ``pool``'s."""
         first, entries = self.pool(hidden, slot, start, checkpoint)
         if entries.shape[0]:
             index = torch.arange(first, first + entries.shape[0], device=hidden.device)
@@ -500,7 +505,7 @@ class Compressor(WindowPool):
         history = read_rows(cache, cache_slots(table, index, block_size))
         visible = index[None, :] < ((positions + 1) // self.rate)[:, None]
         if self.indexer is not None:
-            visible = self.indexer.select(hidden, q_residual, positions, slot, table, block_size, visible,
+            visible = self.indexer.select(hidden, q_residual, positions, start, slot, table, block_size, visible,
                                           checkpoint)
         return history, visible
 
@@ -536,32 +541,34 @@ class DeepseekV4Attention(nn.Module):
         cos, sin = self.rotary.cos_sin(positions, hidden.dtype)
         q = self.rotary.rotate(q, cos, sin)
         kv = self.rotary.rotate(self.kv_norm(self.kv_proj(hidden)), cos, sin)
-        stored = meta.slot_mapping >= 0
-        write_rows(self.attn.k_cache, meta.slot_mapping[stored], kv[stored])
+        # Every row has a slot: this model runs the reference step, never a CUDA graph's padding rows (slot -1).
+        write_rows(self.attn.k_cache, meta.slot_mapping, kv)
         outputs = []
         for i in range(meta.num_seqs):
             begin, end = meta.query_start[i], meta.query_start[i + 1]
             if begin == end:
                 continue
+            start = meta.context_lens[i] - (end - begin)   # positions[begin], known on the host
             table = meta.block_tables[i]
             history = visible = None
             if self.compressor is not None:
                 slot = meta.state_slots_host[i]
                 checkpoints = meta.state_checkpoints_host
                 history, visible = self.compressor.history(hidden[begin:end], q_residual[begin:end],
-                                                           positions[begin:end], slot, table, meta.block_size,
+                                                           positions[begin:end], start, slot, table, meta.block_size,
                                                            self.attn.v_cache, -1 if checkpoints is None
                                                            else checkpoints[i])
-            outputs.append(self._attend(q[begin:end], positions[begin:end], table, meta.block_size, history,
-                                        visible))
+            outputs.append(self._attend(q[begin:end], positions[begin:end], start, table, meta.block_size,
+                                        history, visible))
         out = torch.cat(outputs) if outputs else q.new_zeros(0, self.heads, self.dim)
         out = self.rotary.rotate(out, cos, -sin)   # undo the values' rotation at the query's position
         return self.o_b_proj(self.o_a_proj(out.reshape(tokens, -1)))
 
-    def _attend(self, q: torch.Tensor, positions: torch.Tensor, table: torch.Tensor, block_size: int,
+    def _attend(self, q: torch.Tensor, positions: torch.Tensor, first: int, table: torch.Tensor, block_size: int,
                 history: torch.Tensor | None, visible: torch.Tensor | None) -> torch.Tensor:
-        """One sequence's queries [t, H, D] over its window's raw keys and its visible history, plus sinks."""
-        first, last = int(positions[0]), int(positions[-1])
+        """One sequence's queries [t, H, D] at ``positions`` (the first, ``first``, known on the host) over its
+        window's raw keys and its visible history, plus sinks."""
+        last = first + q.shape[0] - 1
         key_positions = torch.arange(max(0, first - self.window + 1), last + 1, device=q.device)
         keys = read_rows(self.attn.k_cache, cache_slots(table, key_positions, block_size)).to(q.dtype)
         offset = positions[:, None] - key_positions[None, :]
@@ -652,6 +659,12 @@ class DeepseekV4MoE(nn.Module):
 
     def forward(self, hidden: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         weights, chosen = self.gate(hidden, input_ids)
+        if hidden.is_cuda and kernels_available(hidden.device):
+            # The grouped expert kernels: nothing read back to the host (the loop below reads the experts used).
+            from pocketllm.kernels.moe import fused_experts
+
+            routed = fused_experts(hidden, self.experts.w13, self.experts.w2, weights, chosen, self.limit)
+            return routed + self.shared_experts(hidden)
         routed = torch.zeros_like(hidden)
         flat = chosen.flatten()
         for expert in torch.unique(flat).tolist():
