@@ -210,20 +210,14 @@ class EngineCore:
             # The draft reads the same blocks: one is released only when neither model's window reaches it.
             draft_window = self.draft_runner.kv_window
             window = None if window is None or draft_window is None else max(window, draft_window)
-        self.blocks = BlockManager(num_blocks, args.block_size, prefix_caching, window)
         if window is not None:
             logger.info("KV blocks wholly outside the %d-token sliding window are released as requests run",
                         window)
-        limits = SchedulerLimits(args.max_num_seqs, args.max_num_batched_tokens, max_model_len)
-        chunk = args.max_num_batched_tokens if args.enable_chunked_prefill else 0
-        self.scheduler = Scheduler(limits, self.blocks, chunk, self.state_pool, self._proposer())
-        self.requests: dict[str, Request] = {}
+        self._num_blocks, self._prefix_caching, self._window = num_blocks, prefix_caching, window
         self.vocab_size = int(hf_config.vocab_size)
         # Set by the backend when it can constrain outputs (runner.grammar.GrammarCompiler).
         self.grammar_compiler = None
-        self.num_steps = 0
-        # Speculative decoding: verify chunks run, tokens proposed, proposals accepted.
-        self.num_verify_chunks = self.num_proposed_tokens = self.num_accepted_tokens = 0
+        self._fresh_state()
         # CUDA: the engine loop schedules and launches step N+1 before reading step N's tokens back.
         # (Not under tensor parallelism: rank 0 broadcasts each step's finished inputs.)
         if args.async_scheduling == "on" and self.runner.tp_size > 1:
@@ -248,6 +242,54 @@ class EngineCore:
         compiled_step = self.runner.compiled_cpu_decode if args.cpu_compile else None
         if compiled_step is not None:
             self._compile_cpu_decode(compiled_step)
+        if self.device.type == "cuda" and self.runner.tp_size == 1:
+            self.warm_up()
+
+    def _fresh_state(self) -> None:
+        """The KV blocks, the scheduler (and its proposer), the request table and the counters, as new."""
+        args = self.args
+        self.blocks = BlockManager(self._num_blocks, args.block_size, self._prefix_caching, self._window)
+        if self.state_pool is not None:
+            self.state_pool = StatePool(self.state_pool.num_slots, self.state_pool.checkpoints)
+        limits = SchedulerLimits(args.max_num_seqs, args.max_num_batched_tokens, self.max_model_len)
+        chunk = args.max_num_batched_tokens if args.enable_chunked_prefill else 0
+        self.scheduler = Scheduler(limits, self.blocks, chunk, self.state_pool, self._proposer())
+        self.requests: dict[str, Request] = {}
+        self.num_steps = 0
+        # Speculative decoding: verify chunks run, tokens proposed, proposals accepted.
+        self.num_verify_chunks = self.num_proposed_tokens = self.num_accepted_tokens = 0
+        if self.runner.cuda_step is not None:
+            self.runner.cuda_step.flat_replays = 0
+
+    def warm_up(self) -> None:
+        """Run a few short requests through the engine, then start again from a fresh state: the shapes of a
+        first busy minute (prefill chunks longer and shorter than 16 tokens, a step mixing decode rows with new
+        prompts, greedy, temperature-only and top-p/top-k sampling with log-probabilities) compile their Triton
+        kernels here, at start-up, instead of stalling the first users' requests (on CUDA, on one rank, the engine
+        does this when it is built). Sampling requests are seeded: the engine's shared generator is untouched."""
+        started = time.perf_counter()
+        room = max(1, min(64, self.max_model_len - 8))
+        vocab = self.vocab_size
+        greedy = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+        plain = SamplingParams(max_tokens=4, temperature=0.6, seed=1, ignore_eos=True)
+        truncated = SamplingParams(max_tokens=4, temperature=0.8, top_p=0.9, top_k=20, seed=2, logprobs=1,
+                                   ignore_eos=True)
+
+        def prompt(length: int, salt: int) -> list[int]:
+            return [(7919 * (i + 1) + salt) % vocab for i in range(max(1, min(length, room)))]
+
+        waves = [[(prompt(40, 1), plain), (prompt(9, 2), greedy)], [(prompt(33, 3), truncated), (prompt(5, 4), plain)]]
+        try:
+            for number, wave in enumerate(waves):
+                for index, (tokens, params) in enumerate(wave):
+                    self.add_request(f"warm-up-{number}-{index}", tokens, params)
+                self.step()   # the first wave's prefill; then decode rows beside the second wave's prompts
+            while self.has_work():
+                self.step()
+        finally:
+            self.in_flight = None
+            self._fresh_state()
+        logger.info("warmed up in %.1f s", time.perf_counter() - started)
 
     def _draft_runner(self, draft: DraftModel | None, hf_config) -> ModelRunner | None:
         """The draft model's runner for ``method="draft_model"`` (None for other methods): on the target's device,
