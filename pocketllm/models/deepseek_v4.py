@@ -349,6 +349,26 @@ def write_rows(cache: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> 
     cache.view(-1, cache.shape[-1]).index_copy_(0, slots, rows.to(cache.dtype))
 
 
+def table_slots(tables: torch.Tensor, indices: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Flat cache slots [B, n] of rows ``indices`` [B, n] (non-negative) of each sequence, through its row of
+    ``tables`` [B, max_blocks]."""
+    return tables.gather(1, indices // block_size) * block_size + indices % block_size
+
+
+def entries_of_rows(cache: torch.Tensor, tables: torch.Tensor, counts: list[int],
+                    block_size: int) -> tuple[torch.Tensor, torch.Tensor] | tuple[None, None]:
+    """Each sequence's first ``counts[b]`` paged entries, padded to the most: rows [B, n, D] and which are real
+    (bool [B, n]); (None, None) when no sequence has one."""
+    most = max(counts)
+    if most == 0:
+        return None, None
+    device = tables.device
+    index = torch.arange(most, device=device)[None, :].expand(len(counts), -1)
+    real = index < torch.tensor(counts, device=device)[:, None]
+    rows = read_rows(cache, table_slots(tables, index, block_size).flatten())
+    return rows.view(len(counts), most, -1), real
+
+
 # ------------------------------------------------------------------------------------------------ compressors
 
 class WindowPool(nn.Module):
@@ -401,6 +421,41 @@ class WindowPool(nn.Module):
 
     def state_names(self) -> tuple[str, ...]:
         return ("open_kv", "open_gate") + (("overlap_kv", "overlap_gate") if self.overlap else ())
+
+    def pool_rows(self, hidden: torch.Tensor, positions: list[int], slots: list[int], tables: torch.Tensor,
+                  block_size: int, cache: torch.Tensor) -> None:
+        """``pool`` for a decode step: one new token per sequence (``hidden`` [B, H], host ``positions`` and state
+        ``slots``), each joining its sequence's open window; the windows they close are pooled and paged into
+        ``cache`` at their entry index, through the sequence's row of ``tables``."""
+        kv, gate = self.kv_proj(hidden).float(), self.gate_proj(hidden).float()
+        device = hidden.device
+        slot = torch.tensor(slots, device=device)
+        held = torch.tensor([p % self.rate for p in positions], device=device)
+        self.open_kv[slot, held] = kv
+        self.open_gate[slot, held] = gate
+        closing = [b for b, p in enumerate(positions) if p % self.rate == self.rate - 1]
+        if not closing:
+            return
+        rows = torch.tensor(closing, device=device)
+        windows = [positions[b] // self.rate for b in closing]
+        kv, gate = self.open_kv[slot[rows]], self.open_gate[slot[rows]] + self.position_bias   # [c, rate, width]
+        if self.overlap:
+            kv, gate = self._overlap_rows(kv, gate, slot[rows], windows)
+        weights = torch.softmax(gate, dim=1, dtype=torch.float32)
+        window = torch.tensor(windows, device=device)
+        entries = self.rotary(self.kv_norm((kv * weights).sum(dim=1)), window * self.rate)
+        write_rows(cache, table_slots(tables[rows], window[:, None], block_size).squeeze(1), entries)
+
+    def _overlap_rows(self, kv: torch.Tensor, gate: torch.Tensor, slots: torch.Tensor,
+                      windows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """``_with_overlap`` for one closing window per row (rows of different sequences)."""
+        dim = self.dim
+        first = torch.tensor([w == 0 for w in windows], device=kv.device)[:, None, None]
+        previous_kv = torch.where(first, 0.0, self.overlap_kv[slots])
+        previous_gate = torch.where(first, float("-inf"), self.overlap_gate[slots])
+        self.overlap_kv[slots] = kv[:, :, :dim]
+        self.overlap_gate[slots] = gate[:, :, :dim]
+        return (torch.cat((previous_kv, kv[..., dim:]), dim=1), torch.cat((previous_gate, gate[..., dim:]), dim=1))
 
     def _pool(self, kv: torch.Tensor, gate: torch.Tensor, slot: int, start: int) -> tuple[int, torch.Tensor]:
         """``pool`` of projected rows ``kv``, ``gate`` [t, width] (float32)."""
@@ -482,6 +537,23 @@ class Indexer(WindowPool):
         return chosen & visible
 
 
+    def select_rows(self, hidden: torch.Tensor, q_residual: torch.Tensor, positions: torch.Tensor,
+                    host_positions: list[int], slots: list[int], tables: torch.Tensor, block_size: int,
+                    counts: list[int], visible: torch.Tensor | None) -> torch.Tensor | None:
+        """``select`` for a decode step (one query per sequence): which of each sequence's ``counts`` entries
+        (``visible`` [B, n], None: none yet) its query keeps."""
+        self.pool_rows(hidden, host_positions, slots, tables, block_size, self.keys.k_cache)
+        if visible is None:
+            return None
+        keys, _ = entries_of_rows(self.keys.k_cache, tables, counts, block_size)
+        q = self.rotary(self.q_b_proj(q_residual).view(-1, self.heads, self.dim), positions).float()
+        scores = F.relu(torch.einsum("bhc,bnc->bhn", q, keys.float())) * self.dim ** -0.5
+        weights = self.scorer.weights_proj(hidden).float() * self.heads ** -0.5
+        scores = (scores * weights.unsqueeze(-1)).sum(dim=1).masked_fill(~visible, float("-inf"))
+        picked = scores.topk(min(self.topk, visible.shape[1]), dim=-1).indices
+        return torch.zeros_like(visible).scatter_(1, picked, True) & visible
+
+
 class Compressor(WindowPool):
     """The compressed branch of a CSA (``indexer`` set, overlapping windows) or HCA layer."""
 
@@ -507,6 +579,21 @@ class Compressor(WindowPool):
         if self.indexer is not None:
             visible = self.indexer.select(hidden, q_residual, positions, start, slot, table, block_size, visible,
                                           checkpoint)
+        return history, visible
+
+
+    def history_rows(self, hidden: torch.Tensor, q_residual: torch.Tensor, positions: torch.Tensor,
+                     host_positions: list[int], slots: list[int], tables: torch.Tensor, block_size: int,
+                     cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | tuple[None, None]:
+        """``history`` for a decode step (one new token per sequence, at host ``positions``): every sequence's
+        entries so far, padded ([B, n, D]), and which of them its query attends ([B, n]); (None, None) while no
+        sequence has closed a window."""
+        self.pool_rows(hidden, host_positions, slots, tables, block_size, cache)
+        counts = [(p + 1) // self.rate for p in host_positions]
+        history, visible = entries_of_rows(cache, tables, counts, block_size)
+        if self.indexer is not None:
+            visible = self.indexer.select_rows(hidden, q_residual, positions, host_positions, slots, tables,
+                                               block_size, counts, visible)
         return history, visible
 
 
@@ -543,6 +630,43 @@ class DeepseekV4Attention(nn.Module):
         kv = self.rotary.rotate(self.kv_norm(self.kv_proj(hidden)), cos, sin)
         # Every row has a slot: this model runs the reference step, never a CUDA graph's padding rows (slot -1).
         write_rows(self.attn.k_cache, meta.slot_mapping, kv)
+        if meta.is_decode_only and meta.state_checkpoints_host is None:
+            out = self._decode_rows(q, q_residual, hidden, positions, meta)
+        else:
+            out = self._sequences(q, q_residual, hidden, positions, meta)
+        out = self.rotary.rotate(out, cos, -sin)   # undo the values' rotation at the query's position
+        return self.o_b_proj(self.o_a_proj(out.reshape(tokens, -1)))
+
+    def _decode_rows(self, q: torch.Tensor, q_residual: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
+                     meta: AttentionMetadata) -> torch.Tensor:
+        """A decode step (one query per sequence, no verify chunk): every sequence at once, windows and
+        histories padded to the longest → [B, H, D]."""
+        host_positions = [length - 1 for length in meta.context_lens]
+        tables, block_size = meta.block_tables, meta.block_size
+        history = visible = None
+        if self.compressor is not None:
+            history, visible = self.compressor.history_rows(hidden, q_residual, positions, host_positions,
+                                                            meta.state_slots_host, tables, block_size,
+                                                            self.attn.v_cache)
+        offsets = torch.arange(1 - self.window, 1, device=q.device)
+        key_positions = positions[:, None] + offsets[None, :]                       # [B, window]
+        allowed = key_positions >= 0
+        slots = table_slots(tables, key_positions.clamp(min=0), block_size)
+        keys = read_rows(self.attn.k_cache, slots.flatten()).view(q.shape[0], self.window, -1).to(q.dtype)
+        if history is not None:
+            keys = torch.cat((keys, history.to(q.dtype)), dim=1)
+            allowed = torch.cat((allowed, visible), dim=1)
+        logits = torch.einsum("bhd,bkd->bhk", q, keys) * self.dim ** -0.5
+        logits = logits.masked_fill(~allowed[:, None, :], float("-inf"))
+        sinks = self.sinks.to(logits.dtype)[None, :, None].expand(q.shape[0], -1, 1)
+        logits = torch.cat((logits, sinks), dim=-1)
+        logits = logits - logits.max(dim=-1, keepdim=True).values
+        probs = torch.softmax(logits, dim=-1)[..., :-1]
+        return torch.einsum("bhk,bkd->bhd", probs.to(keys.dtype), keys)
+
+    def _sequences(self, q: torch.Tensor, q_residual: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
+                   meta: AttentionMetadata) -> torch.Tensor:
+        """Any step, one sequence's chunk at a time → [T, H, D]."""
         outputs = []
         for i in range(meta.num_seqs):
             begin, end = meta.query_start[i], meta.query_start[i + 1]
@@ -560,9 +684,7 @@ class DeepseekV4Attention(nn.Module):
                                                            else checkpoints[i])
             outputs.append(self._attend(q[begin:end], positions[begin:end], start, table, meta.block_size,
                                         history, visible))
-        out = torch.cat(outputs) if outputs else q.new_zeros(0, self.heads, self.dim)
-        out = self.rotary.rotate(out, cos, -sin)   # undo the values' rotation at the query's position
-        return self.o_b_proj(self.o_a_proj(out.reshape(tokens, -1)))
+        return torch.cat(outputs) if outputs else q.new_zeros(0, self.heads, self.dim)
 
     def _attend(self, q: torch.Tensor, positions: torch.Tensor, first: int, table: torch.Tensor, block_size: int,
                 history: torch.Tensor | None, visible: torch.Tensor | None) -> torch.Tensor:
