@@ -17,6 +17,7 @@ from pocketllm import LLM, AsyncLLM, EngineArgs, SamplingParams
 from pocketllm.config import SpeculativeConfig, parse_field
 from pocketllm.engine.block_manager import BlockManager
 from pocketllm.engine.ngram_proposer import NgramProposer
+from pocketllm.engine.proposer import Proposer
 from pocketllm.engine.request import Request
 from pocketllm.errors import InvalidRequestError, UnsupportedFeatureError
 from pocketllm.runner.sampler import Sampler
@@ -257,7 +258,7 @@ def test_default_model_structured_output_next_to_speculating_requests(smollm2_gg
 TINY_PROMPTS = [[7, 8, 9, 10, 7, 8, 9, 10, 7, 8], [300, 301, 302, 303, 304], [5, 6, 7, 8] * 6, [901, 17, 901, 17]]
 
 
-class OracleProposer:
+class OracleProposer(Proposer):
     """Proposes each request's known continuation (from a run without speculation), with the second proposal of
     every third step made wrong: random tiny models never repeat themselves, so prompt lookup alone would
     never have a proposal accepted there. Proposals are any tokens to the acceptance rule, which this exercises

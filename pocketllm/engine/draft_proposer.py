@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from pocketllm.engine.proposer import Proposer
 from pocketllm.engine.request import Request
 from pocketllm.runner.model_runner import ModelRunner
 from pocketllm.runner.sampler import SamplingRow
@@ -74,7 +75,7 @@ class DraftSequence:
         return len(self.request.prompt_token_ids) + len(self.output_token_ids)
 
 
-class DraftProposer:
+class DraftProposer(Proposer):
     """Proposes up to ``k`` tokens per verify chunk with the draft model's ``runner``. The scheduler reserves a
     verify chunk's slots through ``propose`` (placeholder tokens); ``fill`` then runs the draft and puts the
     proposals in."""

@@ -481,7 +481,7 @@ class EngineCore:
         if not chunks:
             return None
         proposer = self.scheduler.proposer
-        if isinstance(proposer, (DraftProposer, MtpProposer)):
+        if proposer is not None:
             chunks = proposer.fill(chunks)
         if self.longest_first:
             chunks.sort(key=_one_token_rows_longest_first)
@@ -492,7 +492,7 @@ class EngineCore:
             verified, sampled = self.runner.verify(chunks, logits, self.speculative.forced_acceptance), None
         else:
             sampled = self.runner.sample_async(chunks, logits)
-        if isinstance(proposer, MtpProposer):
+        if proposer is not None and proposer.reads_emitted_tokens:
             # The MTP head runs the step's kept positions with the tokens after them: read the tokens back now.
             if verified is None:
                 verified, sampled = [[token] for token in (sampled.to_host() if sampled is not None else ())], None

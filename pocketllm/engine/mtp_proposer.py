@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pocketllm.engine.proposer import Proposer
 from pocketllm.engine.request import Request
 from pocketllm.runner.model_runner import ModelRunner
 from pocketllm.runner.sampler import SamplingRow
@@ -74,11 +75,12 @@ def head_batch(rows: list[HeadRows], block_size: int) -> HostBatch:
                      [-1] * len(rows))
 
 
-class MtpProposer:
+class MtpProposer(Proposer):
     """Proposes up to ``k`` tokens per verify chunk with the target runner's MTP head. The scheduler reserves a
     verify chunk's slots through ``propose`` (placeholder tokens); ``fill`` puts the proposals in."""
 
     PLACEHOLDER = 0
+    reads_emitted_tokens = True
 
     def __init__(self, runner: ModelRunner, k: int) -> None:
         if runner.mtp_head is None:

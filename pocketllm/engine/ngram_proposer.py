@@ -6,8 +6,10 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from pocketllm.engine.proposer import Proposer
 
-class NgramProposer:
+
+class NgramProposer(Proposer):
     """Matches the last ``max_n``..``min_n`` tokens (longest first) against the earlier context and proposes up to
     ``k`` tokens that followed the most recent earlier occurrence."""
 
