@@ -8,6 +8,7 @@ import asyncio
 import dataclasses
 import json
 import math
+import random
 import threading
 
 import pytest
@@ -79,17 +80,60 @@ def test_mtp_without_a_head_and_async_scheduling_are_refused(tiny_checkpoint):
 # proposer and rollback
 
 
+def _scanned(tokens: list[int], min_n: int, max_n: int, limit: int) -> list[int]:
+    """Prompt lookup by a scan of the whole context (the definition the incremental index must meet): the tokens
+    after the most recent earlier occurrence of the longest recurring suffix of ``min_n``..``max_n`` tokens."""
+    length = len(tokens)
+    if limit < 1 or length < min_n + 1:
+        return []
+    for n in range(min(max_n, length - 1), min_n - 1, -1):
+        starts = [s for s in range(length - n) if tokens[s:s + n] == tokens[length - n:]]
+        if starts:
+            return tokens[starts[-1] + n:starts[-1] + n + limit]
+    return []
+
+
+def _lookup_request(tokens: list[int], prompt: int | None = None) -> Request:
+    prompt = len(tokens) if prompt is None else prompt
+    request = Request("r", tokens[:prompt], SamplingParams(max_tokens=8), frozenset())
+    request.output_token_ids = tokens[prompt:]
+    return request
+
+
 def test_ngram_proposer_takes_the_longest_most_recent_match():
     proposer = NgramProposer(min_n=1, max_n=3, k=3)
     #            0  1  2  3  4  5  6  7  8  9 10
     tokens = [5, 6, 7, 8, 9, 1, 6, 7, 2, 5, 6, 7]
     # "5 6 7" occurs at 0 (followed by 8 9 1); "6 7" alone also at 6 (followed by 2): the longer n-gram wins.
-    assert proposer.propose(tokens, 10) == [8, 9, 1]
-    assert proposer.propose(tokens, 2) == [8, 9]
-    assert proposer.propose([1, 2, 3, 4], 5) == []
+    assert proposer.propose(_lookup_request(tokens), 10) == [8, 9, 1]
+    assert proposer.propose(_lookup_request(tokens, 5), 2) == [8, 9]
+    assert proposer.propose(_lookup_request([1, 2, 3, 4]), 5) == []
     # The most recent earlier occurrence of "3" (index 4) is followed by 9.
-    assert NgramProposer(1, 1, 2).propose([3, 1, 2, 0, 3, 9, 3], 5) == [9, 3]
-    assert proposer.propose(tokens, 0) == []
+    assert NgramProposer(1, 1, 2).propose(_lookup_request([3, 1, 2, 0, 3, 9, 3]), 5) == [9, 3]
+    assert proposer.propose(_lookup_request(tokens), 0) == []
+
+
+@pytest.mark.parametrize("min_n,max_n", [(1, 4), (2, 3), (3, 3)])
+def test_ngram_index_follows_appended_tokens_as_a_full_scan_does(min_n, max_n):
+    """The request's n-gram index, brought up to date as tokens arrive one or several at a time (a prompt, then
+    decode steps and verify steps), proposes what a scan of the whole context does after every append; a request
+    whose tokens were cut back is indexed again."""
+    generator = random.Random(min_n * 10 + max_n)
+    proposer = NgramProposer(min_n, max_n, k=5)
+    for _ in range(20):
+        alphabet = generator.randint(2, 6)
+        prompt = [generator.randrange(alphabet) for _ in range(generator.randint(1, 12))]
+        request = _lookup_request(prompt)
+        proposals = 0
+        while request.num_tokens < 80:
+            limit = generator.randint(0, 6)
+            expected = _scanned(request.all_token_ids, min_n, max_n, min(5, limit))
+            assert proposer.propose(request, limit) == expected
+            proposals += bool(expected)
+            request.output_token_ids.extend(generator.randrange(alphabet) for _ in range(generator.randint(1, 4)))
+        assert proposals > 0
+        del request.output_token_ids[10:]
+        assert proposer.propose(request, 5) == _scanned(request.all_token_ids, min_n, max_n, 5)
 
 
 def _request(tokens: int) -> Request:
@@ -269,8 +313,9 @@ class OracleProposer(Proposer):
         self.k = k
         self.calls = 0
 
-    def propose(self, tokens: list[int], limit: int) -> list[int]:
+    def propose(self, request: Request, limit: int) -> list[int]:
         self.calls += 1
+        tokens = request.all_token_ids
         for prompt, expected in self.continuations.items():
             if tuple(tokens[:len(prompt)]) == prompt:
                 done = len(tokens) - len(prompt)

@@ -87,7 +87,7 @@ class DraftProposer(Proposer):
         self.k = k
         self._sequences: dict[str, DraftSequence] = {}
 
-    def propose(self, tokens: list[int], limit: int) -> list[int]:
+    def propose(self, request: Request, limit: int) -> list[int]:
         """Placeholders for ``min(k, limit)`` proposals: the scheduler allocates their slots and budget, and
         ``fill`` replaces them (a draft model proposes as many tokens as it is asked for)."""
         return [self.PLACEHOLDER] * max(0, min(self.k, limit))

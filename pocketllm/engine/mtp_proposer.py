@@ -90,7 +90,7 @@ class MtpProposer(Proposer):
         self.k = k
         self._states: dict[str, HeadState] = {}
 
-    def propose(self, tokens: list[int], limit: int) -> list[int]:
+    def propose(self, request: Request, limit: int) -> list[int]:
         """Placeholders for ``min(k, limit)`` proposals (``fill`` replaces them)."""
         return [self.PLACEHOLDER] * max(0, min(self.k, limit))
 

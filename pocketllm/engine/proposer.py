@@ -3,8 +3,7 @@ a step: when the scheduler builds a verify chunk, before the forward pass, and o
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
+from pocketllm.engine.request import Request
 from pocketllm.step.sampled import SampledToken
 from pocketllm.step.scheduled_chunk import ScheduledChunk
 
@@ -17,8 +16,8 @@ class Proposer:
     # head runs the step's kept positions with the tokens after them).
     reads_emitted_tokens = False
 
-    def propose(self, tokens: Sequence[int], limit: int) -> list[int]:
-        """Up to ``limit`` proposed tokens following ``tokens`` (empty: the request decodes one token)."""
+    def propose(self, request: Request, limit: int) -> list[int]:
+        """Up to ``limit`` proposed tokens following the request's tokens (empty: it decodes one token)."""
         return []
 
     def fill(self, chunks: list[ScheduledChunk]) -> list[ScheduledChunk]:

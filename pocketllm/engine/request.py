@@ -52,6 +52,8 @@ class Request:
     # A draft model (engine/draft_proposer.py): tokens before ``num_computed_tokens`` whose KV the draft still
     # lacks (1 after a verify step that kept every proposal: the draft never ran the last one).
     draft_lag: int = 0
+    # The speculative proposer's own state for this request (prompt lookup: its n-gram index), dropped with it.
+    proposer_state: Any = None
     block_table: list[int] = field(default_factory=list)
     # Leading block-table entries released because every layer's window has passed them (they read 0).
     num_released_blocks: int = 0

@@ -168,7 +168,7 @@ class Scheduler:
         room = min(room, self.limits.max_model_len - request.num_tokens - 1)
         if request.speculative_window is not None:
             room = min(room, request.speculative_window)
-        draft = self.proposer.propose(request.all_token_ids, room) if room > 0 else []
+        draft = self.proposer.propose(request, room) if room > 0 else []
         if not draft or not self.blocks.can_allocate(request, 1 + len(draft)):
             return None
         self.blocks.allocate(request, 1 + len(draft))
