@@ -9,6 +9,7 @@ last, finish)``, ``("err", id, error)``, ``("ack", id, error)``, ``("reply", cal
 
 from __future__ import annotations
 
+import gc
 import logging
 import pickle
 import signal
@@ -169,6 +170,15 @@ def ready_info(backend: Any) -> dict[str, Any]:
             "model_info": backend.model_info()}
 
 
+def freeze_startup_heap() -> None:
+    """For a process that serves until it exits, once it has loaded: collect, then move every object alive now
+    out of the garbage collector's view (``gc.freeze``). Each full collection would otherwise walk the hundreds of
+    thousands of objects the imports and the model's set-up left (measured: about 290 ms a collection in the API
+    process, a pause of every stream); only what serving allocates is walked from then on."""
+    gc.collect()
+    gc.freeze()
+
+
 def run_engine(conn: Any, args: EngineArgs, log_level: int) -> None:
     """The engine process's entry point: build the backend, then serve the client until it says stop or its
     end of the pipe closes (the client's process exited)."""
@@ -183,6 +193,7 @@ def run_engine(conn: Any, args: EngineArgs, log_level: int) -> None:
     outbox = Outbox(conn)
     outbox.loop = backend.loop
     backend.loop.after_outputs = outbox.flush
+    freeze_startup_heap()
     try:
         conn.send([("ready", ready_info(backend))])
         running = True

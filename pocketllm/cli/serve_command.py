@@ -88,6 +88,7 @@ def serve_command(args: argparse.Namespace) -> int:
         _access_log()
     import uvicorn
 
+    from pocketllm.backends.engine_proc import freeze_startup_heap
     from pocketllm.server.app import ServerConfig, ServerState, build_app
     from pocketllm.server.exposure import ExposurePolicy
     from pocketllm.server.guards import DEFAULT_MAX_REQUEST_BYTES
@@ -99,6 +100,7 @@ def serve_command(args: argparse.Namespace) -> int:
         if state.draining:
             return
         if state.load_error is None:
+            freeze_startup_heap()
             say(f"ready: {name} (load {state.load_seconds:.1f} s)")
         else:   # a server without its model is of no use: stop it
             say(f"pocketllm: error: the model failed to load: {state.load_error}")
