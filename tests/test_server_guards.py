@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import threading
 from types import SimpleNamespace
 
@@ -16,7 +17,7 @@ from pocketllm.errors import InvalidRequestError
 from pocketllm.request_builder import EngineRequest
 from pocketllm.server.app import ServerConfig, build_app
 from pocketllm.server.exposure import ExposurePolicy
-from pocketllm.server.serving import OpenAIServing
+from pocketllm.server.serving import OpenAIServing, sse
 
 BASE = "http://127.0.0.1:8000"
 
@@ -253,3 +254,14 @@ def test_an_app_that_fails_or_returns_before_answering_is_a_500_in_the_openai_sh
     error = _error(_run(main()), 500)
     assert error["type"] == "server_error"
     assert ("RuntimeError" if failure == "raises" else "no answer") in error["message"]
+
+
+def test_sse_events_are_utf8_with_lone_surrogates_escaped():
+    assert sse("[DONE]") == b"data: [DONE]\n\n"
+    event = sse({"delta": {"content": "café 日本"}})
+    assert event.startswith(b"data: ") and event.endswith(b"\n\n")
+    assert json.loads(event[6:]) == {"delta": {"content": "café 日本"}}
+    assert "café 日本".encode() in event                     # written as UTF-8, not escaped
+    lone = sse({"delta": {"content": "a\ud800b"}})
+    lone.decode("utf-8")                                        # valid UTF-8 all the same
+    assert b"\\ud800" in lone and json.loads(lone[6:])["delta"]["content"] == "a\ud800b"

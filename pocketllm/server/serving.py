@@ -73,16 +73,20 @@ class Job:
     aborted: str | None = None
 
 
-def sse(payload: dict | str) -> str:
-    """One server-sent event; always valid UTF-8 (a lone surrogate in a payload is written escaped)."""
+# Built once: json.dumps with a non-default option builds an encoder on every call (a streamed token's chunk).
+_JSON_UTF8 = json.JSONEncoder(ensure_ascii=False)
+_JSON_ASCII = json.JSONEncoder(ensure_ascii=True)
+
+
+def sse(payload: dict | str) -> bytes:
+    """One server-sent event, encoded; always valid UTF-8 (a lone surrogate in a payload is written escaped)."""
     if isinstance(payload, str):
-        return f"data: {payload}\n\n"
-    data = json.dumps(payload, ensure_ascii=False)
+        return b"data: " + payload.encode() + b"\n\n"
     try:
-        data.encode("utf-8")
+        data = _JSON_UTF8.encode(payload).encode("utf-8")
     except UnicodeEncodeError:
-        data = json.dumps(payload, ensure_ascii=True)
-    return f"data: {data}\n\n"
+        data = _JSON_ASCII.encode(payload).encode("ascii")
+    return b"data: " + data + b"\n\n"
 
 
 async def _arrived(ready: list) -> AsyncIterator[list]:
@@ -335,13 +339,13 @@ class OpenAIServing:
         """Validate and register a streaming request before the response starts (so errors are a 400)."""
         return await self._job(parsed, prefix)
 
-    async def stream(self, job: Job) -> AsyncIterator[str]:
+    async def stream(self, job: Job) -> AsyncIterator[bytes]:
         """SSE chunks of every choice, interleaved as tokens arrive, then ``[DONE]``; the chunks that are ready
         together go out in one write."""
         batches = self.stream_batches(job)
         try:
             async for batch in batches:
-                yield "".join(sse(chunk) for chunk in batch)
+                yield b"".join(sse(chunk) for chunk in batch)
         finally:
             await batches.aclose()
 
