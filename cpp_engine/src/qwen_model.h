@@ -1,5 +1,6 @@
 // A Qwen3 or Qwen3.5 (dense or MoE) decoder on CPU in float32: weights loaded from safetensors, one forward over a
-// flat batch of token chunks whose keys and values live in a paged KV cache. Qwen3.5's Gated DeltaNet layers
+// flat batch of token chunks whose keys and values live in a paged KV cache. Llama (model_type "llama", read
+// from GGUF: gguf_checkpoint.h) is the same decoder without the per-head q/k norms. Qwen3.5's Gated DeltaNet layers
 // (gated_delta.h) keep a conv and a recurrent state per sequence in numbered state slots instead.
 #pragma once
 
@@ -12,6 +13,7 @@
 
 #include "gated_delta.h"
 #include "paged_attention.h"
+#include "safetensors.h"
 
 namespace pocket {
 
@@ -54,7 +56,8 @@ struct Chunk {
 
 class QwenModel {
  public:
-  QwenModel(const std::string& directory, const QwenConfig& config);
+  QwenModel(const std::string& directory, const QwenConfig& config);   // its safetensors files
+  QwenModel(TensorMap weights, const QwenConfig& config);              // HF-named float32 tensors
 
   const QwenConfig& config() const { return config_; }
   int64_t num_parameters() const { return num_parameters_; }
