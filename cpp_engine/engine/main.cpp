@@ -154,6 +154,7 @@ class Server {
 
   void load() {
     try {
+      checkpoint_config(model_);   // refuses an unsupported model before anything else is read
       TextSide text = open_text_side(model_);
       Defaults defaults = read_generation_config();
       auto engine = std::make_unique<QwenEngine>(model_, options_);
