@@ -237,3 +237,22 @@ def test_preemption_when_blocks_run_out_keeps_results_exact(native, qwen3, hf_re
     assert [[t for t, _, _ in events[f"p{i}"]] for i in range(3)] == expected
     with pytest.raises(ValueError, match="context"):
         core.add("long", list(range(1, 49)), _sampling(native, 2))
+
+
+def test_llama_gguf_matches_the_python_engine_in_float32(native, smollm2_gguf):
+    """A .gguf checkpoint (the default model, Q4_1 layers and a Q8_0 embedding dequantised to float32 at load,
+    llama.cpp's q/k row permutation undone): its config and EOS come from the metadata, and its greedy tokens
+    equal the Python engine's with float32 weights."""
+    from pocketllm import LLM, EngineArgs, SamplingParams
+
+    options = native.QwenEngineOptions()
+    options.kv_cache_mb = 16.0
+    engine = native.QwenEngine(smollm2_gguf, options)
+    assert engine.architecture == "LlamaForCausalLM"
+    assert (engine.eos_id, engine.eos_source) == (2, "config")
+    with LLM(EngineArgs(model=smollm2_gguf, cpu_weight_format="float32")) as reference:
+        prompts = [reference.tokenizer.encode(text, add_special_tokens=False)
+                   for text in ("Once upon a time", "def fibonacci(n):")]
+        params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+        expected = [reference.generate([prompt], params)[0].token_ids for prompt in prompts]
+    assert [engine.generate(prompt, 16) for prompt in prompts] == expected
