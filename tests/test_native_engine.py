@@ -256,3 +256,35 @@ def test_llama_gguf_matches_the_python_engine_in_float32(native, smollm2_gguf):
         params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
         expected = [reference.generate([prompt], params)[0].token_ids for prompt in prompts]
     assert [engine.generate(prompt, 16) for prompt in prompts] == expected
+
+
+# Every GGML type the native engine dequantises, on the permuted q/k rows as well as elsewhere.
+NATIVE_GGUF_TYPES = {
+    "token_embd.weight": "Q8_0", "output.weight": "Q4_1",
+    "blk.0.attn_q.weight": "Q4_1", "blk.0.attn_k.weight": "Q4_0", "blk.0.attn_v.weight": "Q8_0",
+    "blk.0.attn_output.weight": "F16", "blk.0.ffn_gate.weight": "BF16", "blk.0.ffn_up.weight": "Q4_1",
+    "blk.0.ffn_down.weight": "F32",
+    "blk.1.attn_q.weight": "F16", "blk.1.attn_k.weight": "Q8_0", "blk.1.attn_v.weight": "Q4_1",
+    "blk.1.attn_output.weight": "Q4_0", "blk.1.ffn_gate.weight": "Q4_1", "blk.1.ffn_up.weight": "BF16",
+    "blk.1.ffn_down.weight": "Q8_0",
+}
+
+
+def test_llama_gguf_of_every_read_type_matches_transformers(native, tmp_path, hf_reference):
+    """A tiny random llama GGUF whose matrices are F32, F16, BF16, Q8_0, Q4_0 and Q4_1 (q and k permuted the
+    llama.cpp way): greedy tokens equal transformers' float32 model of the same file."""
+    from gguf import GGMLQuantizationType
+    from test_loaders import QUANT_CONFIG, quant_tensors, write_gguf
+
+    tensors = {name: (array, GGMLQuantizationType[NATIVE_GGUF_TYPES.get(name, "F32")])
+               for name, (array, _) in quant_tensors(QUANT_CONFIG, "llama").items()}
+    path = str(tmp_path / "tiny-llama.gguf")
+    write_gguf(path, "llama", QUANT_CONFIG, tensors)
+    options = native.QwenEngineOptions()
+    options.kv_cache_mb = 16.0
+    engine = native.QwenEngine(path, options)
+    assert engine.architecture == "LlamaForCausalLM" and engine.vocab_size == QUANT_CONFIG["vocab_size"]
+    prompts = [[5, 17, 301, 42, 9, 77, 100, 23], [88, 12, 3]]
+    expected = hf_reference.greedy(path, prompts, 10)
+    assert [engine.generate(prompt, 10) for prompt in prompts] == expected
+    assert len(set(map(tuple, expected))) == len(prompts)
