@@ -16,8 +16,8 @@
 
 namespace pocket {
 
-// One metadata value: a scalar (integers of any width as int64, or uint64 past its range), a string, or an
-// array of values of one type.
+// One metadata value: a scalar (an integer of any width in `integer`, a uint64 cast; every number also in
+// `number`), a string, or an array of values of one type.
 struct GgufValue {
   enum class Kind { Int, Float, Bool, String, Array };
   Kind kind = Kind::Int;
@@ -28,10 +28,10 @@ struct GgufValue {
   std::vector<GgufValue> items;
 };
 
-// The GGML tensor types this reader knows the block size of (the ones gguf_dequant.h converts and a few more,
-// named in refusals).
-enum class GgmlType : uint32_t { F32 = 0, F16 = 1, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, BF16 = 30 };
-std::string ggml_type_name(uint32_t type);
+// The GGML tensor types gguf_dequant.h converts (gguf.cpp knows the block sizes and names of more, the k-quants
+// among them, so that a refusal names the type).
+enum class GgmlType : uint32_t { F32 = 0, F16 = 1, Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, BF16 = 30 };
+std::string ggml_type_name(uint32_t type);   // "Q4_K", or "type N" for an id it does not know
 
 struct GgufTensor {
   std::string name;

@@ -24,7 +24,8 @@ struct QwenConfig {
   int64_t num_heads = 0, num_kv_heads = 0, head_dim = 0, max_position_embeddings = 0;
   double rms_norm_eps = 1e-6, rope_theta = 10000.0;
   bool tie_word_embeddings = false, attention_bias = false;
-  std::vector<int64_t> eos_token_ids;   // config.json's (generation_config.json's are read by the engine)
+  std::vector<int64_t> eos_token_ids;   // config.json's, or a GGUF's eos/eot/eom ids (generation_config.json's
+                                        // are read by the engine)
   // Qwen3-MoE: routed experts in the layers that are not dense (mlp_only_layers, decoder_sparse_step).
   int64_t num_experts = 0, experts_per_token = 0, moe_intermediate_size = 0, decoder_sparse_step = 1;
   bool norm_topk_prob = true;
