@@ -429,7 +429,7 @@ def test_gguf_greedy_tokens_match_the_python_engine_in_float32(engine_exe, smoll
 
 
 def test_gguf_of_another_architecture_is_refused_by_name(pipe_process, tmp_path):
-    """A GGUF whose general.architecture is not llama fails to load with the architecture named."""
+    """A GGUF of an architecture the native engine does not run fails to load with the architecture named."""
     import gguf
     import numpy as np
 

@@ -258,7 +258,7 @@ def test_llama_gguf_matches_the_python_engine_in_float32(native, smollm2_gguf):
     assert [engine.generate(prompt, 16) for prompt in prompts] == expected
 
 
-# Every GGML type the native engine dequantises, on the permuted q/k rows as well as elsewhere.
+# Every GGML type the native engine dequantises, on the (llama: permuted) q/k rows as well as elsewhere.
 NATIVE_GGUF_TYPES = {
     "token_embd.weight": "Q8_0", "output.weight": "Q4_1",
     "blk.0.attn_q.weight": "Q4_1", "blk.0.attn_k.weight": "Q4_0", "blk.0.attn_v.weight": "Q8_0",
@@ -270,20 +270,24 @@ NATIVE_GGUF_TYPES = {
 }
 
 
-def test_llama_gguf_of_every_read_type_matches_transformers(native, tmp_path, hf_reference):
-    """A tiny random llama GGUF whose matrices are F32, F16, BF16, Q8_0, Q4_0 and Q4_1 (q and k permuted the
-    llama.cpp way): greedy tokens equal transformers' float32 model of the same file."""
+@pytest.mark.parametrize("arch, hf_class", [("llama", "LlamaForCausalLM"), ("qwen2", "Qwen2ForCausalLM"),
+                                            ("qwen3", "Qwen3ForCausalLM")])
+def test_gguf_of_every_read_type_matches_transformers(native, tmp_path, hf_reference, arch, hf_class):
+    """A tiny random GGUF whose matrices are F32, F16, BF16, Q8_0, Q4_0 and Q4_1 (llama: q and k permuted the
+    llama.cpp way; qwen2: q/k/v biases; qwen3: per-head q/k norms): greedy tokens equal transformers' float32
+    model of the same file."""
     from gguf import GGMLQuantizationType
-    from test_loaders import QUANT_CONFIG, quant_tensors, write_gguf
+    from test_loaders import ARCH_CONFIGS, quant_tensors, write_gguf
 
+    config = ARCH_CONFIGS[arch]
     tensors = {name: (array, GGMLQuantizationType[NATIVE_GGUF_TYPES.get(name, "F32")])
-               for name, (array, _) in quant_tensors(QUANT_CONFIG, "llama").items()}
-    path = str(tmp_path / "tiny-llama.gguf")
-    write_gguf(path, "llama", QUANT_CONFIG, tensors)
+               for name, (array, _) in quant_tensors(config, arch).items()}
+    path = str(tmp_path / f"tiny-{arch}.gguf")
+    write_gguf(path, arch, config, tensors)
     options = native.QwenEngineOptions()
     options.kv_cache_mb = 16.0
     engine = native.QwenEngine(path, options)
-    assert engine.architecture == "LlamaForCausalLM" and engine.vocab_size == QUANT_CONFIG["vocab_size"]
+    assert engine.architecture == hf_class and engine.vocab_size == config["vocab_size"]
     prompts = [[5, 17, 301, 42, 9, 77, 100, 23], [88, 12, 3]]
     expected = hf_reference.greedy(path, prompts, 10)
     assert [engine.generate(prompt, 10) for prompt in prompts] == expected

@@ -808,7 +808,7 @@ const char* kUsage =
     "usage: pocketllm_engine --model DIR|FILE.gguf [--ctx N] [--max-seqs N] [--kv-cache-mb MB] [--threads N]\n"
     "                        [--verbose]\n"
     "Serves the harness's JSONL protocol (see pocketllm/harness/PROTOCOL.md) on stdin/stdout with a Qwen3,\n"
-    "Qwen3-MoE or Qwen3.5 safetensors checkpoint, or a Llama-architecture GGUF file, on CPU.\n";
+    "Qwen3-MoE or Qwen3.5 safetensors checkpoint, or a llama, qwen2 or qwen3 GGUF file, on CPU.\n";
 
 // The test modes' input: `serve` for each stdin line (without its newline, the last one even if unterminated)
 // until end of input; returns the exit status.

@@ -1,7 +1,8 @@
 // GGUF checkpoints (gguf_checkpoint.h). Names follow llama.cpp's converter: token_embd, output_norm, output
 // (absent when tied to the embeddings) and per layer blk.N.{attn_norm, attn_q, attn_k, attn_v, attn_output,
-// ffn_norm, ffn_gate, ffn_up, ffn_down}. The converter stores the llama architecture's q/k rows per head as
-// interleaved pairs (for rotating adjacent channels); this engine rotates halves, so the rows are put back.
+// ffn_norm, ffn_gate, ffn_up, ffn_down}, Qwen3's attn_q_norm and attn_k_norm, Qwen2's q/k/v biases. The converter
+// stores the llama architecture's q/k rows per head as interleaved pairs (for rotating adjacent channels); this
+// engine rotates halves, so the rows are put back. qwen2 and qwen3 are stored unpermuted.
 #include "gguf_checkpoint.h"
 
 #include <map>
@@ -11,6 +12,19 @@
 
 namespace pocket {
 namespace {
+
+// GGUF general.architecture -> the model this engine runs.
+struct Architecture {
+  const char* model_type;
+  const char* hf_class;
+  bool permuted_qk;   // llama.cpp's converter interleaved the q/k rows
+  bool qk_norm;       // per-head RMSNorm of q and k (Qwen3)
+};
+const std::map<std::string, Architecture> kArchitectures = {
+    {"llama", {"llama", "LlamaForCausalLM", true, false}},
+    {"qwen2", {"qwen2", "Qwen2ForCausalLM", false, false}},
+    {"qwen3", {"qwen3", "Qwen3ForCausalLM", false, true}},
+};
 
 const std::map<std::string, std::string> kGlobalNames = {
     {"token_embd.weight", "model.embed_tokens.weight"},
@@ -22,7 +36,8 @@ const std::map<std::string, std::string> kLayerNames = {
     {"attn_q", "self_attn.q_proj"},     {"attn_k", "self_attn.k_proj"},
     {"attn_v", "self_attn.v_proj"},     {"attn_output", "self_attn.o_proj"},
     {"ffn_gate", "mlp.gate_proj"},      {"ffn_up", "mlp.up_proj"},
-    {"ffn_down", "mlp.down_proj"},
+    {"ffn_down", "mlp.down_proj"},      {"attn_q_norm", "self_attn.q_norm"},
+    {"attn_k_norm", "self_attn.k_norm"},
 };
 
 // A per-model integer GGUF may also store per layer (then every layer must agree).
@@ -68,9 +83,10 @@ at::Tensor unpermute_rope_rows(const at::Tensor& w, int64_t heads) {
 
 QwenConfig read_gguf_config(const GgufFile& file) {
   const std::string arch = file.string_or("general.architecture", "");
-  if (arch != "llama")
-    throw std::invalid_argument("the native engine runs GGUF files of the llama architecture; this one is '" +
-                                arch + "'");
+  auto known = kArchitectures.find(arch);
+  if (known == kArchitectures.end())
+    throw std::invalid_argument("the native engine runs GGUF files of the llama, qwen2 and qwen3 architectures; "
+                                "this one is '" + arch + "'");
   const GgufTensor* embed = file.tensor("token_embd.weight");
   if (!embed || embed->shape.size() != 2) throw std::invalid_argument("GGUF file has no token_embd.weight matrix");
   if (file.tensor("rope_freqs.weight") || file.find(arch + ".rope.scaling.type") ||
@@ -79,8 +95,9 @@ QwenConfig read_gguf_config(const GgufFile& file) {
     if (kind != "none") throw std::invalid_argument("rope scaling (" + kind + ") is not implemented by the native engine");
   }
   QwenConfig c;
-  c.architecture = "LlamaForCausalLM";
-  c.model_type = "llama";
+  c.architecture = known->second.hf_class;
+  c.model_type = known->second.model_type;
+  c.qk_norm = known->second.qk_norm;
   c.vocab_size = embed->shape[0];
   c.hidden_size = file.integer(arch + ".embedding_length");
   c.intermediate_size = uniform(file, arch + ".feed_forward_length", -1);
@@ -120,8 +137,9 @@ TensorMap load_gguf_weights(const GgufFile& file, const QwenConfig& config) {
       throw std::invalid_argument("GGUF tensor " + t.name + " has no name the native engine knows");
     }
     at::Tensor w = dequantize(t);
-    if (part == "attn_q") w = unpermute_rope_rows(w, config.num_heads);
-    else if (part == "attn_k") w = unpermute_rope_rows(w, config.num_kv_heads);
+    const bool permuted = kArchitectures.at(config.model_type).permuted_qk;   // model_type == the GGUF name
+    if (permuted && part == "attn_q") w = unpermute_rope_rows(w, config.num_heads);
+    else if (permuted && part == "attn_k") w = unpermute_rope_rows(w, config.num_kv_heads);
     out[name] = w;
   }
   return out;

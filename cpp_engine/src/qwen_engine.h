@@ -45,7 +45,7 @@ struct Sequence {
 
 class QwenEngine {
  public:
-  // `checkpoint`: a safetensors checkpoint directory, or a Llama-architecture .gguf file.
+  // `checkpoint`: a safetensors checkpoint directory, or a .gguf file (llama, qwen2 or qwen3 architecture).
   QwenEngine(const std::string& checkpoint, const QwenEngineOptions& options);
 
   const QwenConfig& config() const { return model_.config(); }

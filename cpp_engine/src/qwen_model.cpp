@@ -235,7 +235,7 @@ QwenModel::QwenModel(TensorMap w, const QwenConfig& config) : config_(config) {
         l.qkv_bias = at::cat({take(w, p + "self_attn.q_proj.bias"), take(w, p + "self_attn.k_proj.bias"),
                               take(w, p + "self_attn.v_proj.bias")}, 0);
       l.o_proj = take(w, p + "self_attn.o_proj.weight");
-      if (config_.model_type != "llama") {   // Llama has no per-head q/k norms
+      if (config_.qk_norm) {
         l.q_norm = offset(take(w, p + "self_attn.q_norm.weight"));
         l.k_norm = offset(take(w, p + "self_attn.k_norm.weight"));
       }
