@@ -1,10 +1,10 @@
 """``pocketllm_engine``, the native executable that serves the harness protocol without Python: its tokenizer
-against the ``tokenizers`` library, and the protocol tests of ``pocketllm pipe`` (tests/test_harness_pipe.py)
-run against it with a tiny random Qwen3 checkpoint.
+against the ``tokenizers`` library and transformers, and the protocol tests of ``pocketllm pipe``
+(tests/test_harness_pipe.py) run against it with the default model, SmolLM2-135M-Instruct's Q4_1 GGUF, as the
+pipe is tested (the executable dequantises it to float32 at load).
 
-The pipe tests that assert what the default model answers (SmolLM2's "The capital of France is Paris.", a
-``.gguf`` model path, the ``gguf`` route) cannot hold for a random checkpoint: they are marked as failing here,
-strictly, and each has a counterpart below asserting the same protocol behaviour without the model's words."""
+The ``test_engine_*`` tests assert the same protocol behaviour with a tiny random Qwen3 safetensors checkpoint,
+without the model's words."""
 
 from __future__ import annotations
 
@@ -23,17 +23,6 @@ from harness_utils import FRANCE, FUZZ_LINES, USAGE_KEYS, PipeProcess, checkpoin
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-_MODEL_WORDS = "asserts the default model's own words or its GGUF route; the tiny random Qwen3 cannot say them"
-_NOT_PASSED = {
-    "test_health_says_loading_then_ready": "asserts a .gguf model path (the executable loads safetensors)",
-    "test_chat_streams_then_done_with_eos_usage_and_diag": _MODEL_WORDS,
-    "test_stop_string_finish": _MODEL_WORDS,
-    "test_four_conversations_multiplexed": _MODEL_WORDS,
-    "test_sessions_on_the_pipe": _MODEL_WORDS,
-    "test_fuzz_lines_then_health": _MODEL_WORDS,
-    "test_sampling_fields_are_acted_on": "the random model's four greedy tokens after the 'apple' prompt repeat no "
-                                         "token, so repeat_penalty=2 leaves them as they are (40 tokens do differ)",
-}
 _PIPE_TESTS = [name for name in dir(pipe_tests) if name.startswith("test_")]
 
 
@@ -46,10 +35,7 @@ def _copy(test):
 
 
 for _name in _PIPE_TESTS:   # the pipe's own tests, collected again here with this module's fixtures
-    _test = _copy(getattr(pipe_tests, _name))
-    if _name in _NOT_PASSED:
-        _test = pytest.mark.xfail(strict=True, reason=_NOT_PASSED[_name])(_test)
-    globals()[_name] = _test
+    globals()[_name] = _copy(getattr(pipe_tests, _name))
 
 
 @pytest.fixture(scope="session")
@@ -69,10 +55,10 @@ def qwen3(tiny_checkpoint) -> str:
 
 
 @pytest.fixture(scope="module")
-def pipe_process(engine_exe, qwen3):
-    """The executable with the tiny Qwen3 checkpoint (a ``--model`` argument replaces it)."""
+def pipe_process(engine_exe, smollm2_gguf):
+    """The executable with the default model's GGUF (a ``--model`` argument replaces it)."""
     def start(*args: str) -> PipeProcess:
-        model = [] if "--model" in args else ["--model", qwen3]
+        model = [] if "--model" in args else ["--model", smollm2_gguf]
         return PipeProcess(*model, *args, command=[engine_exe])
     return start
 
@@ -82,9 +68,8 @@ def no_template_model(tmp_path_factory, qwen3):
     return checkpoint_without_template(qwen3, str(tmp_path_factory.mktemp("no-template-qwen3")))
 
 
-@pytest.fixture(scope="module")
-def pipe(pipe_process):
-    proc = pipe_process("--ctx", "2048", "--max-seqs", "6")
+def _running(proc: PipeProcess):
+    """``proc`` once ready, its first health answer kept; stopped (and checked for stray stdout) afterwards."""
     proc.send({"op": "health", "id": "first"})
     proc.first_health = proc.router.first("first", timeout=60)
     try:
@@ -93,6 +78,18 @@ def pipe(pipe_process):
     finally:
         proc.stop()
         assert not proc.impure, f"stdout carried non-protocol lines: {proc.impure[:3]}"
+
+
+@pytest.fixture(scope="module")
+def pipe(pipe_process):
+    """The default model on the executable, for the pipe's own tests."""
+    yield from _running(pipe_process("--ctx", "2048", "--max-seqs", "6"))
+
+
+@pytest.fixture(scope="module")
+def qwen3_pipe(pipe_process, qwen3):
+    """The tiny Qwen3 safetensors checkpoint on the executable, for the ``test_engine_*`` tests."""
+    yield from _running(pipe_process("--model", qwen3, "--ctx", "2048", "--max-seqs", "6"))
 
 
 TEXTS = [
@@ -152,14 +149,14 @@ def test_tokenizer_matches_the_tokenizers_library(engine_exe, qwen3, tmp_path, s
         assert answer["streamed"] == text
 
 
-def test_engine_health_says_loading_then_ready(pipe, qwen3):
-    assert pipe.first_health == {"id": "first", "state": "loading", "model": qwen3}
-    pipe.send({"op": "health", "id": 1})
-    assert pipe.router.first(1) == {"id": 1, "state": "ready", "model": qwen3}
+def test_engine_health_says_loading_then_ready(qwen3_pipe, qwen3):
+    assert qwen3_pipe.first_health == {"id": "first", "state": "loading", "model": qwen3}
+    qwen3_pipe.send({"op": "health", "id": 1})
+    assert qwen3_pipe.router.first(1) == {"id": 1, "state": "ready", "model": qwen3}
 
 
-def test_engine_chat_streams_then_done_with_usage_and_diag(pipe):
-    text, done = pipe.request({"op": "chat", "id": 2, "messages": FRANCE, "temp": 0, "n": 12, "diag": True})
+def test_engine_chat_streams_then_done_with_usage_and_diag(qwen3_pipe):
+    text, done = qwen3_pipe.request({"op": "chat", "id": 2, "messages": FRANCE, "temp": 0, "n": 12, "diag": True})
     assert text and done["done"] is True and done["finish"] in ("eos", "budget")
     assert set(done["usage"]) == USAGE_KEYS
     assert done["usage"]["prompt_tokens"] > 10 and done["usage"]["gen_tokens"] > 0
@@ -170,96 +167,96 @@ def test_engine_chat_streams_then_done_with_usage_and_diag(pipe):
     assert diag["prefill"]["prompt_tokens"] == done["usage"]["prompt_tokens"]
     assert {"mode", "cached_tokens", "computed_tokens", "chunked"} <= set(diag["prefill"])
     assert "hit_tokens" in diag["prefix_cache"]
-    again, done2 = pipe.request({"op": "chat", "id": "2b", "messages": FRANCE, "temp": 0, "n": 12, "diag": True})
+    again, done2 = qwen3_pipe.request({"op": "chat", "id": "2b", "messages": FRANCE, "temp": 0, "n": 12, "diag": True})
     assert again == text
     assert done2["diag"]["prefill"]["mode"] == "prefix-cached" and done2["diag"]["prefill"]["cached_tokens"] > 0
-    assert "diag" not in pipe.request({"op": "chat", "id": "2c", "messages": FRANCE, "temp": 0, "n": 2})[1]
+    assert "diag" not in qwen3_pipe.request({"op": "chat", "id": "2c", "messages": FRANCE, "temp": 0, "n": 2})[1]
 
 
-def test_engine_stop_string_finish(pipe):
-    full, _ = pipe.request({"op": "generate", "id": "4a", "prompt": "Once upon a time", "temp": 0, "n": 16})
+def test_engine_stop_string_finish(qwen3_pipe):
+    full, _ = qwen3_pipe.request({"op": "generate", "id": "4a", "prompt": "Once upon a time", "temp": 0, "n": 16})
     stop = full[len(full) // 2:len(full) // 2 + 3]
     assert stop
-    text, done = pipe.request({"op": "generate", "id": 4, "prompt": "Once upon a time", "temp": 0, "n": 16,
+    text, done = qwen3_pipe.request({"op": "generate", "id": 4, "prompt": "Once upon a time", "temp": 0, "n": 16,
                                "stop": ["never said", stop]})
     assert done["finish"] == "stop"
     assert text == full[:full.index(stop)]
 
 
-def test_engine_sampling_fields_are_acted_on(pipe):
+def test_engine_sampling_fields_are_acted_on(qwen3_pipe):
     prompt = {"op": "generate", "prompt": "Once upon a time", "n": 8, "temp": 1.0, "top_k": 50, "top_p": 0.9,
               "repeat_penalty": 1.1}
-    a, _ = pipe.request({**prompt, "id": "s1", "seed": 7})
-    b, _ = pipe.request({**prompt, "id": "s2", "seed": 7})
-    c, _ = pipe.request({**prompt, "id": "s3", "seed": 8})
+    a, _ = qwen3_pipe.request({**prompt, "id": "s1", "seed": 7})
+    b, _ = qwen3_pipe.request({**prompt, "id": "s2", "seed": 7})
+    c, _ = qwen3_pipe.request({**prompt, "id": "s3", "seed": 8})
     assert a == b and a != c
     echo = {**prompt, "prompt": "apple apple apple apple apple apple", "n": 40, "temp": 0}
-    greedy, _ = pipe.request({**echo, "id": "s4", "repeat_penalty": 1.0})
-    penalised, _ = pipe.request({**echo, "id": "s5", "repeat_penalty": 2.0})
+    greedy, _ = qwen3_pipe.request({**echo, "id": "s4", "repeat_penalty": 1.0})
+    penalised, _ = qwen3_pipe.request({**echo, "id": "s5", "repeat_penalty": 2.0})
     assert greedy != penalised
 
 
-def test_engine_four_conversations_multiplexed(pipe):
+def test_engine_four_conversations_multiplexed(qwen3_pipe):
     questions = ["What is the capital of France?", "Name three colours.", "What is 2 + 2?", "Say hello."]
     for i, question in enumerate(questions):
-        pipe.send({"op": "chat", "id": f"m{i}", "messages": [{"role": "user", "content": question}], "temp": 0,
+        qwen3_pipe.send({"op": "chat", "id": f"m{i}", "messages": [{"role": "user", "content": question}], "temp": 0,
                    "n": 24})
-    results = [pipe.router.collect(f"m{i}") for i in range(len(questions))]
+    results = [qwen3_pipe.router.collect(f"m{i}") for i in range(len(questions))]
     assert all(done.get("done") for _, done in results)
-    order = [line["id"] for line in pipe.router.all if str(line.get("id")).startswith("m") and "chunk" in line]
-    first_done = min(i for i, line in enumerate(pipe.router.all) if str(line.get("id")).startswith("m")
+    order = [line["id"] for line in qwen3_pipe.router.all if str(line.get("id")).startswith("m") and "chunk" in line]
+    first_done = min(i for i, line in enumerate(qwen3_pipe.router.all) if str(line.get("id")).startswith("m")
                      and line.get("done"))
     assert len({line_id for line_id in order[:first_done]}) >= 2
-    assert sum(1 for line in pipe.router.all[:first_done]
+    assert sum(1 for line in qwen3_pipe.router.all[:first_done]
                if str(line.get("id")).startswith("m") and "chunk" in line) < len(order)
 
 
-def test_engine_sessions_on_the_pipe(pipe):
-    pipe.send({"op": "open", "id": "o1", "session": "exe-a"})
-    assert pipe.router.first("o1") == {"id": "o1", "session": "exe-a", "resumed": False}
-    text1, done1 = pipe.request({"op": "chat", "id": "t1", "session": "exe-a", "messages": FRANCE, "temp": 0,
+def test_engine_sessions_on_the_pipe(qwen3_pipe):
+    qwen3_pipe.send({"op": "open", "id": "o1", "session": "exe-a"})
+    assert qwen3_pipe.router.first("o1") == {"id": "o1", "session": "exe-a", "resumed": False}
+    text1, done1 = qwen3_pipe.request({"op": "chat", "id": "t1", "session": "exe-a", "messages": FRANCE, "temp": 0,
                                  "n": 8})
-    text2, done2 = pipe.request({"op": "chat", "id": "t2", "session": "exe-a", "temp": 0, "n": 16, "diag": True,
+    text2, done2 = qwen3_pipe.request({"op": "chat", "id": "t2", "session": "exe-a", "temp": 0, "n": 16, "diag": True,
                                  "messages": [{"role": "user", "content": "And of Italy?"}]})
     assert done2["usage"]["prompt_tokens"] > done1["usage"]["prompt_tokens"] + done1["usage"]["gen_tokens"] - 2
     assert done2["diag"]["prefill"]["cached_tokens"] > 0
-    pipe.send({"op": "open", "id": "o2", "session": "exe-a"})
-    resumed = pipe.router.first("o2")
+    qwen3_pipe.send({"op": "open", "id": "o2", "session": "exe-a"})
+    resumed = qwen3_pipe.router.first("o2")
     assert resumed["resumed"] is True
     assert [m["role"] for m in resumed["messages"]] == ["user", "assistant", "user", "assistant"]
     assert resumed["messages"][1]["content"] == text1 and resumed["messages"][3]["content"] == text2
-    _, error = pipe.request({"op": "generate", "id": "t3", "session": "exe-a", "prompt": "x"})
+    _, error = qwen3_pipe.request({"op": "generate", "id": "t3", "session": "exe-a", "prompt": "x"})
     assert "holds a chat conversation" in error["error"]
-    pipe.send({"op": "open", "id": "o3", "session": "exe-b"})
-    pipe.router.first("o3")
-    part1, _ = pipe.request({"op": "generate", "id": "g1", "session": "exe-b", "prompt": "One, two,", "n": 4,
+    qwen3_pipe.send({"op": "open", "id": "o3", "session": "exe-b"})
+    qwen3_pipe.router.first("o3")
+    part1, _ = qwen3_pipe.request({"op": "generate", "id": "g1", "session": "exe-b", "prompt": "One, two,", "n": 4,
                              "temp": 0})
-    part2, done = pipe.request({"op": "generate", "id": "g2", "session": "exe-b", "prompt": " and", "n": 3,
+    part2, done = qwen3_pipe.request({"op": "generate", "id": "g2", "session": "exe-b", "prompt": " and", "n": 3,
                                 "temp": 0})
     assert done["usage"]["prompt_tokens"] >= 5
-    pipe.send({"op": "open", "id": "o4", "session": "exe-b"})
-    assert pipe.router.first("o4")["text"] == "One, two," + part1 + " and" + part2
+    qwen3_pipe.send({"op": "open", "id": "o4", "session": "exe-b"})
+    assert qwen3_pipe.router.first("o4")["text"] == "One, two," + part1 + " and" + part2
     for sid in ("exe-a", "exe-b"):
-        pipe.send({"op": "close", "id": f"c-{sid}", "session": sid})
-        assert pipe.router.first(f"c-{sid}") == {"id": f"c-{sid}", "session": sid, "closed": True}
-    _, error = pipe.request({"op": "chat", "id": "t4", "session": "exe-a", "messages": FRANCE})
+        qwen3_pipe.send({"op": "close", "id": f"c-{sid}", "session": sid})
+        assert qwen3_pipe.router.first(f"c-{sid}") == {"id": f"c-{sid}", "session": sid, "closed": True}
+    _, error = qwen3_pipe.request({"op": "chat", "id": "t4", "session": "exe-a", "messages": FRANCE})
     assert "not open" in error["error"]
 
 
-def test_engine_fuzz_lines_then_health(pipe):
+def test_engine_fuzz_lines_then_health(qwen3_pipe):
     rng = random.Random(1234)
     lines = [line for line in fuzz_lines(FUZZ_LINES, rng) if line.strip()]
-    before = len(pipe.router.all)
+    before = len(qwen3_pipe.router.all)
     start = time.monotonic()
     for line in lines:
-        pipe.send(line)
-    pipe.send({"op": "health", "id": "after-fuzz"})
-    assert pipe.router.first("after-fuzz", timeout=120)["state"] == "ready"
-    answers = pipe.router.all[before:]
+        qwen3_pipe.send(line)
+    qwen3_pipe.send({"op": "health", "id": "after-fuzz"})
+    assert qwen3_pipe.router.first("after-fuzz", timeout=120)["state"] == "ready"
+    answers = qwen3_pipe.router.all[before:]
     errors = [a for a in answers if set(a) == {"id", "error"}]
     took = time.monotonic() - start
     assert len(errors) == len(lines), f"{len(lines)} bad lines, {len(errors)} errors, in {took:.1f}s"
-    text, done = pipe.request({"op": "chat", "id": "post-fuzz", "messages": FRANCE, "temp": 0, "n": 4})
+    text, done = qwen3_pipe.request({"op": "chat", "id": "post-fuzz", "messages": FRANCE, "temp": 0, "n": 4})
     assert done["done"] is True and done["usage"]["gen_tokens"] > 0
 
 
@@ -318,10 +315,10 @@ def test_chat_rendering_matches_the_template(engine_exe, qwen3, tmp_path, templa
 
 
 @pytest.mark.parametrize("sig, status", [(signal.SIGTERM, 0), (signal.SIGINT, 130)])
-def test_engine_signal_drains_then_exits(pipe_process, sig, status):
+def test_engine_signal_drains_then_exits(pipe_process, qwen3, sig, status):
     """SIGTERM or SIGINT: nothing more is read, the running request finishes, then the exit status is the pipe's
     (0, or 130 after SIGINT)."""
-    proc = pipe_process("--ctx", "512")
+    proc = pipe_process("--model", qwen3, "--ctx", "512")
     try:
         proc.wait_ready()
         proc.send({"op": "generate", "id": "run", "prompt": "Once upon a time", "n": 400, "temp": 0})
@@ -353,5 +350,102 @@ def test_engine_load_failure_is_reported_then_exits_one(pipe_process, qwen3, tmp
         error = proc.router.untagged_matching(lambda line: "error" in line, timeout=1)
         assert "the model failed to load" in error["error"] and "only BPE" in error["error"]
         assert not proc.impure
+    finally:
+        proc.stop()
+
+
+def _served(engine_exe: str, model: str, requests: list[dict]) -> dict:
+    """Each request's chunks (in order) and final line, from one run of the executable on ``model`` with the
+    requests as its whole input (end of input drains them, then the process exits 0)."""
+    lines = "".join(json.dumps(request) + "\n" for request in requests)
+    out = subprocess.run([engine_exe, "--model", model, "--ctx", "512"], input=lines.encode(), capture_output=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr.decode(errors="replace")
+    answers: dict = {request["id"]: {"chunks": [], "done": None} for request in requests}
+    for line in out.stdout.decode().split("\n"):
+        if line:
+            answer = json.loads(line)
+            if "chunk" in answer:
+                answers[answer["id"]]["chunks"].append(answer["chunk"])
+            else:
+                answers[answer["id"]]["done"] = answer
+    return answers
+
+
+def test_gguf_tokenizer_matches_transformers(engine_exe, smollm2_gguf, smollm2_hf_tokenizer):
+    """The tokenizer the executable builds from the GGUF's metadata (its tokens, merges, token types and
+    ``tokenizer.ggml.pre`` "smollm", which splits as GPT-2's ByteLevel) encodes and decodes as transformers'
+    tokenizer of the same file, special tokens such as ``<|im_start|>`` matched whole in the text."""
+    lines = "".join(json.dumps(text) + "\n" for text in TEXTS)
+    out = subprocess.run([engine_exe, "--tokenize", smollm2_gguf], input=lines.encode(), capture_output=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr.decode(errors="replace")
+    answers = [json.loads(line) for line in out.stdout.decode().split("\n") if line]
+    assert len(answers) == len(TEXTS)
+    for text, answer in zip(TEXTS, answers):
+        expected = smollm2_hf_tokenizer(text, add_special_tokens=False)["input_ids"]
+        assert answer["ids"] == expected, text
+        assert answer["decoded"] == smollm2_hf_tokenizer.decode(expected, skip_special_tokens=False) == text
+        assert answer["streamed"] == text
+    assert answers[TEXTS.index("<|im_start|><|im_end|>")]["ids"] == [1, 2]   # control tokens, whole
+
+
+def test_gguf_chat_rendering_matches_transformers(engine_exe, smollm2_gguf, smollm2_hf_tokenizer):
+    """The GGUF's ``tokenizer.chat_template`` (ChatML with a default system turn when the conversation has none)
+    renders as transformers renders it, with the generation prompt."""
+    lines = "".join(json.dumps(messages) + "\n" for messages in CONVERSATIONS)
+    out = subprocess.run([engine_exe, "--render-chat", smollm2_gguf], input=lines.encode(), capture_output=True,
+                         timeout=60)
+    answers = [json.loads(line) for line in out.stdout.decode().split("\n") if line]
+    assert len(answers) == len(CONVERSATIONS)
+    for messages, answer in zip(CONVERSATIONS, answers):
+        assert answer["text"] == smollm2_hf_tokenizer.apply_chat_template(messages, tokenize=False,
+                                                                         add_generation_prompt=True)
+    assert answers[0]["text"].startswith("<|im_start|>system\nYou are a helpful AI assistant named SmolLM")
+
+
+def test_gguf_greedy_tokens_match_the_python_engine_in_float32(engine_exe, smollm2_gguf):
+    """The executable computes in float32 from the dequantised Q4_1 weights: its greedy tokens (one chunk a token,
+    since every token here decodes to whole characters) equal the Python engine's with float32 weights
+    (``cpu_weight_format="float32"``) on text prompts and on a chat, whose answer ends on the GGUF's EOS."""
+    from pocketllm import LLM, EngineArgs, SamplingParams
+
+    prompts = ["Once upon a time", "The quick brown fox"]
+    with LLM(EngineArgs(model=smollm2_gguf, cpu_weight_format="float32")) as engine:
+        params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+        expected = [engine.generate([prompt], params)[0].token_ids for prompt in prompts]
+        chat = engine.chat(FRANCE, SamplingParams(max_tokens=32, temperature=0.0))[0]
+        pieces = [[engine.tokenizer.decode([token], skip_special_tokens=False) for token in ids] for ids in expected]
+    requests = [{"op": "generate", "id": i, "prompt": prompt, "n": 24, "temp": 0} for i, prompt in enumerate(prompts)]
+    requests.append({"op": "chat", "id": "chat", "messages": FRANCE, "n": 32, "temp": 0})
+    answers = _served(engine_exe, smollm2_gguf, requests)
+    for i, ids in enumerate(expected):
+        assert len(ids) == 24 and all(pieces[i])
+        assert answers[i]["chunks"] == pieces[i], prompts[i]
+        assert answers[i]["done"]["finish"] == "budget" and answers[i]["done"]["usage"]["gen_tokens"] == 24
+    assert chat.finish_reason == "stop" and "".join(answers["chat"]["chunks"]) == chat.text
+    assert answers["chat"]["done"]["finish"] == "eos"
+    assert answers["chat"]["done"]["usage"]["gen_tokens"] == len(chat.token_ids) + 1   # the EOS counted
+
+
+def test_gguf_of_another_architecture_is_refused_by_name(pipe_process, tmp_path):
+    """A GGUF of an architecture the native engine does not run fails to load with the architecture named."""
+    import gguf
+    import numpy as np
+
+    path = str(tmp_path / "other.gguf")
+    writer = gguf.GGUFWriter(path, "gemma3")
+    writer.add_block_count(1)
+    writer.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    proc = pipe_process("--model", path)
+    try:
+        assert proc.proc.wait(60) == 1, proc.error_output()
+        proc.reader.join(10)
+        error = proc.router.untagged_matching(lambda line: "error" in line, timeout=1)
+        assert "the model failed to load" in error["error"] and "'gemma3'" in error["error"]
     finally:
         proc.stop()

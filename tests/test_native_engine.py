@@ -237,3 +237,58 @@ def test_preemption_when_blocks_run_out_keeps_results_exact(native, qwen3, hf_re
     assert [[t for t, _, _ in events[f"p{i}"]] for i in range(3)] == expected
     with pytest.raises(ValueError, match="context"):
         core.add("long", list(range(1, 49)), _sampling(native, 2))
+
+
+def test_llama_gguf_matches_the_python_engine_in_float32(native, smollm2_gguf):
+    """A .gguf checkpoint (the default model, Q4_1 layers and a Q8_0 embedding dequantised to float32 at load,
+    llama.cpp's q/k row permutation undone): its config and EOS come from the metadata, and its greedy tokens
+    equal the Python engine's with float32 weights."""
+    from pocketllm import LLM, EngineArgs, SamplingParams
+
+    options = native.QwenEngineOptions()
+    options.kv_cache_mb = 16.0
+    engine = native.QwenEngine(smollm2_gguf, options)
+    assert engine.architecture == "LlamaForCausalLM"
+    assert (engine.eos_id, engine.eos_source) == (2, "config")
+    with LLM(EngineArgs(model=smollm2_gguf, cpu_weight_format="float32")) as reference:
+        prompts = [reference.tokenizer.encode(text, add_special_tokens=False)
+                   for text in ("Once upon a time", "def fibonacci(n):")]
+        params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+        expected = [reference.generate([prompt], params)[0].token_ids for prompt in prompts]
+    assert [engine.generate(prompt, 16) for prompt in prompts] == expected
+
+
+# Every GGML type the native engine dequantises, on the (llama: permuted) q/k rows as well as elsewhere.
+NATIVE_GGUF_TYPES = {
+    "token_embd.weight": "Q8_0", "output.weight": "Q4_1",
+    "blk.0.attn_q.weight": "Q4_1", "blk.0.attn_k.weight": "Q4_0", "blk.0.attn_v.weight": "Q8_0",
+    "blk.0.attn_output.weight": "F16", "blk.0.ffn_gate.weight": "BF16", "blk.0.ffn_up.weight": "Q4_1",
+    "blk.0.ffn_down.weight": "F32",
+    "blk.1.attn_q.weight": "F16", "blk.1.attn_k.weight": "Q8_0", "blk.1.attn_v.weight": "Q4_1",
+    "blk.1.attn_output.weight": "Q4_0", "blk.1.ffn_gate.weight": "Q4_1", "blk.1.ffn_up.weight": "BF16",
+    "blk.1.ffn_down.weight": "Q8_0",
+}
+
+
+@pytest.mark.parametrize("arch, hf_class", [("llama", "LlamaForCausalLM"), ("qwen2", "Qwen2ForCausalLM"),
+                                            ("qwen3", "Qwen3ForCausalLM")])
+def test_gguf_of_every_read_type_matches_transformers(native, tmp_path, hf_reference, arch, hf_class):
+    """A tiny random GGUF whose matrices are F32, F16, BF16, Q8_0, Q4_0 and Q4_1 (llama: q and k permuted the
+    llama.cpp way; qwen2: q/k/v biases; qwen3: per-head q/k norms): greedy tokens equal transformers' float32
+    model of the same file."""
+    from gguf import GGMLQuantizationType
+    from test_loaders import ARCH_CONFIGS, quant_tensors, write_gguf
+
+    config = ARCH_CONFIGS[arch]
+    tensors = {name: (array, GGMLQuantizationType[NATIVE_GGUF_TYPES.get(name, "F32")])
+               for name, (array, _) in quant_tensors(config, arch).items()}
+    path = str(tmp_path / f"tiny-{arch}.gguf")
+    write_gguf(path, arch, config, tensors)
+    options = native.QwenEngineOptions()
+    options.kv_cache_mb = 16.0
+    engine = native.QwenEngine(path, options)
+    assert engine.architecture == hf_class and engine.vocab_size == config["vocab_size"]
+    prompts = [[5, 17, 301, 42, 9, 77, 100, 23], [88, 12, 3]]
+    expected = hf_reference.greedy(path, prompts, 10)
+    assert [engine.generate(prompt, 10) for prompt in prompts] == expected
+    assert len(set(map(tuple, expected))) == len(prompts)

@@ -123,14 +123,7 @@ BpeTokenizer::BpeTokenizer(const std::string& path) {
     if (!type || !type->is_string() || type->as_string() != "NFC")
       throw std::runtime_error(path + ": a normalizer other than NFC is not supported");
   }
-  // The byte-level alphabet: printable Latin-1 bytes stand for themselves, the rest map past U+0100.
-  int next = 0;
-  for (int b = 0; b < 256; ++b) {
-    bool printable = (b >= '!' && b <= '~') || (b >= 0xA1 && b <= 0xAC) || (b >= 0xAE && b <= 0xFF);
-    append_utf8(byte_to_char_[b], printable ? static_cast<uint32_t>(b) : static_cast<uint32_t>(256 + next++));
-  }
-  std::unordered_map<std::string, unsigned char> char_to_byte;
-  for (int b = 0; b < 256; ++b) char_to_byte[byte_to_char_[b]] = static_cast<unsigned char>(b);
+  init_byte_alphabet();
 
   const Json* pre = root.find("pre_tokenizer");
   auto byte_level = [&](const Json& p, bool want_regex) {
@@ -175,21 +168,7 @@ BpeTokenizer::BpeTokenizer(const std::string& path) {
   const Json* added = root.find("added_tokens");
   if (added && added->is_array())
     for (const Json& a : added->array) max_id = std::max(max_id, a.at("id").as_int());
-  id_to_bytes_.assign(static_cast<size_t>(max_id + 1), std::string());
-  for (const auto& [token, id] : vocab_) {
-    std::string bytes;
-    std::vector<uint32_t> cps;
-    std::vector<size_t> offsets;
-    code_points(token, cps, offsets);
-    for (size_t k = 0; k < cps.size(); ++k) {
-      std::string ch = token.substr(offsets[k], offsets[k + 1] - offsets[k]);
-      auto it = char_to_byte.find(ch);
-      if (it != char_to_byte.end()) bytes += static_cast<char>(it->second);
-      else bytes += ch;
-    }
-    id_to_bytes_[static_cast<size_t>(id)] = bytes;
-    max_token_bytes_ = std::max<int64_t>(max_token_bytes_, static_cast<int64_t>(bytes.size()));
-  }
+  index_vocab(max_id + 1);
   if (added && added->is_array()) {
     for (const Json& a : added->array) {
       const std::string& content = a.at("content").as_string();
@@ -200,14 +179,10 @@ BpeTokenizer::BpeTokenizer(const std::string& path) {
           throw std::runtime_error(path + ": added token " + content + " sets " + flag +
                                    ", which this tokenizer does not implement");
       }
-      added_.emplace_back(content, id);
-      id_to_bytes_[static_cast<size_t>(id)] = content;
-      if (a.has("special") && a.at("special").boolean) special_ids_.insert(id);
-      max_token_bytes_ = std::max<int64_t>(max_token_bytes_, static_cast<int64_t>(content.size()));
+      add_token(content, id, a.has("special") && a.at("special").boolean);
     }
   }
-  std::stable_sort(added_.begin(), added_.end(),
-                   [](const auto& a, const auto& b) { return a.first.size() > b.first.size(); });
+  sort_added();
   int64_t rank = 0;
   for (const Json& m : model.at("merges").array) {
     std::string key;
@@ -230,6 +205,62 @@ BpeTokenizer::BpeTokenizer(const std::string& path) {
       throw std::runtime_error(path + ": post-processor " + type + " is not supported");
     }
   }
+}
+
+void BpeTokenizer::init_byte_alphabet() {
+  // The byte-level alphabet: printable Latin-1 bytes stand for themselves, the rest map past U+0100.
+  int next = 0;
+  for (int16_t& b : byte_of_char_) b = -1;
+  for (int b = 0; b < 256; ++b) {
+    bool printable = (b >= '!' && b <= '~') || (b >= 0xA1 && b <= 0xAC) || (b >= 0xAE && b <= 0xFF);
+    const uint32_t cp = printable ? static_cast<uint32_t>(b) : static_cast<uint32_t>(256 + next++);
+    byte_to_char_[b].clear();
+    append_utf8(byte_to_char_[b], cp);
+    byte_of_char_[cp] = static_cast<int16_t>(b);
+  }
+}
+
+std::string BpeTokenizer::spelled_bytes(const std::string& token) const {
+  std::string bytes;
+  std::vector<uint32_t> cps;
+  std::vector<size_t> offsets;
+  code_points(token, cps, offsets);
+  for (size_t k = 0; k < cps.size(); ++k) {
+    const int byte = cps[k] < kAlphabetEnd ? byte_of_char_[cps[k]] : -1;
+    if (byte >= 0) bytes += static_cast<char>(byte);
+    else bytes.append(token, offsets[k], offsets[k + 1] - offsets[k]);
+  }
+  return bytes;
+}
+
+bool BpeTokenizer::in_byte_alphabet(const std::string& token) const {
+  std::vector<uint32_t> cps;
+  std::vector<size_t> offsets;
+  code_points(token, cps, offsets);
+  for (uint32_t cp : cps)
+    if (cp >= kAlphabetEnd || byte_of_char_[cp] < 0) return false;
+  return true;
+}
+
+void BpeTokenizer::index_vocab(int64_t size) {
+  id_to_bytes_.assign(static_cast<size_t>(size), std::string());
+  for (const auto& [token, id] : vocab_) {
+    std::string bytes = spelled_bytes(token);
+    max_token_bytes_ = std::max<int64_t>(max_token_bytes_, static_cast<int64_t>(bytes.size()));
+    id_to_bytes_[static_cast<size_t>(id)] = std::move(bytes);
+  }
+}
+
+void BpeTokenizer::add_token(const std::string& content, int64_t id, bool special) {
+  added_.emplace_back(content, id);
+  id_to_bytes_[static_cast<size_t>(id)] = content;
+  if (special) special_ids_.insert(id);
+  max_token_bytes_ = std::max<int64_t>(max_token_bytes_, static_cast<int64_t>(content.size()));
+}
+
+void BpeTokenizer::sort_added() {
+  std::stable_sort(added_.begin(), added_.end(),
+                   [](const auto& a, const auto& b) { return a.first.size() > b.first.size(); });
 }
 
 int64_t BpeTokenizer::token_id(const std::string& content) const {

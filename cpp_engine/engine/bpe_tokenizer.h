@@ -11,10 +11,15 @@
 
 namespace pocket {
 
+class GgufFile;
+
 class BpeTokenizer {
  public:
   // Throws std::runtime_error naming what it does not support (a model other than BPE, an unknown split).
   explicit BpeTokenizer(const std::string& tokenizer_json_path);
+  // The tokenizer a GGUF file's tokenizer.ggml.* metadata describes, as transformers converts it
+  // (bpe_tokenizer_gguf.cpp).
+  static BpeTokenizer from_gguf(const GgufFile& file);
 
   std::vector<int64_t> encode(const std::string& text, bool add_special_tokens) const;
   std::string decode(const std::vector<int64_t>& ids, bool skip_special) const;   // invalid UTF-8 -> U+FFFD
@@ -28,6 +33,14 @@ class BpeTokenizer {
 
  private:
   enum class Split { Gpt2, Qwen, Llama3 };
+  static constexpr uint32_t kAlphabetEnd = 256 + 68;   // the byte-level alphabet's code points are below this
+  BpeTokenizer() { init_byte_alphabet(); }
+  void init_byte_alphabet();
+  std::string spelled_bytes(const std::string& token) const;   // a byte-level spelled token's raw bytes
+  bool in_byte_alphabet(const std::string& token) const;
+  void index_vocab(int64_t size);   // id_to_bytes_ of every vocab_ entry, for ids [0, size)
+  void add_token(const std::string& content, int64_t id, bool special);
+  void sort_added();                // longest first, as they are matched
   void bpe(const std::string& piece, std::vector<int64_t>& out) const;
   void encode_plain(const std::string& text, std::vector<int64_t>& out) const;
 
@@ -40,6 +53,7 @@ class BpeTokenizer {
   std::unordered_set<int64_t> special_ids_;
   std::vector<int64_t> prefix_ids_, suffix_ids_;            // the post-processor's special tokens (single)
   std::string byte_to_char_[256];                           // byte -> its mapped character (UTF-8)
+  int16_t byte_of_char_[kAlphabetEnd];                      // mapped code point -> byte, or -1
   int64_t max_token_bytes_ = 0;
 };
 

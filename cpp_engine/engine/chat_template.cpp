@@ -68,6 +68,17 @@ ChatTemplate::ChatTemplate(const std::string& checkpoint) {
       }
     }
   }
+  recognise();
+}
+
+ChatTemplate ChatTemplate::from_source(std::string source) {
+  ChatTemplate chat;
+  chat.source_ = std::move(source);
+  chat.recognise();
+  return chat;
+}
+
+void ChatTemplate::recognise() {
   chatml_ = source_.find("<|im_start|>") != std::string::npos && source_.find("<|im_end|>") != std::string::npos &&
             source_.find("message") != std::string::npos && source_.find("role") != std::string::npos &&
             source_.find("content") != std::string::npos;

@@ -16,6 +16,8 @@ class ChatTemplate {
  public:
   // Reads chat_template.jinja, else tokenizer_config.json's chat_template, of a checkpoint directory.
   explicit ChatTemplate(const std::string& checkpoint);
+  // A template's own text (a GGUF file's tokenizer.chat_template; empty: none).
+  static ChatTemplate from_source(std::string source);
   bool present() const { return !source_.empty(); }
   bool chatml() const { return chatml_; }
   // Why chat is refused (empty when it is served).
@@ -23,6 +25,8 @@ class ChatTemplate {
   std::string render(const std::vector<ChatMessage>& messages) const;   // with the assistant's generation prompt
 
  private:
+  ChatTemplate() = default;
+  void recognise();   // what the template renders, from source_
   std::string source_;
   bool chatml_ = false;
   bool has_default_system_ = false;

@@ -26,6 +26,7 @@
 #include <vector>
 
 #include "../src/batch_scheduler.h"
+#include "../src/gguf.h"
 #include "../src/json.h"
 #include "../src/qwen_engine.h"
 #include "bpe_tokenizer.h"
@@ -121,6 +122,26 @@ struct Request {
 
 std::string request_key(const WireValue& id) { return (id.is_string() ? "s:" : "i:") + id.text; }
 
+// The text side of a model: its tokenizer and chat template, from a checkpoint directory's files or from a
+// .gguf file's tokenizer.* metadata.
+struct TextSide {
+  std::unique_ptr<BpeTokenizer> tokenizer;
+  std::unique_ptr<ChatTemplate> chat;
+};
+
+TextSide open_text_side(const std::string& model) {
+  TextSide side;
+  if (is_gguf_path(model)) {
+    GgufFile file(model);
+    side.tokenizer = std::make_unique<BpeTokenizer>(BpeTokenizer::from_gguf(file));
+    side.chat = std::make_unique<ChatTemplate>(ChatTemplate::from_source(file.string_or("tokenizer.chat_template", "")));
+  } else {
+    side.tokenizer = std::make_unique<BpeTokenizer>(model + "/tokenizer.json");
+    side.chat = std::make_unique<ChatTemplate>(model);
+  }
+  return side;
+}
+
 struct Defaults {
   double temperature = 0.8, top_p = 0.95, repetition_penalty = 1.0;
   int64_t top_k = 40;
@@ -133,16 +154,16 @@ class Server {
 
   void load() {
     try {
-      auto tokenizer = std::make_unique<BpeTokenizer>(model_ + "/tokenizer.json");
-      auto chat = std::make_unique<ChatTemplate>(model_);
+      checkpoint_config(model_);   // refuses an unsupported model before anything else is read
+      TextSide text = open_text_side(model_);
       Defaults defaults = read_generation_config();
       auto engine = std::make_unique<QwenEngine>(model_, options_);
       auto scheduler = std::make_unique<QwenBatchScheduler>(*engine, max_seqs_);
       std::vector<std::shared_ptr<Request>> deferred;
       {
         std::lock_guard<std::mutex> guard(mutex_);
-        tokenizer_ = std::move(tokenizer);
-        chat_ = std::move(chat);
+        tokenizer_ = std::move(text.tokenizer);
+        chat_ = std::move(text.chat);
         defaults_ = defaults;
         engine_ = std::move(engine);
         scheduler_ = std::move(scheduler);
@@ -726,7 +747,7 @@ class Server {
     WireValue route = WireValue::object();
     route.set("backend", WireValue::str("native")).set("device", WireValue::str("cpu"))
         .set("dtype", WireValue::str("float32")).set("architecture", WireValue::str(engine_->config().architecture))
-        .set("format", WireValue::str("safetensors"));
+        .set("format", WireValue::str(is_gguf_path(model_) ? "gguf" : "safetensors"));
     WireValue prefill = WireValue::object();
     prefill.set("mode", WireValue::str(cached ? "prefix-cached" : "cold"))
         .set("chunked", WireValue::flag(prompt - cached > 512))
@@ -746,6 +767,7 @@ class Server {
 
   Defaults read_generation_config() const {
     Defaults d;
+    if (is_gguf_path(model_)) return d;   // a GGUF file carries no generation config
     std::ifstream in(model_ + "/generation_config.json");
     if (!in) return d;
     std::ostringstream buffer;
@@ -783,9 +805,10 @@ class Server {
 };
 
 const char* kUsage =
-    "usage: pocketllm_engine --model DIR [--ctx N] [--max-seqs N] [--kv-cache-mb MB] [--threads N] [--verbose]\n"
+    "usage: pocketllm_engine --model DIR|FILE.gguf [--ctx N] [--max-seqs N] [--kv-cache-mb MB] [--threads N]\n"
+    "                        [--verbose]\n"
     "Serves the harness's JSONL protocol (see pocketllm/harness/PROTOCOL.md) on stdin/stdout with a Qwen3,\n"
-    "Qwen3-MoE or Qwen3.5 safetensors checkpoint on CPU.\n";
+    "Qwen3-MoE or Qwen3.5 safetensors checkpoint, or a llama, qwen2 or qwen3 GGUF file, on CPU.\n";
 
 // The test modes' input: `serve` for each stdin line (without its newline, the last one even if unterminated)
 // until end of input; returns the exit status.
@@ -807,11 +830,12 @@ int for_each_stdin_line(const std::function<void(const std::string&)>& serve) {
   return 0;
 }
 
-// --tokenize DIR: no model, only its tokenizer. Each stdin line is a JSON string; each answer line holds its
+// --tokenize DIR|FILE.gguf: no model, only its tokenizer. Each stdin line is a JSON string; each answer line holds its
 // "ids" (encoded without the post-processor's special tokens), "decoded" (the ids decoded whole) and "streamed"
 // (the ids decoded one token at a time, as generation streams them, joined).
 int tokenize(const std::string& dir) {
-  BpeTokenizer tokenizer(dir + "/tokenizer.json");
+  TextSide side = open_text_side(dir);
+  const BpeTokenizer& tokenizer = *side.tokenizer;
   auto serve = [&](const std::string& text) {
     WireValue out = WireValue::object();
     try {
@@ -836,10 +860,11 @@ int tokenize(const std::string& dir) {
   return for_each_stdin_line(serve);
 }
 
-// --render-chat DIR: each stdin line is a JSON list of {"role", "content"} messages; each answer line holds the
+// --render-chat DIR|FILE.gguf: each stdin line is a JSON list of {"role", "content"} messages; each answer line holds the
 // "text" the chat template renders (with the generation prompt), or the "error" chat is refused with.
 int render_chat(const std::string& dir) {
-  ChatTemplate chat(dir);
+  TextSide side = open_text_side(dir);
+  const ChatTemplate& chat = *side.chat;
   auto serve = [&](const std::string& line) {
     WireValue out = WireValue::object();
     try {
@@ -879,7 +904,7 @@ int run(int argc, char** argv) {
     else if (arg == "-h" || arg == "--help") { std::fputs(kUsage, stdout); return 0; }
     else throw std::invalid_argument("unknown argument " + arg);
   }
-  if (model.empty()) throw std::invalid_argument("--model DIR is required");
+  if (model.empty()) throw std::invalid_argument("--model DIR or --model FILE.gguf is required");
   if (max_seqs < 1) throw std::invalid_argument("--max-seqs must be >= 1");
   options.max_slots = max_seqs;
   // Protocol lines only on stdout: a private handle on it, and fd 1 pointed at stderr for anything else.

@@ -8,6 +8,8 @@
 #include <sstream>
 #include <stdexcept>
 
+#include "gguf.h"
+#include "gguf_checkpoint.h"
 #include "json.h"
 
 namespace pocket {
@@ -36,13 +38,23 @@ std::vector<int64_t> generation_config_eos(const std::string& checkpoint) {
   return out;
 }
 
+// A checkpoint directory's safetensors, or a .gguf file's tensors dequantised.
+QwenModel load_model(const std::string& checkpoint) {
+  if (!is_gguf_path(checkpoint)) return QwenModel(checkpoint, read_qwen_config(checkpoint));
+  GgufFile file(checkpoint);
+  QwenConfig config = read_gguf_config(file);
+  return QwenModel(load_gguf_weights(file, config), config);
+}
+
 }  // namespace
 
-QwenConfig checkpoint_config(const std::string& checkpoint) { return read_qwen_config(checkpoint); }
+QwenConfig checkpoint_config(const std::string& checkpoint) {
+  return is_gguf_path(checkpoint) ? read_gguf_config(GgufFile(checkpoint)) : read_qwen_config(checkpoint);
+}
 
 QwenEngine::QwenEngine(const std::string& checkpoint, const QwenEngineOptions& options)
     : options_(options),
-      model_(checkpoint, read_qwen_config(checkpoint)),
+      model_(load_model(checkpoint)),
       pool_(blocks_for(model_.config(), options), options.block_size,
             options.prefix_caching && !model_.config().hybrid) {
   // A hybrid model's linear-attention state after a prefix exists only for the sequence that computed it, so a
@@ -63,7 +75,8 @@ QwenEngine::QwenEngine(const std::string& checkpoint, const QwenEngineOptions& o
   if (!options.eos_token_ids.empty()) {
     eos_ = options.eos_token_ids;
     eos_source_ = "options";
-  } else if (auto g = generation_config_eos(checkpoint); !g.empty()) {
+  } else if (auto g = is_gguf_path(checkpoint) ? std::vector<int64_t>() : generation_config_eos(checkpoint);
+             !g.empty()) {
     eos_ = g;
     eos_source_ = "generation_config";
   } else if (!model_.config().eos_token_ids.empty()) {

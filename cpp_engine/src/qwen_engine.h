@@ -45,6 +45,7 @@ struct Sequence {
 
 class QwenEngine {
  public:
+  // `checkpoint`: a safetensors checkpoint directory, or a .gguf file (llama, qwen2 or qwen3 architecture).
   QwenEngine(const std::string& checkpoint, const QwenEngineOptions& options);
 
   const QwenConfig& config() const { return model_.config(); }
@@ -86,7 +87,8 @@ class QwenEngine {
   std::unique_ptr<Sequence> session_;
 };
 
-// Builds the engine's model: reads config.json first (a refusal names the unsupported feature).
+// The config of a checkpoint directory (config.json) or a .gguf file (its metadata), read before any weight; a
+// refusal names the unsupported feature.
 QwenConfig checkpoint_config(const std::string& checkpoint);
 
 }  // namespace pocket

@@ -195,10 +195,12 @@ bool QwenConfig::is_moe_layer(int64_t layer) const {
   return (layer + 1) % decoder_sparse_step == 0;
 }
 
-QwenModel::QwenModel(const std::string& directory, const QwenConfig& config) : config_(config) {
+QwenModel::QwenModel(const std::string& directory, const QwenConfig& config)
+    : QwenModel(text_weights(load_safetensors_dir(directory)), config) {}
+
+QwenModel::QwenModel(TensorMap w, const QwenConfig& config) : config_(config) {
   // Qwen3.5's RMSNorm weights (not its DeltaNet's gated norm) are stored around zero: the scale is 1 + w.
   auto offset = [this](const at::Tensor& weight) { return config_.hybrid ? weight + 1.0 : weight; };
-  TensorMap w = text_weights(load_safetensors_dir(directory));
   for (const auto& [name, t] : w) {
     num_parameters_ += t.numel();
     if (name == "model.embed_tokens.weight" && !config_.tie_word_embeddings) continue;   // one row per token
@@ -233,8 +235,10 @@ QwenModel::QwenModel(const std::string& directory, const QwenConfig& config) : c
         l.qkv_bias = at::cat({take(w, p + "self_attn.q_proj.bias"), take(w, p + "self_attn.k_proj.bias"),
                               take(w, p + "self_attn.v_proj.bias")}, 0);
       l.o_proj = take(w, p + "self_attn.o_proj.weight");
-      l.q_norm = offset(take(w, p + "self_attn.q_norm.weight"));
-      l.k_norm = offset(take(w, p + "self_attn.k_norm.weight"));
+      if (config_.qk_norm) {
+        l.q_norm = offset(take(w, p + "self_attn.q_norm.weight"));
+        l.k_norm = offset(take(w, p + "self_attn.k_norm.weight"));
+      }
     }
     if (config_.is_moe_layer(i)) {
       l.router = take(w, p + "mlp.gate.weight");
@@ -357,8 +361,12 @@ at::Tensor QwenModel::attention(size_t li, const at::Tensor& h, const at::Tensor
   }
   at::Tensor k = qkv.narrow(1, QW, KVH * D).view({T, KVH, D});
   at::Tensor v = qkv.narrow(1, QW + KVH * D, KVH * D).view({T, KVH, D});
-  q = rope(rms_norm(q, l.q_norm, c.rms_norm_eps), cos, sin);
-  k = rope(rms_norm(k, l.k_norm, c.rms_norm_eps), cos, sin);
+  if (l.q_norm.defined()) {
+    q = rms_norm(q, l.q_norm, c.rms_norm_eps);
+    k = rms_norm(k, l.k_norm, c.rms_norm_eps);
+  }
+  q = rope(q, cos, sin);
+  k = rope(k, cos, sin);
   k_cache_[li].index_copy_(0, slot, k);
   v_cache_[li].index_copy_(0, slot, v);
   at::Tensor attn = at::empty({T, H, D});

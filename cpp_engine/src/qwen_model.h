@@ -1,5 +1,6 @@
 // A Qwen3 or Qwen3.5 (dense or MoE) decoder on CPU in float32: weights loaded from safetensors, one forward over a
-// flat batch of token chunks whose keys and values live in a paged KV cache. Qwen3.5's Gated DeltaNet layers
+// flat batch of token chunks whose keys and values live in a paged KV cache. Llama and Qwen2 (read from GGUF:
+// gguf_checkpoint.h) are the same decoder without the per-head q/k norms. Qwen3.5's Gated DeltaNet layers
 // (gated_delta.h) keep a conv and a recurrent state per sequence in numbered state slots instead.
 #pragma once
 
@@ -12,6 +13,7 @@
 
 #include "gated_delta.h"
 #include "paged_attention.h"
+#include "safetensors.h"
 
 namespace pocket {
 
@@ -22,7 +24,9 @@ struct QwenConfig {
   int64_t num_heads = 0, num_kv_heads = 0, head_dim = 0, max_position_embeddings = 0;
   double rms_norm_eps = 1e-6, rope_theta = 10000.0;
   bool tie_word_embeddings = false, attention_bias = false;
-  std::vector<int64_t> eos_token_ids;   // config.json's (generation_config.json's are read by the engine)
+  bool qk_norm = true;                  // per-head q/k RMSNorm (Qwen3's; a GGUF's Llama and Qwen2 have none)
+  std::vector<int64_t> eos_token_ids;   // config.json's, or a GGUF's eos/eot/eom ids (generation_config.json's
+                                        // are read by the engine)
   // Qwen3-MoE: routed experts in the layers that are not dense (mlp_only_layers, decoder_sparse_step).
   int64_t num_experts = 0, experts_per_token = 0, moe_intermediate_size = 0, decoder_sparse_step = 1;
   bool norm_topk_prob = true;
@@ -54,7 +58,8 @@ struct Chunk {
 
 class QwenModel {
  public:
-  QwenModel(const std::string& directory, const QwenConfig& config);
+  QwenModel(const std::string& directory, const QwenConfig& config);   // its safetensors files
+  QwenModel(TensorMap weights, const QwenConfig& config);              // HF-named float32 tensors
 
   const QwenConfig& config() const { return config_; }
   int64_t num_parameters() const { return num_parameters_; }
