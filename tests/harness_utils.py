@@ -318,3 +318,96 @@ def fuzz_lines(count: int, rng: random.Random) -> list[bytes]:
             else:
                 lines.append(json.dumps({"op": "cancel", "id": f"nothing{len(lines)}"}).encode())
     return lines
+
+
+# --- protocol checks shared by the pipe's tests and the native executable's (any model) ---------------------------
+
+def check_chat_usage_and_diag(pipe: PipeProcess, route_format: str, **fields: Any) -> tuple[str, dict]:
+    """A greedy FRANCE chat with ``diag``: the usage keys and values, the route's device and ``route_format``, the
+    prefill and prefix-cache fields; the same chat again is prefix-cached with the same text; without ``diag`` the
+    done line has none. Returns the first answer's (text, done line)."""
+    text, done = pipe.request({"op": "chat", "id": 2, "messages": FRANCE, "temp": 0, "diag": True, **fields})
+    assert done["done"] is True
+    assert set(done["usage"]) == USAGE_KEYS
+    assert done["usage"]["prompt_tokens"] > 10 and done["usage"]["gen_tokens"] > 0
+    assert done["usage"]["prefill_ms"] > 0 and done["usage"]["decode_ms"] >= 0
+    diag = done["diag"]
+    assert diag["route"]["device"] == "cpu" and diag["route"]["format"] == route_format
+    assert diag["prefill"]["prompt_tokens"] == done["usage"]["prompt_tokens"]
+    assert {"mode", "cached_tokens", "computed_tokens", "chunked"} <= set(diag["prefill"])
+    assert "hit_tokens" in diag["prefix_cache"]
+    # The same conversation again is served from the prefix cache, with the same greedy answer.
+    again, done2 = pipe.request({"op": "chat", "id": "2b", "messages": FRANCE, "temp": 0, "diag": True, **fields})
+    assert again == text
+    assert done2["diag"]["prefill"]["mode"] == "prefix-cached" and done2["diag"]["prefill"]["cached_tokens"] > 0
+    assert "diag" not in pipe.request({"op": "chat", "id": "2c", "messages": FRANCE, "temp": 0, "n": 2})[1]
+    return text, done
+
+
+def check_four_conversations_interleave(pipe: PipeProcess) -> list[tuple[str, dict]]:
+    """Four chats sent at once all finish, their chunks interleaved on the pipe (not served one after another);
+    returns each one's (text, done line)."""
+    questions = ["What is the capital of France?", "Name three colours.", "What is 2 + 2?", "Say hello."]
+    for i, question in enumerate(questions):
+        pipe.send({"op": "chat", "id": f"m{i}", "messages": [{"role": "user", "content": question}], "temp": 0,
+                   "n": 24})
+    results = [pipe.router.collect(f"m{i}") for i in range(len(questions))]
+    assert all(done.get("done") for _, done in results)
+    order = [line["id"] for line in pipe.router.all if str(line.get("id")).startswith("m") and "chunk" in line]
+    first_done = min(i for i, line in enumerate(pipe.router.all) if str(line.get("id")).startswith("m")
+                     and line.get("done"))
+    assert len({line_id for line_id in order[:first_done]}) >= 2
+    assert sum(1 for line in pipe.router.all[:first_done]
+               if str(line.get("id")).startswith("m") and "chunk" in line) < len(order)
+    return results
+
+
+def check_sessions(pipe: PipeProcess, prefix: str, **first_turn: Any) -> str:
+    """Sessions ``PREFIX-a`` (a chat, resumed with its messages and its KV reused; refuses a text op) and
+    ``PREFIX-b`` (a text continuing itself), both closed, then refused. ``first_turn``: fields of the first chat
+    turn. Returns that turn's answer."""
+    a, b = f"{prefix}-a", f"{prefix}-b"
+    pipe.send({"op": "open", "id": "o1", "session": a})
+    assert pipe.router.first("o1") == {"id": "o1", "session": a, "resumed": False}
+    text1, done1 = pipe.request({"op": "chat", "id": "t1", "session": a, "messages": FRANCE, "temp": 0,
+                                 **first_turn})
+    text2, done2 = pipe.request({"op": "chat", "id": "t2", "session": a, "temp": 0, "n": 16, "diag": True,
+                                 "messages": [{"role": "user", "content": "And of Italy?"}]})
+    assert done2["usage"]["prompt_tokens"] > done1["usage"]["prompt_tokens"] + done1["usage"]["gen_tokens"] - 2
+    assert done2["diag"]["prefill"]["cached_tokens"] > 0   # the first turn's KV is reused
+    pipe.send({"op": "open", "id": "o2", "session": a})
+    resumed = pipe.router.first("o2")
+    assert resumed["resumed"] is True
+    assert [m["role"] for m in resumed["messages"]] == ["user", "assistant", "user", "assistant"]
+    assert resumed["messages"][1]["content"] == text1 and resumed["messages"][3]["content"] == text2
+    _, error = pipe.request({"op": "generate", "id": "t3", "session": a, "prompt": "x"})
+    assert "holds a chat conversation" in error["error"]
+    # A text session continues its own text.
+    pipe.send({"op": "open", "id": "o3", "session": b})
+    pipe.router.first("o3")
+    part1, _ = pipe.request({"op": "generate", "id": "g1", "session": b, "prompt": "One, two,", "n": 4, "temp": 0})
+    part2, done = pipe.request({"op": "generate", "id": "g2", "session": b, "prompt": " and", "n": 3, "temp": 0})
+    assert done["usage"]["prompt_tokens"] >= 5
+    pipe.send({"op": "open", "id": "o4", "session": b})
+    assert pipe.router.first("o4")["text"] == "One, two," + part1 + " and" + part2
+    for sid in (a, b):
+        pipe.send({"op": "close", "id": f"c-{sid}", "session": sid})
+        assert pipe.router.first(f"c-{sid}") == {"id": f"c-{sid}", "session": sid, "closed": True}
+    _, error = pipe.request({"op": "chat", "id": "t4", "session": a, "messages": FRANCE})
+    assert "not open" in error["error"]
+    return text1
+
+
+def check_fuzz_lines_answered(pipe: PipeProcess) -> None:
+    """``FUZZ_LINES`` malformed lines each get one error line, and the pipe is still ready after them."""
+    lines = [line for line in fuzz_lines(FUZZ_LINES, random.Random(1234)) if line.strip()]
+    before = len(pipe.router.all)
+    start = time.monotonic()
+    for line in lines:
+        pipe.send(line)
+    pipe.send({"op": "health", "id": "after-fuzz"})
+    assert pipe.router.first("after-fuzz", timeout=120)["state"] == "ready"
+    answers = pipe.router.all[before:]
+    errors = [a for a in answers if set(a) == {"id", "error"}]
+    took = time.monotonic() - start
+    assert len(errors) == len(lines), f"{len(lines)} bad lines, {len(errors)} errors, in {took:.1f}s"

@@ -11,15 +11,21 @@ from __future__ import annotations
 import functools
 import json
 import os
-import random
 import signal
 import subprocess
-import time
 
 import pytest
 import test_harness_pipe as pipe_tests
 from conftest import ENGINE_SKIP
-from harness_utils import FRANCE, FUZZ_LINES, USAGE_KEYS, PipeProcess, checkpoint_without_template, fuzz_lines
+from harness_utils import (
+    FRANCE,
+    PipeProcess,
+    check_chat_usage_and_diag,
+    check_four_conversations_interleave,
+    check_fuzz_lines_answered,
+    check_sessions,
+    checkpoint_without_template,
+)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -126,6 +132,22 @@ def _with_split(source: str, target: str, pattern: str) -> str:
     return target
 
 
+def _answers(engine_exe: str, mode: str, model: str, inputs: list) -> list[dict]:
+    """The executable's answers in a test mode (``--tokenize``: a text a line; ``--render-chat``: a conversation a
+    line) for ``model`` (a checkpoint directory or a GGUF), one per input."""
+    lines = "".join(json.dumps(item) + "\n" for item in inputs)
+    out = subprocess.run([engine_exe, mode, model], input=lines.encode(), capture_output=True, timeout=120)
+    assert out.returncode == 0, out.stderr.decode(errors="replace")
+    answers = [json.loads(line) for line in out.stdout.decode().split("\n") if line]
+    assert len(answers) == len(inputs)
+    return answers
+
+
+def _tokenized(engine_exe: str, model: str) -> list[dict]:
+    """``--tokenize`` of every text of TEXTS: its ids, their decoding whole and one token at a time."""
+    return _answers(engine_exe, "--tokenize", model, TEXTS)
+
+
 @pytest.mark.parametrize("split", ["gpt2", "qwen", "llama3"])
 def test_tokenizer_matches_the_tokenizers_library(engine_exe, qwen3, tmp_path, split):
     """Encoding (added tokens first, the declared pre-tokenizer split, merges by rank) and decoding, whole and
@@ -136,13 +158,7 @@ def test_tokenizer_matches_the_tokenizers_library(engine_exe, qwen3, tmp_path, s
     directory = qwen3 if split == "gpt2" else _with_split(
         qwen3, str(tmp_path / split), QWEN_SPLIT if split == "qwen" else LLAMA3_SPLIT)
     reference = Tokenizer.from_file(os.path.join(directory, "tokenizer.json"))
-    lines = "".join(json.dumps(text) + "\n" for text in TEXTS)
-    out = subprocess.run([engine_exe, "--tokenize", directory], input=lines.encode(), capture_output=True,
-                         timeout=120)
-    assert out.returncode == 0, out.stderr.decode(errors="replace")
-    answers = [json.loads(line) for line in out.stdout.decode().split("\n") if line]
-    assert len(answers) == len(TEXTS)
-    for text, answer in zip(TEXTS, answers):
+    for text, answer in zip(TEXTS, _tokenized(engine_exe, directory)):
         expected = reference.encode(text, add_special_tokens=False).ids
         assert answer["ids"] == expected, text
         assert answer["decoded"] == reference.decode(expected, skip_special_tokens=False) == text
@@ -156,21 +172,9 @@ def test_engine_health_says_loading_then_ready(qwen3_pipe, qwen3):
 
 
 def test_engine_chat_streams_then_done_with_usage_and_diag(qwen3_pipe):
-    text, done = qwen3_pipe.request({"op": "chat", "id": 2, "messages": FRANCE, "temp": 0, "n": 12, "diag": True})
-    assert text and done["done"] is True and done["finish"] in ("eos", "budget")
-    assert set(done["usage"]) == USAGE_KEYS
-    assert done["usage"]["prompt_tokens"] > 10 and done["usage"]["gen_tokens"] > 0
-    assert done["usage"]["prefill_ms"] > 0 and done["usage"]["decode_ms"] >= 0
-    diag = done["diag"]
-    assert diag["route"]["device"] == "cpu" and diag["route"]["format"] == "safetensors"
-    assert diag["route"]["architecture"] == "Qwen3ForCausalLM"
-    assert diag["prefill"]["prompt_tokens"] == done["usage"]["prompt_tokens"]
-    assert {"mode", "cached_tokens", "computed_tokens", "chunked"} <= set(diag["prefill"])
-    assert "hit_tokens" in diag["prefix_cache"]
-    again, done2 = qwen3_pipe.request({"op": "chat", "id": "2b", "messages": FRANCE, "temp": 0, "n": 12, "diag": True})
-    assert again == text
-    assert done2["diag"]["prefill"]["mode"] == "prefix-cached" and done2["diag"]["prefill"]["cached_tokens"] > 0
-    assert "diag" not in qwen3_pipe.request({"op": "chat", "id": "2c", "messages": FRANCE, "temp": 0, "n": 2})[1]
+    text, done = check_chat_usage_and_diag(qwen3_pipe, "safetensors", n=12)
+    assert text and done["finish"] in ("eos", "budget")
+    assert done["diag"]["route"]["architecture"] == "Qwen3ForCausalLM"
 
 
 def test_engine_stop_string_finish(qwen3_pipe):
@@ -197,65 +201,15 @@ def test_engine_sampling_fields_are_acted_on(qwen3_pipe):
 
 
 def test_engine_four_conversations_multiplexed(qwen3_pipe):
-    questions = ["What is the capital of France?", "Name three colours.", "What is 2 + 2?", "Say hello."]
-    for i, question in enumerate(questions):
-        qwen3_pipe.send({"op": "chat", "id": f"m{i}", "messages": [{"role": "user", "content": question}], "temp": 0,
-                   "n": 24})
-    results = [qwen3_pipe.router.collect(f"m{i}") for i in range(len(questions))]
-    assert all(done.get("done") for _, done in results)
-    order = [line["id"] for line in qwen3_pipe.router.all if str(line.get("id")).startswith("m") and "chunk" in line]
-    first_done = min(i for i, line in enumerate(qwen3_pipe.router.all) if str(line.get("id")).startswith("m")
-                     and line.get("done"))
-    assert len({line_id for line_id in order[:first_done]}) >= 2
-    assert sum(1 for line in qwen3_pipe.router.all[:first_done]
-               if str(line.get("id")).startswith("m") and "chunk" in line) < len(order)
+    check_four_conversations_interleave(qwen3_pipe)
 
 
 def test_engine_sessions_on_the_pipe(qwen3_pipe):
-    qwen3_pipe.send({"op": "open", "id": "o1", "session": "exe-a"})
-    assert qwen3_pipe.router.first("o1") == {"id": "o1", "session": "exe-a", "resumed": False}
-    text1, done1 = qwen3_pipe.request({"op": "chat", "id": "t1", "session": "exe-a", "messages": FRANCE, "temp": 0,
-                                 "n": 8})
-    text2, done2 = qwen3_pipe.request({"op": "chat", "id": "t2", "session": "exe-a", "temp": 0, "n": 16, "diag": True,
-                                 "messages": [{"role": "user", "content": "And of Italy?"}]})
-    assert done2["usage"]["prompt_tokens"] > done1["usage"]["prompt_tokens"] + done1["usage"]["gen_tokens"] - 2
-    assert done2["diag"]["prefill"]["cached_tokens"] > 0
-    qwen3_pipe.send({"op": "open", "id": "o2", "session": "exe-a"})
-    resumed = qwen3_pipe.router.first("o2")
-    assert resumed["resumed"] is True
-    assert [m["role"] for m in resumed["messages"]] == ["user", "assistant", "user", "assistant"]
-    assert resumed["messages"][1]["content"] == text1 and resumed["messages"][3]["content"] == text2
-    _, error = qwen3_pipe.request({"op": "generate", "id": "t3", "session": "exe-a", "prompt": "x"})
-    assert "holds a chat conversation" in error["error"]
-    qwen3_pipe.send({"op": "open", "id": "o3", "session": "exe-b"})
-    qwen3_pipe.router.first("o3")
-    part1, _ = qwen3_pipe.request({"op": "generate", "id": "g1", "session": "exe-b", "prompt": "One, two,", "n": 4,
-                             "temp": 0})
-    part2, done = qwen3_pipe.request({"op": "generate", "id": "g2", "session": "exe-b", "prompt": " and", "n": 3,
-                                "temp": 0})
-    assert done["usage"]["prompt_tokens"] >= 5
-    qwen3_pipe.send({"op": "open", "id": "o4", "session": "exe-b"})
-    assert qwen3_pipe.router.first("o4")["text"] == "One, two," + part1 + " and" + part2
-    for sid in ("exe-a", "exe-b"):
-        qwen3_pipe.send({"op": "close", "id": f"c-{sid}", "session": sid})
-        assert qwen3_pipe.router.first(f"c-{sid}") == {"id": f"c-{sid}", "session": sid, "closed": True}
-    _, error = qwen3_pipe.request({"op": "chat", "id": "t4", "session": "exe-a", "messages": FRANCE})
-    assert "not open" in error["error"]
+    check_sessions(qwen3_pipe, "exe", n=8)
 
 
 def test_engine_fuzz_lines_then_health(qwen3_pipe):
-    rng = random.Random(1234)
-    lines = [line for line in fuzz_lines(FUZZ_LINES, rng) if line.strip()]
-    before = len(qwen3_pipe.router.all)
-    start = time.monotonic()
-    for line in lines:
-        qwen3_pipe.send(line)
-    qwen3_pipe.send({"op": "health", "id": "after-fuzz"})
-    assert qwen3_pipe.router.first("after-fuzz", timeout=120)["state"] == "ready"
-    answers = qwen3_pipe.router.all[before:]
-    errors = [a for a in answers if set(a) == {"id", "error"}]
-    took = time.monotonic() - start
-    assert len(errors) == len(lines), f"{len(lines)} bad lines, {len(errors)} errors, in {took:.1f}s"
+    check_fuzz_lines_answered(qwen3_pipe)
     text, done = qwen3_pipe.request({"op": "chat", "id": "post-fuzz", "messages": FRANCE, "temp": 0, "n": 4})
     assert done["done"] is True and done["usage"]["gen_tokens"] > 0
 
@@ -302,10 +256,7 @@ def test_chat_rendering_matches_the_template(engine_exe, qwen3, tmp_path, templa
                   encoding="utf-8") as src, open(os.path.join(model, "chat_template.jinja"), "w",
                                                  encoding="utf-8") as dst:
             dst.write(src.read())
-    lines = "".join(json.dumps(messages) + "\n" for messages in CONVERSATIONS)
-    out = subprocess.run([engine_exe, "--render-chat", model], input=lines.encode(), capture_output=True, timeout=60)
-    answers = [json.loads(line) for line in out.stdout.decode().split("\n") if line]
-    assert len(answers) == len(CONVERSATIONS)
+    answers = _answers(engine_exe, "--render-chat", model, CONVERSATIONS)
     if template in ("r1_distill.jinja", "gemma3.jinja"):
         assert all("not a ChatML template" in answer["error"] for answer in answers)
         return
@@ -376,12 +327,7 @@ def test_gguf_tokenizer_matches_transformers(engine_exe, smollm2_gguf, smollm2_h
     """The tokenizer the executable builds from the GGUF's metadata (its tokens, merges, token types and
     ``tokenizer.ggml.pre`` "smollm", which splits as GPT-2's ByteLevel) encodes and decodes as transformers'
     tokenizer of the same file, special tokens such as ``<|im_start|>`` matched whole in the text."""
-    lines = "".join(json.dumps(text) + "\n" for text in TEXTS)
-    out = subprocess.run([engine_exe, "--tokenize", smollm2_gguf], input=lines.encode(), capture_output=True,
-                         timeout=120)
-    assert out.returncode == 0, out.stderr.decode(errors="replace")
-    answers = [json.loads(line) for line in out.stdout.decode().split("\n") if line]
-    assert len(answers) == len(TEXTS)
+    answers = _tokenized(engine_exe, smollm2_gguf)
     for text, answer in zip(TEXTS, answers):
         expected = smollm2_hf_tokenizer(text, add_special_tokens=False)["input_ids"]
         assert answer["ids"] == expected, text
@@ -393,11 +339,7 @@ def test_gguf_tokenizer_matches_transformers(engine_exe, smollm2_gguf, smollm2_h
 def test_gguf_chat_rendering_matches_transformers(engine_exe, smollm2_gguf, smollm2_hf_tokenizer):
     """The GGUF's ``tokenizer.chat_template`` (ChatML with a default system turn when the conversation has none)
     renders as transformers renders it, with the generation prompt."""
-    lines = "".join(json.dumps(messages) + "\n" for messages in CONVERSATIONS)
-    out = subprocess.run([engine_exe, "--render-chat", smollm2_gguf], input=lines.encode(), capture_output=True,
-                         timeout=60)
-    answers = [json.loads(line) for line in out.stdout.decode().split("\n") if line]
-    assert len(answers) == len(CONVERSATIONS)
+    answers = _answers(engine_exe, "--render-chat", smollm2_gguf, CONVERSATIONS)
     for messages, answer in zip(CONVERSATIONS, answers):
         assert answer["text"] == smollm2_hf_tokenizer.apply_chat_template(messages, tokenize=False,
                                                                          add_generation_prompt=True)

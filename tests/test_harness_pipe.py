@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
-import random
-import time
-
 import pytest
-from harness_utils import FRANCE, FUZZ_LINES, USAGE_KEYS, PipeProcess, checkpoint_without_template, fuzz_lines
+from harness_utils import (
+    FRANCE,
+    PipeProcess,
+    check_chat_usage_and_diag,
+    check_four_conversations_interleave,
+    check_fuzz_lines_answered,
+    check_sessions,
+    checkpoint_without_template,
+)
 
 pytestmark = pytest.mark.usefixtures("smollm2_gguf")
 
@@ -47,22 +52,9 @@ def test_health_says_loading_then_ready(pipe):
 
 
 def test_chat_streams_then_done_with_eos_usage_and_diag(pipe):
-    text, done = pipe.request({"op": "chat", "id": 2, "messages": FRANCE, "temp": 0, "diag": True})
+    text, done = check_chat_usage_and_diag(pipe, "gguf")
     assert text == "The capital of France is Paris."
-    assert done["done"] is True and done["finish"] == "eos"
-    assert set(done["usage"]) == USAGE_KEYS
-    assert done["usage"]["prompt_tokens"] > 10 and done["usage"]["gen_tokens"] > 0
-    assert done["usage"]["prefill_ms"] > 0 and done["usage"]["decode_ms"] >= 0
-    diag = done["diag"]
-    assert diag["route"]["device"] == "cpu" and diag["route"]["format"] == "gguf"
-    assert diag["prefill"]["prompt_tokens"] == done["usage"]["prompt_tokens"]
-    assert {"mode", "cached_tokens", "computed_tokens", "chunked"} <= set(diag["prefill"])
-    assert "hit_tokens" in diag["prefix_cache"]
-    # The same conversation again is served from the prefix cache, with the same greedy answer.
-    again, done2 = pipe.request({"op": "chat", "id": "2b", "messages": FRANCE, "temp": 0, "diag": True})
-    assert again == text
-    assert done2["diag"]["prefill"]["mode"] == "prefix-cached" and done2["diag"]["prefill"]["cached_tokens"] > 0
-    assert "diag" not in pipe.request({"op": "chat", "id": "2c", "messages": FRANCE, "temp": 0, "n": 2})[1]
+    assert done["finish"] == "eos"
 
 
 def test_budget_finish_and_end_of_generation_tokens_never_in_chunks(pipe):
@@ -115,54 +107,12 @@ def test_cancel(pipe):
 
 
 def test_four_conversations_multiplexed(pipe):
-    questions = ["What is the capital of France?", "Name three colours.", "What is 2 + 2?", "Say hello."]
-    for i, question in enumerate(questions):
-        pipe.send({"op": "chat", "id": f"m{i}", "messages": [{"role": "user", "content": question}], "temp": 0,
-                   "n": 24})
-    results = [pipe.router.collect(f"m{i}") for i in range(len(questions))]
-    assert all(done.get("done") for _, done in results)
+    results = check_four_conversations_interleave(pipe)
     assert results[0][0].startswith("The capital of France is Paris")
-    # The answers were interleaved on the pipe, not served one after another.
-    order = [line["id"] for line in pipe.router.all if str(line.get("id")).startswith("m") and "chunk" in line]
-    first_done = min(i for i, line in enumerate(pipe.router.all) if str(line.get("id")).startswith("m")
-                     and line.get("done"))
-    assert len({line_id for line_id in order[:first_done]}) >= 2
-    assert sum(1 for line in pipe.router.all[:first_done]
-               if str(line.get("id")).startswith("m") and "chunk" in line) < len(order)
 
 
 def test_sessions_on_the_pipe(pipe):
-    pipe.send({"op": "open", "id": "o1", "session": "pipe-a"})
-    opened = pipe.router.first("o1")
-    assert opened == {"id": "o1", "session": "pipe-a", "resumed": False}
-    text1, done1 = pipe.request({"op": "chat", "id": "t1", "session": "pipe-a", "messages": FRANCE, "temp": 0})
-    assert "Paris" in text1
-    text2, done2 = pipe.request({"op": "chat", "id": "t2", "session": "pipe-a", "temp": 0, "n": 16, "diag": True,
-                                 "messages": [{"role": "user", "content": "And of Italy?"}]})
-    assert done2["usage"]["prompt_tokens"] > done1["usage"]["prompt_tokens"] + done1["usage"]["gen_tokens"] - 2
-    assert done2["diag"]["prefill"]["cached_tokens"] > 0   # the first turn's KV is reused
-    pipe.send({"op": "open", "id": "o2", "session": "pipe-a"})
-    resumed = pipe.router.first("o2")
-    assert resumed["resumed"] is True
-    assert [m["role"] for m in resumed["messages"]] == ["user", "assistant", "user", "assistant"]
-    assert resumed["messages"][1]["content"] == text1 and resumed["messages"][3]["content"] == text2
-    _, error = pipe.request({"op": "generate", "id": "t3", "session": "pipe-a", "prompt": "x"})
-    assert "holds a chat conversation" in error["error"]
-    # A text session continues its own text.
-    pipe.send({"op": "open", "id": "o3", "session": "pipe-b"})
-    pipe.router.first("o3")
-    part1, _ = pipe.request({"op": "generate", "id": "g1", "session": "pipe-b", "prompt": "One, two,", "n": 4,
-                             "temp": 0})
-    part2, done = pipe.request({"op": "generate", "id": "g2", "session": "pipe-b", "prompt": " and", "n": 3,
-                                "temp": 0})
-    assert done["usage"]["prompt_tokens"] >= 5
-    pipe.send({"op": "open", "id": "o4", "session": "pipe-b"})
-    assert pipe.router.first("o4")["text"] == "One, two," + part1 + " and" + part2
-    for sid in ("pipe-a", "pipe-b"):
-        pipe.send({"op": "close", "id": f"c-{sid}", "session": sid})
-        assert pipe.router.first(f"c-{sid}") == {"id": f"c-{sid}", "session": sid, "closed": True}
-    _, error = pipe.request({"op": "chat", "id": "t4", "session": "pipe-a", "messages": FRANCE})
-    assert "not open" in error["error"]
+    assert "Paris" in check_sessions(pipe, "pipe")
 
 
 @pytest.mark.parametrize("line, id_, needle", [
@@ -216,19 +166,7 @@ def test_duplicate_running_id_is_refused(pipe):
 
 
 def test_fuzz_lines_then_health(pipe):
-    rng = random.Random(1234)
-    lines = [line for line in fuzz_lines(FUZZ_LINES, rng) if line.strip()]
-    before = len(pipe.router.all)
-    start = time.monotonic()
-    for line in lines:
-        pipe.send(line)
-    pipe.send({"op": "health", "id": "after-fuzz"})
-    health = pipe.router.first("after-fuzz", timeout=120)
-    assert health["state"] == "ready"
-    answers = pipe.router.all[before:]
-    errors = [a for a in answers if set(a) == {"id", "error"}]
-    took = time.monotonic() - start
-    assert len(errors) == len(lines), f"{len(lines)} bad lines, {len(errors)} errors, in {took:.1f}s"
+    check_fuzz_lines_answered(pipe)
     text, done = pipe.request({"op": "chat", "id": "post-fuzz", "messages": FRANCE, "temp": 0})
     assert text == "The capital of France is Paris."
 
