@@ -411,3 +411,18 @@ def check_fuzz_lines_answered(pipe: PipeProcess) -> None:
     errors = [a for a in answers if set(a) == {"id", "error"}]
     took = time.monotonic() - start
     assert len(errors) == len(lines), f"{len(lines)} bad lines, {len(errors)} errors, in {took:.1f}s"
+
+
+def check_sampling_fields(pipe: PipeProcess, echo_tokens: int) -> None:
+    """The seed decides a sampled answer (same seed, same text; another seed, another), and ``repeat_penalty``
+    changes a greedy answer that repeats its prompt (over ``echo_tokens`` tokens)."""
+    prompt = {"op": "generate", "prompt": "Once upon a time", "n": 8, "temp": 1.0, "top_k": 50, "top_p": 0.9,
+              "repeat_penalty": 1.1}
+    a, _ = pipe.request({**prompt, "id": "s1", "seed": 7})
+    b, _ = pipe.request({**prompt, "id": "s2", "seed": 7})
+    c, _ = pipe.request({**prompt, "id": "s3", "seed": 8})
+    assert a == b and a != c
+    echo = {**prompt, "prompt": "apple apple apple apple apple apple", "n": echo_tokens, "temp": 0}
+    greedy, _ = pipe.request({**echo, "id": "s4", "repeat_penalty": 1.0})
+    penalised, _ = pipe.request({**echo, "id": "s5", "repeat_penalty": 2.0})
+    assert greedy != penalised

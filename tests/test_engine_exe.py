@@ -23,6 +23,7 @@ from harness_utils import (
     check_chat_usage_and_diag,
     check_four_conversations_interleave,
     check_fuzz_lines_answered,
+    check_sampling_fields,
     check_sessions,
     checkpoint_without_template,
 )
@@ -188,16 +189,7 @@ def test_engine_stop_string_finish(qwen3_pipe):
 
 
 def test_engine_sampling_fields_are_acted_on(qwen3_pipe):
-    prompt = {"op": "generate", "prompt": "Once upon a time", "n": 8, "temp": 1.0, "top_k": 50, "top_p": 0.9,
-              "repeat_penalty": 1.1}
-    a, _ = qwen3_pipe.request({**prompt, "id": "s1", "seed": 7})
-    b, _ = qwen3_pipe.request({**prompt, "id": "s2", "seed": 7})
-    c, _ = qwen3_pipe.request({**prompt, "id": "s3", "seed": 8})
-    assert a == b and a != c
-    echo = {**prompt, "prompt": "apple apple apple apple apple apple", "n": 40, "temp": 0}
-    greedy, _ = qwen3_pipe.request({**echo, "id": "s4", "repeat_penalty": 1.0})
-    penalised, _ = qwen3_pipe.request({**echo, "id": "s5", "repeat_penalty": 2.0})
-    assert greedy != penalised
+    check_sampling_fields(qwen3_pipe, echo_tokens=40)
 
 
 def test_engine_four_conversations_multiplexed(qwen3_pipe):
@@ -284,6 +276,17 @@ def test_engine_signal_drains_then_exits(pipe_process, qwen3, sig, status):
         proc.stop()
 
 
+def _load_failure(pipe_process, model: str) -> tuple[dict, list]:
+    """The executable on a ``model`` it cannot load: it exits 1; its error line, and any stray stdout lines."""
+    proc = pipe_process("--model", model)
+    try:
+        assert proc.proc.wait(60) == 1, proc.error_output()
+        proc.reader.join(10)
+        return proc.router.untagged_matching(lambda line: "error" in line, timeout=1), list(proc.impure)
+    finally:
+        proc.stop()
+
+
 def test_engine_load_failure_is_reported_then_exits_one(pipe_process, qwen3, tmp_path):
     """A checkpoint it cannot serve (here a tokenizer with a WordPiece model): health says failed, the reason
     comes as an error line, and the process exits 1, as the pipe does."""
@@ -294,15 +297,9 @@ def test_engine_load_failure_is_reported_then_exits_one(pipe_process, qwen3, tmp
     config["model"]["type"] = "WordPiece"
     with open(os.path.join(model, "tokenizer.json"), "w", encoding="utf-8") as handle:
         json.dump(config, handle)
-    proc = pipe_process("--model", model)
-    try:
-        assert proc.proc.wait(60) == 1, proc.error_output()
-        proc.reader.join(10)
-        error = proc.router.untagged_matching(lambda line: "error" in line, timeout=1)
-        assert "the model failed to load" in error["error"] and "only BPE" in error["error"]
-        assert not proc.impure
-    finally:
-        proc.stop()
+    error, impure = _load_failure(pipe_process, model)
+    assert "the model failed to load" in error["error"] and "only BPE" in error["error"]
+    assert not impure
 
 
 def _served(engine_exe: str, model: str, requests: list[dict]) -> dict:
@@ -383,11 +380,5 @@ def test_gguf_of_another_architecture_is_refused_by_name(pipe_process, tmp_path)
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    proc = pipe_process("--model", path)
-    try:
-        assert proc.proc.wait(60) == 1, proc.error_output()
-        proc.reader.join(10)
-        error = proc.router.untagged_matching(lambda line: "error" in line, timeout=1)
-        assert "the model failed to load" in error["error"] and "'gemma3'" in error["error"]
-    finally:
-        proc.stop()
+    error, _ = _load_failure(pipe_process, path)
+    assert "the model failed to load" in error["error"] and "'gemma3'" in error["error"]

@@ -9,6 +9,7 @@ from harness_utils import (
     check_chat_usage_and_diag,
     check_four_conversations_interleave,
     check_fuzz_lines_answered,
+    check_sampling_fields,
     check_sessions,
     checkpoint_without_template,
 )
@@ -81,16 +82,7 @@ def test_stop_string_finish(pipe):
 
 
 def test_sampling_fields_are_acted_on(pipe):
-    prompt = {"op": "generate", "prompt": "Once upon a time", "n": 8, "temp": 1.0, "top_k": 50, "top_p": 0.9,
-              "repeat_penalty": 1.1}
-    a, _ = pipe.request({**prompt, "id": "s1", "seed": 7})
-    b, _ = pipe.request({**prompt, "id": "s2", "seed": 7})
-    c, _ = pipe.request({**prompt, "id": "s3", "seed": 8})
-    assert a == b and a != c
-    echo = {**prompt, "prompt": "apple apple apple apple apple apple", "n": 4, "temp": 0}
-    greedy, _ = pipe.request({**echo, "id": "s4", "repeat_penalty": 1.0})
-    penalised, _ = pipe.request({**echo, "id": "s5", "repeat_penalty": 2.0})
-    assert greedy != penalised
+    check_sampling_fields(pipe, echo_tokens=4)
 
 
 def test_cancel(pipe):

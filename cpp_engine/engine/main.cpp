@@ -830,34 +830,40 @@ int for_each_stdin_line(const std::function<void(const std::string&)>& serve) {
   return 0;
 }
 
+// The test modes: each stdin line answered with the object `answer` fills for it, or {"error": why} when it throws.
+int answer_stdin_lines(const std::function<void(const std::string&, WireValue&)>& answer) {
+  return for_each_stdin_line([&](const std::string& line) {
+    WireValue out = WireValue::object();
+    try {
+      answer(line, out);
+    } catch (const std::exception& err) {
+      out.set("error", WireValue::str(err.what()));
+    }
+    send(out);
+  });
+}
+
 // --tokenize DIR|FILE.gguf: no model, only its tokenizer. Each stdin line is a JSON string; each answer line holds its
 // "ids" (encoded without the post-processor's special tokens), "decoded" (the ids decoded whole) and "streamed"
 // (the ids decoded one token at a time, as generation streams them, joined).
 int tokenize(const std::string& dir) {
   TextSide side = open_text_side(dir);
   const BpeTokenizer& tokenizer = *side.tokenizer;
-  auto serve = [&](const std::string& text) {
-    WireValue out = WireValue::object();
-    try {
-      WireValue in = parse_wire(text);
-      if (!in.is_string()) throw std::runtime_error("each line must be a JSON string");
-      std::vector<int64_t> ids = tokenizer.encode(in.text, false);
-      WireValue list = WireValue::array();
-      Utf8Stream stream;
-      std::string streamed;
-      for (int64_t id : ids) {
-        list.items.push_back(WireValue::num(id));
-        streamed += stream.push(tokenizer.token_bytes(id));
-      }
-      streamed += stream.flush();
-      out.set("ids", list).set("decoded", WireValue::str(tokenizer.decode(ids, false)))
-          .set("streamed", WireValue::str(streamed));
-    } catch (const std::exception& err) {
-      out.set("error", WireValue::str(err.what()));
+  return answer_stdin_lines([&](const std::string& line, WireValue& out) {
+    WireValue in = parse_wire(line);
+    if (!in.is_string()) throw std::runtime_error("each line must be a JSON string");
+    std::vector<int64_t> ids = tokenizer.encode(in.text, false);
+    WireValue list = WireValue::array();
+    Utf8Stream stream;
+    std::string streamed;
+    for (int64_t id : ids) {
+      list.items.push_back(WireValue::num(id));
+      streamed += stream.push(tokenizer.token_bytes(id));
     }
-    send(out);
-  };
-  return for_each_stdin_line(serve);
+    streamed += stream.flush();
+    out.set("ids", list).set("decoded", WireValue::str(tokenizer.decode(ids, false)))
+        .set("streamed", WireValue::str(streamed));
+  });
 }
 
 // --render-chat DIR|FILE.gguf: each stdin line is a JSON list of {"role", "content"} messages; each answer line holds the
@@ -865,21 +871,14 @@ int tokenize(const std::string& dir) {
 int render_chat(const std::string& dir) {
   TextSide side = open_text_side(dir);
   const ChatTemplate& chat = *side.chat;
-  auto serve = [&](const std::string& line) {
-    WireValue out = WireValue::object();
-    try {
-      WireValue in = parse_wire(line);
-      std::vector<ChatMessage> messages;
-      for (const WireValue& m : in.items) messages.push_back({m.find("role")->text, m.find("content")->text});
-      std::string why = chat.refusal();
-      if (why.empty()) out.set("text", WireValue::str(chat.render(messages)));
-      else out.set("error", WireValue::str(why));
-    } catch (const std::exception& err) {
-      out.set("error", WireValue::str(err.what()));
-    }
-    send(out);
-  };
-  return for_each_stdin_line(serve);
+  return answer_stdin_lines([&](const std::string& line, WireValue& out) {
+    WireValue in = parse_wire(line);
+    std::vector<ChatMessage> messages;
+    for (const WireValue& m : in.items) messages.push_back({m.find("role")->text, m.find("content")->text});
+    std::string why = chat.refusal();
+    if (why.empty()) out.set("text", WireValue::str(chat.render(messages)));
+    else out.set("error", WireValue::str(why));
+  });
 }
 
 int run(int argc, char** argv) {
