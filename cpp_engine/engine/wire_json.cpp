@@ -39,12 +39,9 @@ struct Reader {
     if (i + 4 > s.size()) fail("a \\u escape is cut short");
     uint32_t v = 0;
     for (int k = 0; k < 4; ++k) {
-      char c = s[i++];
-      v <<= 4;
-      if (c >= '0' && c <= '9') v |= c - '0';
-      else if (c >= 'a' && c <= 'f') v |= c - 'a' + 10;
-      else if (c >= 'A' && c <= 'F') v |= c - 'A' + 10;
-      else fail("a \\u escape holds a non-hex digit");
+      int digit = hex_digit(s[i++]);
+      if (digit < 0) fail("a \\u escape holds a non-hex digit");
+      v = (v << 4) | static_cast<uint32_t>(digit);
     }
     return v;
   }
@@ -60,30 +57,18 @@ struct Reader {
       if (c != '\\') { v.text += c; continue; }
       if (i >= s.size()) fail("unterminated string");
       char e = s[i++];
-      switch (e) {
-        case '"': v.text += '"'; break;
-        case '\\': v.text += '\\'; break;
-        case '/': v.text += '/'; break;
-        case 'b': v.text += '\b'; break;
-        case 'f': v.text += '\f'; break;
-        case 'n': v.text += '\n'; break;
-        case 'r': v.text += '\r'; break;
-        case 't': v.text += '\t'; break;
-        case 'u': {
-          uint32_t cp = hex4();
-          if (cp >= 0xD800 && cp < 0xDC00 && i + 6 <= s.size() && s[i] == '\\' && s[i + 1] == 'u') {
-            size_t save = i;
-            i += 2;
-            uint32_t lo = hex4();
-            if (lo >= 0xDC00 && lo < 0xE000) cp = 0x10000 + ((cp - 0xD800) << 10) + (lo - 0xDC00);
-            else i = save;   // not a pair: the high surrogate stays alone
-          }
-          if (cp >= 0xD800 && cp < 0xE000) v.lone_surrogate = true;
-          append_utf8(v.text, cp);
-          break;
-        }
-        default: fail("an invalid escape");
+      if (char plain = json_escape_char(e)) { v.text += plain; continue; }
+      if (e != 'u') fail("an invalid escape");
+      uint32_t cp = hex4();
+      if (cp >= 0xD800 && cp < 0xDC00 && i + 6 <= s.size() && s[i] == '\\' && s[i + 1] == 'u') {
+        size_t save = i;
+        i += 2;
+        uint32_t lo = hex4();
+        if (lo >= 0xDC00 && lo < 0xE000) cp = 0x10000 + ((cp - 0xD800) << 10) + (lo - 0xDC00);
+        else i = save;   // not a pair: the high surrogate stays alone
       }
+      if (cp >= 0xD800 && cp < 0xE000) v.lone_surrogate = true;
+      append_utf8(v.text, cp);
     }
   }
   WireValue number_value() {

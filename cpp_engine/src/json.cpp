@@ -25,6 +25,27 @@ void append_utf8(std::string& out, uint32_t cp) {
   }
 }
 
+char json_escape_char(char letter) {
+  switch (letter) {
+    case '"': return '"';
+    case '\\': return '\\';
+    case '/': return '/';
+    case 'b': return '\b';
+    case 'f': return '\f';
+    case 'n': return '\n';
+    case 'r': return '\r';
+    case 't': return '\t';
+    default: return 0;
+  }
+}
+
+int hex_digit(char c) {
+  if (c >= '0' && c <= '9') return c - '0';
+  if (c >= 'a' && c <= 'f') return c - 'a' + 10;
+  if (c >= 'A' && c <= 'F') return c - 'A' + 10;
+  return -1;
+}
+
 namespace {
 
 struct Parser {
@@ -47,12 +68,9 @@ struct Parser {
     if (i + 4 > s.size()) fail("short \\u escape");
     uint32_t v = 0;
     for (int k = 0; k < 4; ++k) {
-      char c = s[i++];
-      v <<= 4;
-      if (c >= '0' && c <= '9') v |= c - '0';
-      else if (c >= 'a' && c <= 'f') v |= c - 'a' + 10;
-      else if (c >= 'A' && c <= 'F') v |= c - 'A' + 10;
-      else fail("bad \\u escape");
+      int digit = hex_digit(s[i++]);
+      if (digit < 0) fail("bad \\u escape");
+      v = (v << 4) | static_cast<uint32_t>(digit);
     }
     return v;
   }
@@ -68,28 +86,16 @@ struct Parser {
       if (c != '\\') { out += c; continue; }
       if (i >= s.size()) fail("unterminated escape");
       char e = s[i++];
-      switch (e) {
-        case '"': out += '"'; break;
-        case '\\': out += '\\'; break;
-        case '/': out += '/'; break;
-        case 'b': out += '\b'; break;
-        case 'f': out += '\f'; break;
-        case 'n': out += '\n'; break;
-        case 'r': out += '\r'; break;
-        case 't': out += '\t'; break;
-        case 'u': {
-          uint32_t cp = hex4();
-          if (cp >= 0xD800 && cp < 0xDC00 && i + 6 <= s.size() && s[i] == '\\' && s[i + 1] == 'u') {
-            i += 2;
-            uint32_t lo = hex4();
-            if (lo < 0xDC00 || lo >= 0xE000) fail("bad surrogate pair");
-            cp = 0x10000 + ((cp - 0xD800) << 10) + (lo - 0xDC00);
-          }
-          append_utf8(out, cp);
-          break;
-        }
-        default: fail("bad escape");
+      if (char plain = json_escape_char(e)) { out += plain; continue; }
+      if (e != 'u') fail("bad escape");
+      uint32_t cp = hex4();
+      if (cp >= 0xD800 && cp < 0xDC00 && i + 6 <= s.size() && s[i] == '\\' && s[i + 1] == 'u') {
+        i += 2;
+        uint32_t lo = hex4();
+        if (lo < 0xDC00 || lo >= 0xE000) fail("bad surrogate pair");
+        cp = 0x10000 + ((cp - 0xD800) << 10) + (lo - 0xDC00);
       }
+      append_utf8(out, cp);
     }
   }
   Json value() {

@@ -49,4 +49,11 @@ struct Json {
 // a lone surrogate means).
 void append_utf8(std::string& out, uint32_t cp);
 
+// The character a one-letter JSON escape stands for (\" \\ \/ \b \f \n \r \t, given the letter after the
+// backslash); 0 for any other letter (\u is the caller's).
+char json_escape_char(char letter);
+
+// The value of hex digit `c`, or -1 when it is not one.
+int hex_digit(char c);
+
 }  // namespace pocket
