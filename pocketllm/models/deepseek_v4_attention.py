@@ -138,18 +138,16 @@ def table_slots(tables: torch.Tensor, indices: torch.Tensor, block_size: int) ->
     return tables.gather(1, indices // block_size) * block_size + indices % block_size
 
 
-def entries_of_rows(cache: torch.Tensor, tables: torch.Tensor, counts: list[int],
+def entries_of_rows(cache: torch.Tensor, tables: torch.Tensor, counts: torch.Tensor, most: int,
                     block_size: int) -> tuple[torch.Tensor, torch.Tensor] | tuple[None, None]:
-    """Each sequence's first ``counts[b]`` paged entries, padded to the most: rows [B, n, D] and which are real
-    (bool [B, n]); (None, None) when no sequence has one."""
-    most = max(counts)
+    """Each sequence's first ``counts[b]`` paged entries, padded to the ``most`` of them (known on the host): rows
+    [B, n, D] and which are real (bool [B, n]); (None, None) when no sequence has one."""
     if most == 0:
         return None, None
-    device = tables.device
-    index = torch.arange(most, device=device)[None, :].expand(len(counts), -1)
-    real = index < torch.tensor(counts, device=device)[:, None]
+    index = torch.arange(most, device=tables.device)[None, :].expand(counts.shape[0], -1)
+    real = index < counts[:, None]
     rows = read_rows(cache, table_slots(tables, index, block_size).flatten())
-    return rows.view(len(counts), most, -1), real
+    return rows.view(counts.shape[0], most, -1), real
 
 
 # ------------------------------------------------------------------------------------------------ compressors
@@ -205,27 +203,25 @@ class WindowPool(nn.Module):
     def state_names(self) -> tuple[str, ...]:
         return ("open_kv", "open_gate") + (("overlap_kv", "overlap_gate") if self.overlap else ())
 
-    def pool_rows(self, hidden: torch.Tensor, positions: list[int], slots: list[int], tables: torch.Tensor,
-                  block_size: int, cache: torch.Tensor) -> None:
-        """``pool`` for a decode step: one new token per sequence (``hidden`` [B, H], host ``positions`` and state
-        ``slots``), each joining its sequence's open window; the windows they close are pooled and paged into
-        ``cache`` at their entry index, through the sequence's row of ``tables``."""
+    def pool_rows(self, hidden: torch.Tensor, positions: torch.Tensor, host_positions: list[int],
+                  slots: torch.Tensor, tables: torch.Tensor, block_size: int, cache: torch.Tensor) -> None:
+        """``pool`` for a decode step: one new token per sequence (``hidden`` [B, H] at ``positions``, of which the
+        host holds a copy, in state ``slots``), each joining its sequence's open window; the windows they close are
+        pooled and paged into ``cache`` at their entry index, through the sequence's row of ``tables``."""
         kv, gate = self.kv_proj(hidden).float(), self.gate_proj(hidden).float()
-        device = hidden.device
-        slot = torch.tensor(slots, device=device)
-        held = torch.tensor([p % self.rate for p in positions], device=device)
-        self.open_kv[slot, held] = kv
-        self.open_gate[slot, held] = gate
-        closing = [b for b, p in enumerate(positions) if p % self.rate == self.rate - 1]
+        held = positions % self.rate
+        self.open_kv[slots, held] = kv
+        self.open_gate[slots, held] = gate
+        closing = [b for b, p in enumerate(host_positions) if p % self.rate == self.rate - 1]
         if not closing:
             return
-        rows = torch.tensor(closing, device=device)
-        windows = [positions[b] // self.rate for b in closing]
-        kv, gate = self.open_kv[slot[rows]], self.open_gate[slot[rows]] + self.position_bias   # [c, rate, width]
+        rows = torch.tensor(closing, device=hidden.device)
+        windows = [host_positions[b] // self.rate for b in closing]
+        kv, gate = self.open_kv[slots[rows]], self.open_gate[slots[rows]] + self.position_bias   # [c, rate, width]
         if self.overlap:
-            kv, gate = self._overlap_rows(kv, gate, slot[rows], windows)
+            kv, gate = self._overlap_rows(kv, gate, slots[rows], windows)
         weights = torch.softmax(gate, dim=1, dtype=torch.float32)
-        window = torch.tensor(windows, device=device)
+        window = positions[rows] // self.rate
         entries = self.rotary(self.kv_norm((kv * weights).sum(dim=1)), window * self.rate)
         write_rows(cache, table_slots(tables[rows], window[:, None], block_size).squeeze(1), entries)
 
@@ -321,14 +317,14 @@ class Indexer(WindowPool):
 
 
     def select_rows(self, hidden: torch.Tensor, q_residual: torch.Tensor, positions: torch.Tensor,
-                    host_positions: list[int], slots: list[int], tables: torch.Tensor, block_size: int,
-                    counts: list[int], visible: torch.Tensor | None) -> torch.Tensor | None:
+                    host_positions: list[int], slots: torch.Tensor, tables: torch.Tensor, block_size: int,
+                    counts: torch.Tensor, visible: torch.Tensor | None) -> torch.Tensor | None:
         """``select`` for a decode step (one query per sequence): which of each sequence's ``counts`` entries
         (``visible`` [B, n], None: none yet) its query keeps."""
-        self.pool_rows(hidden, host_positions, slots, tables, block_size, self.keys.k_cache)
+        self.pool_rows(hidden, positions, host_positions, slots, tables, block_size, self.keys.k_cache)
         if visible is None:
             return None
-        keys, _ = entries_of_rows(self.keys.k_cache, tables, counts, block_size)
+        keys, _ = entries_of_rows(self.keys.k_cache, tables, counts, visible.shape[1], block_size)
         q = self.rotary(self.q_b_proj(q_residual).view(-1, self.heads, self.dim), positions).float()
         scores = F.relu(torch.einsum("bhc,bnc->bhn", q, keys.float())) * self.dim ** -0.5
         weights = self.scorer.weights_proj(hidden).float() * self.heads ** -0.5
@@ -366,14 +362,15 @@ class Compressor(WindowPool):
 
 
     def history_rows(self, hidden: torch.Tensor, q_residual: torch.Tensor, positions: torch.Tensor,
-                     host_positions: list[int], slots: list[int], tables: torch.Tensor, block_size: int,
+                     host_positions: list[int], slots: torch.Tensor, tables: torch.Tensor, block_size: int,
                      cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | tuple[None, None]:
         """``history`` for a decode step (one new token per sequence, at host ``positions``): every sequence's
         entries so far, padded ([B, n, D]), and which of them its query attends ([B, n]); (None, None) while no
         sequence has closed a window."""
-        self.pool_rows(hidden, host_positions, slots, tables, block_size, cache)
-        counts = [(p + 1) // self.rate for p in host_positions]
-        history, visible = entries_of_rows(cache, tables, counts, block_size)
+        self.pool_rows(hidden, positions, host_positions, slots, tables, block_size, cache)
+        counts = (positions + 1) // self.rate
+        most = (max(host_positions) + 1) // self.rate
+        history, visible = entries_of_rows(cache, tables, counts, most, block_size)
         if self.indexer is not None:
             visible = self.indexer.select_rows(hidden, q_residual, positions, host_positions, slots, tables,
                                                block_size, counts, visible)
@@ -429,7 +426,7 @@ class DeepseekV4Attention(nn.Module):
         history = visible = None
         if self.compressor is not None:
             history, visible = self.compressor.history_rows(hidden, q_residual, positions, host_positions,
-                                                            meta.state_slots_host, tables, block_size,
+                                                            meta.state_slots, tables, block_size,
                                                             self.attn.v_cache)
         offsets = torch.arange(1 - self.window, 1, device=q.device)
         key_positions = positions[:, None] + offsets[None, :]                       # [B, window]

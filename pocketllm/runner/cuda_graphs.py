@@ -141,11 +141,10 @@ class CudaStepRunner:
         """Logits (model dtype) of the rows that sample this step (None if none does); pending inputs are taken
         from ``previous_tokens`` on the device."""
         n = host.num_seqs
-        fits = max(len(t) for t in host.tables) <= self.graph_width
-        if host.is_plain_decode and n <= self.max_graph_bs and fits:
+        if host.is_plain_decode and n <= self.max_graph_bs and self._tables_fit(host):
             return self._replay(host, previous_tokens)
-        if (self.flat_graphs and fits and host.num_tokens <= self.max_graph_bs
-                and len(host.sample_index) == host.num_tokens and host.max_query_len <= FLAT_MAX_QUERY):
+        if (self.flat_graphs and host.num_tokens <= self.max_graph_bs and len(host.sample_index) == host.num_tokens
+                and host.max_query_len <= FLAT_MAX_QUERY and self._tables_fit(host)):
             self.flat_replays += 1
             return self._replay(host.flattened(), previous_tokens, self.flat_graphs)
         (hidden, residual), sample_index = self._eager(host, previous_tokens)
@@ -154,6 +153,10 @@ class CudaStepRunner:
         if len(host.sample_index) != host.num_tokens:
             hidden, residual = hidden.index_select(0, sample_index), residual.index_select(0, sample_index)
         return self.model.logits_unnormed(hidden, residual)
+
+    def _tables_fit(self, host: HostBatch) -> bool:
+        """Whether every block table fits the graphs' static table width."""
+        return max(len(t) for t in host.tables) <= self.graph_width
 
     def _eager(self, host: HostBatch, previous_tokens: torch.Tensor | None
                ) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor]:
