@@ -34,7 +34,7 @@ def _run(args: EngineArgs, warm: bool) -> tuple[list[list[int]], list[list[int]]
     ("qwen3_5_text", {}),
 ])
 def test_warm_up_leaves_the_engine_as_new(arch, extra, tiny_checkpoint):
-    args = EngineArgs(model=tiny_checkpoint(arch), seed=7, num_kv_blocks=64, **extra)
+    args = EngineArgs(model=tiny_checkpoint(arch), backend="torch", seed=7, num_kv_blocks=64, **extra)
     fresh = _run(args, warm=False)
     warmed = _run(args, warm=True)
     greedy, sampled, before, after = warmed

@@ -7,6 +7,7 @@ import asyncio
 import time
 
 import pytest
+import torch
 
 from pocketllm import LLM, AsyncLLM, EngineArgs, SamplingParams
 from pocketllm.backends import native as native_module
@@ -44,6 +45,8 @@ def test_unsupported_options_are_refused_before_loading(qwen3, fields, monkeypat
 
 def test_unsupported_checkpoints_are_refused(tiny_checkpoint, smollm2_gguf, monkeypatch):
     monkeypatch.setattr(native_module, "import_native", lambda: pytest.fail("the native module was imported"))
+    for probe in ("is_available", "device_count", "_lazy_init", "init"):   # refused before CUDA is asked about
+        monkeypatch.setattr(torch.cuda, probe, lambda *a, p=probe: pytest.fail(f"torch.cuda.{p} was called"))
     for model in (tiny_checkpoint("llama"), tiny_checkpoint("qwen2"), smollm2_gguf, None):
         with pytest.raises(UnsupportedFeatureError, match="native plane"):
             LLM(EngineArgs(model=model, backend="cpp"))
@@ -57,19 +60,77 @@ def test_a_missing_module_names_the_build(qwen3, monkeypatch):
         LLM(EngineArgs(model=qwen3, backend="cpp"))
 
 
-def test_auto_picks_native_only_for_qwen3_5_it_runs(qwen3, tiny_checkpoint, monkeypatch):
+@pytest.fixture
+def built(monkeypatch):
+    """The auto rule as on a CPU-only machine where the native module is built (neither is asked for real)."""
     monkeypatch.setattr(native_module, "import_native", lambda: object())
-    assert "qwen3_5_text" in native_module.NATIVE_MODEL_TYPES   # backend='cpp' runs it ...
-    assert not native_module.auto_picks_native(tiny_checkpoint("qwen3_5_text"), "auto")   # ... auto stays on Torch
-    monkeypatch.setattr(native_module, "AUTO_SELECTS_NATIVE", True)
-    assert not native_module.auto_picks_native(qwen3, "auto")   # Qwen3 stays on Torch under the spec's rule
-    assert native_module.auto_picks_native(tiny_checkpoint("qwen3_5_text"), "auto")
-    monkeypatch.setattr(native_module, "NATIVE_MODEL_TYPES", ("qwen3", "qwen3_moe"))
-    assert not native_module.auto_picks_native(tiny_checkpoint("qwen3_5_text"), "auto")
-    monkeypatch.setattr(native_module, "NATIVE_MODEL_TYPES", ("qwen3", "qwen3_5_text"))
-    assert not native_module.auto_picks_native(tiny_checkpoint("qwen3_5_text"), "dummy")
+    monkeypatch.setattr(native_module, "_cuda_available", lambda: False)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_5_text", "qwen3_5_moe_text"])
+def test_auto_picks_native_for_qwen3_5_safetensors(built, tiny_checkpoint, arch):
+    assert native_module.auto_picks_native(EngineArgs(model=tiny_checkpoint(arch)))
+    assert native_module.auto_picks_native(EngineArgs(model=tiny_checkpoint(arch), device="cpu",
+                                                      backend_options={"eos_token_id": 2}))
+
+
+def test_auto_stays_on_torch_for_other_checkpoints(built, qwen3, tiny_checkpoint, smollm2_gguf, monkeypatch, caplog):
+    monkeypatch.setattr(native_module, "import_native", lambda: pytest.fail("the native module was imported"))
+    caplog.set_level("INFO", logger="pocketllm.backend")
+    for model in (qwen3, tiny_checkpoint("qwen3_moe"), tiny_checkpoint("llama"), smollm2_gguf, None,
+                  "qwen3.5-9b"):   # Qwen3 (dense and MoE), other families, a GGUF, the default model, a preset
+        assert not native_module.auto_picks_native(EngineArgs(model=model))
+    assert not caplog.records
+
+
+def test_auto_stays_on_torch_without_the_module(tiny_checkpoint, monkeypatch, caplog):
     monkeypatch.setattr(native_module, "import_native", lambda: None)
-    assert not native_module.auto_picks_native(tiny_checkpoint("qwen3_5_text"), "auto")
+    caplog.set_level("INFO", logger="pocketllm.backend")
+    assert not native_module.auto_picks_native(EngineArgs(model=tiny_checkpoint("qwen3_5_text"), dtype="bfloat16"))
+    assert not caplog.records
+
+
+@pytest.mark.parametrize("fields", [
+    {"dtype": "bfloat16"}, {"device": "cuda"}, {"cpu_weight_format": "int4"}, {"quantization": "fp8"},
+    {"kv_cache_dtype": "bfloat16"}, {"async_scheduling": "on"}, {"load_format": "dummy"},
+    {"speculative_config": {"method": "ngram", "num_speculative_tokens": 2}},
+    {"backend_options": {"knob": 1}},
+])
+def test_auto_stays_on_torch_for_options_the_native_plane_refuses(built, tiny_checkpoint, fields, caplog):
+    caplog.set_level("INFO", logger="pocketllm.backend")
+    assert not native_module.auto_picks_native(EngineArgs(model=tiny_checkpoint("qwen3_5_text"), **fields))
+    name = next(iter(fields))
+    assert [r.levelname for r in caplog.records] == ["INFO"] and name in caplog.records[0].getMessage()
+    if name != "backend_options":   # backend='cpp' refuses the same options
+        with pytest.raises(UnsupportedFeatureError, match=name):
+            native_module.check_args(EngineArgs(model=tiny_checkpoint("qwen3_5_text"), backend="cpp", **fields))
+
+
+def test_auto_stays_on_torch_where_device_auto_means_cuda(built, tiny_checkpoint, monkeypatch, caplog):
+    monkeypatch.setattr(native_module, "_cuda_available", lambda: True)
+    caplog.set_level("INFO", logger="pocketllm.backend")
+    model = tiny_checkpoint("qwen3_5_text")
+    assert not native_module.auto_picks_native(EngineArgs(model=model))
+    assert "device='auto'" in caplog.records[0].getMessage()
+    assert native_module.auto_picks_native(EngineArgs(model=model, device="cpu"))   # CPU asked for: native
+
+
+def test_auto_runs_qwen3_5_on_the_native_plane_with_torch_greedy_tokens(native, tiny_checkpoint):
+    model = tiny_checkpoint("qwen3_5_text")
+    with LLM(EngineArgs(model=model, backend="torch", num_kv_blocks=64)) as torch_llm:
+        expected = torch_llm.generate(PROMPTS, _greedy(12, ignore_eos=True))
+    with LLM(EngineArgs(model=model, cpu_kv_cache_gb=0.05)) as llm:
+        assert llm.engine_client.backend.name == "cpp"
+        outputs = llm.generate(PROMPTS, _greedy(12, ignore_eos=True))
+        # What the native plane does not do is refused, naming the field and the backend that does it.
+        with pytest.raises(UnsupportedFeatureError, match="structured.*backend='torch'"):
+            llm.generate(PROMPTS[0], SamplingParams(max_tokens=2, structured_output=StructuredOutput(
+                json_object=True)))
+    assert [o.token_ids for o in outputs] == [o.token_ids for o in expected]
+    with LLM(EngineArgs(model=model, dtype="bfloat16", num_kv_blocks=64)) as llm:   # an option it refuses
+        assert llm.engine_client.backend.name == "torch"
+    with LLM(EngineArgs(model=tiny_checkpoint("qwen3"), num_kv_blocks=64)) as llm:   # not Qwen3.5
+        assert llm.engine_client.backend.name == "torch"
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "qwen3_moe", "qwen3_5_text", "qwen3_5_moe_text"])

@@ -351,7 +351,7 @@ def test_tiny_greedy_equal_with_speculation(arch, regime, tiny_checkpoint):
     params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True,
                             **({"repetition_penalty": 1.3, "frequency_penalty": 0.4} if regime == "penalties"
                                else {}))
-    args = EngineArgs(model=tiny_checkpoint(arch), **extra)
+    args = EngineArgs(model=tiny_checkpoint(arch), backend="torch", **extra)   # Torch: auto runs Qwen3.5 natively
     plain, _ = _generate(args, TINY_PROMPTS, params)
     # Prompt lookup (random tiny models reject what it proposes, when it finds a repeated n-gram at all).
     spec, _ = _generate(args.replace(speculative_config=NGRAM), TINY_PROMPTS, params)

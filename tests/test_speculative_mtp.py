@@ -23,7 +23,7 @@ ARCHS = ("qwen3_5_text", "qwen3_5_moe_text")
 FULL_LAYER = 3          # the tiny Qwen3.5's full-attention layer, the MTP layer's model
 PROMPTS = [[(1000 + 7919 * (i + 1) * (n + 3)) % 49152 for i in range(length)]
            for n, length in enumerate((5, 17, 40, 9))]
-KV = {"num_kv_blocks": 128}
+KV = {"num_kv_blocks": 128, "backend": "torch"}   # the Torch engine's MTP (auto could run Qwen3.5 natively)
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -231,7 +231,7 @@ REGIMES = {
     "default": KV,
     "chunked-16": {**KV, "max_num_batched_tokens": 16},
     "no-chunking": {**KV, "enable_chunked_prefill": False},
-    "preemption": {"num_kv_blocks": 24, "block_size": 4, "max_num_batched_tokens": 24},
+    "preemption": {"num_kv_blocks": 24, "block_size": 4, "max_num_batched_tokens": 24, "backend": "torch"},
 }
 
 

@@ -9,7 +9,7 @@ from pocketllm.config import EngineArgs
 
 def create_backend(args: EngineArgs):
     """Build the backend ``args.backend`` names (``auto`` resolved), refusing what this build cannot run."""
-    if args.backend == "cpp" or (args.backend == "auto" and auto_picks_native(args.model, args.load_format)):
+    if args.backend == "cpp" or (args.backend == "auto" and auto_picks_native(args)):
         from pocketllm.backends.cpp_backend import CppBackend
 
         return CppBackend(args)

@@ -8,51 +8,15 @@ from typing import Any
 
 from pocketllm.backends.base import EngineCaps
 from pocketllm.backends.cpp_core import NativeCore
-from pocketllm.backends.native import NATIVE_MODEL_TYPES, require_native, safetensors_model_type
+from pocketllm.backends.native import check_args, require_native
 from pocketllm.config import EngineArgs
 from pocketllm.engine.commands import ExportPrefix, ImportPrefix
 from pocketllm.engine.loop import EngineLoop
 from pocketllm.engine.model_info import ModelInfo
-from pocketllm.errors import InvalidRequestError, UnsupportedFeatureError
+from pocketllm.errors import UnsupportedFeatureError
 from pocketllm.loaders.checkpoint import load_checkpoint
 from pocketllm.sampling_params import MAX_LOGPROBS
 from pocketllm.tokenizer.eos import resolve_eos
-
-KNOWN_OPTIONS = frozenset({"eos_token_id"})
-
-
-def check_args(args: EngineArgs) -> None:
-    """UnsupportedFeatureError for any engine option the native plane cannot honour (no device is touched)."""
-    unknown = sorted(set(args.backend_options) - KNOWN_OPTIONS)
-    if unknown:
-        raise InvalidRequestError(f"backend_options {unknown} are not understood by the cpp backend "
-                                  f"(known: {', '.join(sorted(KNOWN_OPTIONS))})", param="backend_options")
-    refusals = {
-        "device": args.device not in ("auto", "cpu"),
-        "dtype": args.dtype not in ("auto", "float32"),
-        "cpu_weight_format": args.cpu_weight_format not in ("auto", "float32"),
-        "cpu_compile": args.cpu_compile,
-        "kv_cache_dtype": args.kv_cache_dtype != "auto",
-        "async_scheduling": args.async_scheduling == "on",
-        "tensor_parallel_size": args.tensor_parallel_size > 1,
-        "speculative_config": args.speculative_config is not None,
-        "load_format": args.load_format not in ("auto", "safetensors"),
-    }
-    asked = [name for name, refused in refusals.items() if refused]
-    if asked:
-        raise UnsupportedFeatureError(
-            f"backend='cpp' (the native plane) runs float32 on CPU, one process, without speculation; it "
-            f"cannot honour {', '.join(f'{name}={getattr(args, name)!r}' for name in asked)} (use backend='torch')")
-    if args.model is None:
-        raise UnsupportedFeatureError("backend='cpp' (the native plane) needs a Qwen3 or Qwen3.5 (dense or MoE) "
-                                      "safetensors directory as the model (the default model is a GGUF file, which "
-                                      "it does not read)")
-    model_type = safetensors_model_type(args.model)
-    if model_type not in NATIVE_MODEL_TYPES:
-        what = f"model_type {model_type!r}" if model_type else "not a safetensors checkpoint directory"
-        raise UnsupportedFeatureError(f"backend='cpp' (the native plane) runs Qwen3 and Qwen3.5 (dense and MoE) "
-                                      f"safetensors checkpoints ({', '.join(NATIVE_MODEL_TYPES)}); {args.model!r} is "
-                                      f"{what}")
 
 
 class _NativeLoop(EngineLoop):

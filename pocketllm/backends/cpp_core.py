@@ -19,8 +19,8 @@ _REASONS = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "cancelled
 def refuse_unsupported(params: SamplingParams) -> None:
     """UnsupportedFeatureError for a sampling feature the native engine does not implement."""
     if params.structured_output is not None:
-        raise UnsupportedFeatureError("backend='cpp' does not implement structured outputs; drop the response "
-                                      "format or use backend='torch'")
+        raise UnsupportedFeatureError("the native plane (backend='cpp') does not implement structured outputs; "
+                                      "drop the response format or use backend='torch'")
 
 
 class _PrefillBudget:

@@ -1,22 +1,26 @@
-"""The native module ``pocketllm_cpp`` as the backends see it: whether it imports, and what it runs."""
+"""The native module ``pocketllm_cpp`` as the backends see it: whether it imports, what it runs, which engine
+options it refuses, and the spec's rule for ``backend='auto'``."""
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 from typing import Any
 
-from pocketllm.errors import UnsupportedFeatureError
+from pocketllm.config import EngineArgs
+from pocketllm.errors import InvalidRequestError, UnsupportedFeatureError
+
+logger = logging.getLogger("pocketllm.backend")
 
 # model_type values of config.json (a text_config's for a multimodal checkpoint) that the native engine runs:
 # Qwen3 and Qwen3.5, dense and MoE.
 NATIVE_MODEL_TYPES = ("qwen3", "qwen3_moe", "qwen3_5_text", "qwen3_5_moe_text")
-# The spec's auto rule: the native plane is picked only for Qwen3.5 safetensors checkpoints.
-AUTO_MODEL_TYPES = ("qwen3_5", "qwen3_5_text")
-# Whether backend='auto' may pick the native plane at all. Off: the native engine runs Qwen3.5 (backend='cpp'),
-# but the Torch engine stays the default for it until the whole Qwen3.5 test set passes on the native plane (the
-# native engine has no prefix caching, speculation or structured outputs for it).
-AUTO_SELECTS_NATIVE = False
+# The spec's auto rule: the native plane is picked only for Qwen3.5 safetensors checkpoints, dense and MoE
+# (a multimodal ``qwen3_5``/``qwen3_5_moe`` checkpoint reads as its text_config's model_type).
+AUTO_MODEL_TYPES = ("qwen3_5_text", "qwen3_5_moe_text")
+# backend_options the native plane understands.
+KNOWN_OPTIONS = frozenset({"eos_token_id"})
 
 BUILD_HINT = ("build it with `POCKETLLM_BUILD_CPP=1 pip install --no-build-isolation .` or `make native` "
               "(docs/native.md)")
@@ -61,12 +65,74 @@ def safetensors_model_type(model: str | None) -> str | None:
     return str(model_type) if model_type is not None else None
 
 
-def auto_picks_native(model: str | None, load_format: str) -> bool:
-    """The spec's rule for backend='auto': native only when AUTO_SELECTS_NATIVE is on, the module imports and
-    the checkpoint is a Qwen3.5 safetensors model the native engine runs (the flag is off today, so auto stays
-    on Torch)."""
-    if not AUTO_SELECTS_NATIVE or load_format not in ("auto", "safetensors"):
+def refused_options(args: EngineArgs) -> list[str]:
+    """The engine options the native plane cannot honour, each as ``name=value`` (it runs float32 on CPU, in one
+    process, without speculation or weight quantization)."""
+    refusals = {
+        "device": args.device not in ("auto", "cpu"),
+        "dtype": args.dtype not in ("auto", "float32"),
+        "cpu_weight_format": args.cpu_weight_format not in ("auto", "float32"),
+        "cpu_compile": args.cpu_compile,
+        "quantization": args.quantization is not None,
+        "kv_cache_dtype": args.kv_cache_dtype != "auto",
+        "async_scheduling": args.async_scheduling == "on",
+        "tensor_parallel_size": args.tensor_parallel_size > 1,
+        "speculative_config": args.speculative_config is not None,
+        "load_format": args.load_format not in ("auto", "safetensors"),
+    }
+    return [f"{name}={getattr(args, name)!r}" for name, refused in refusals.items() if refused]
+
+
+def unknown_options(args: EngineArgs) -> list[str]:
+    """backend_options keys the native plane does not understand."""
+    return sorted(set(args.backend_options) - KNOWN_OPTIONS)
+
+
+def check_args(args: EngineArgs) -> None:
+    """For backend='cpp': UnsupportedFeatureError for any engine option or checkpoint the native plane cannot
+    honour, InvalidRequestError for unknown backend_options. Reads config.json only: no module import, no
+    device."""
+    unknown = unknown_options(args)
+    if unknown:
+        raise InvalidRequestError(f"backend_options {unknown} are not understood by the cpp backend "
+                                  f"(known: {', '.join(sorted(KNOWN_OPTIONS))})", param="backend_options")
+    asked = refused_options(args)
+    if asked:
+        raise UnsupportedFeatureError(
+            f"backend='cpp' (the native plane) runs float32 on CPU, one process, without speculation; it "
+            f"cannot honour {', '.join(asked)} (use backend='torch')")
+    if args.model is None:
+        raise UnsupportedFeatureError("backend='cpp' (the native plane) needs a Qwen3 or Qwen3.5 (dense or MoE) "
+                                      "safetensors directory as the model (the default model is a GGUF file, which "
+                                      "it does not read)")
+    model_type = safetensors_model_type(args.model)
+    if model_type not in NATIVE_MODEL_TYPES:
+        what = f"model_type {model_type!r}" if model_type else "not a safetensors checkpoint directory"
+        raise UnsupportedFeatureError(f"backend='cpp' (the native plane) runs Qwen3 and Qwen3.5 (dense and MoE) "
+                                      f"safetensors checkpoints ({', '.join(NATIVE_MODEL_TYPES)}); {args.model!r} is "
+                                      f"{what}")
+
+
+def _cuda_available() -> bool:
+    """Whether device='auto' resolves to CUDA, asked as the Torch runner asks it (``torch.cuda.is_available``
+    counts devices; it creates no CUDA context)."""
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def auto_picks_native(args: EngineArgs) -> bool:
+    """The spec's rule for backend='auto': the native plane only when ``pocketllm_cpp`` imports, the checkpoint
+    is a Qwen3.5 (dense or MoE) safetensors directory, the engine options ask for nothing the native plane
+    refuses, and the device is the CPU (device='auto' without CUDA). Anything else stays on Torch; when the
+    module is built and a Qwen3.5 checkpoint stays there, one INFO line names the options that kept it."""
+    if safetensors_model_type(args.model) not in AUTO_MODEL_TYPES or import_native() is None:
         return False
-    model_type = safetensors_model_type(model)
-    runnable = model_type in AUTO_MODEL_TYPES and model_type in NATIVE_MODEL_TYPES
-    return runnable and import_native() is not None
+    asked = refused_options(args) + [f"backend_options={key!r}" for key in unknown_options(args)]
+    if not asked and args.device == "auto" and _cuda_available():
+        asked = ["device='auto' (CUDA is available; the native plane runs on CPU)"]
+    if asked:
+        logger.info("backend='auto' runs this Qwen3.5 checkpoint on the Torch backend: the native plane cannot "
+                    "honour %s (backend='cpp' refuses it)", ", ".join(asked))
+        return False
+    return True

@@ -429,6 +429,14 @@ def _cap(caps: Any, name: str) -> Any:
     return getattr(caps, name, _CAP_DEFAULTS[name]) if caps is not None else _CAP_DEFAULTS[name]
 
 
+def _torch_backend_advice(caps: Any) -> str:
+    """Advice for a feature the native plane lacks and the Torch backend has: how to get it."""
+    details = getattr(caps, "details", None)
+    if isinstance(details, Mapping) and details.get("backend") == "cpp":
+        return " (this model runs on the native plane; a server started with backend='torch' has it)"
+    return ""
+
+
 def vocab_size_of(caps: Any) -> int:
     """The engine's vocabulary size (``caps.details['vocab_size']``), or a bound every token id is under."""
     details = getattr(caps, "details", None)
@@ -717,7 +725,8 @@ def _response_format(value: Any, caps: Any) -> Mapping[str, Any]:
     if kind != "text" and not _cap(caps, "structured_outputs"):
         raise unsupported_field("response_format", value,
                            "this engine declares no structured outputs, so the answer could not be constrained "
-                           "to the format", 'Send {"type": "text"} or omit "response_format"')
+                           "to the format", 'Send {"type": "text"} or omit "response_format"'
+                           + _torch_backend_advice(caps))
     return fmt
 
 
