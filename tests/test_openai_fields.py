@@ -519,6 +519,13 @@ def test_caps_structured_outputs():
     assert parse(CHAT, on, response_format={"type": "json_object"}).chat_options
     refused(CHAT, "response_format", caps(), response_format=schema)
     parse(CHAT, caps(), response_format={"type": "text"})
+    # The native plane (backend='auto' runs Qwen3.5 there): the refusal says which backend has them.
+    with pytest.raises(InvalidRequestError, match="backend='torch'") as err:
+        parse_chat_request({"messages": MESSAGES, "response_format": schema}, caps(details={"backend": "cpp"}))
+    assert err.value.param == "response_format"
+    with pytest.raises(InvalidRequestError) as err:
+        parse_chat_request({"messages": MESSAGES, "response_format": schema}, caps())
+    assert "backend=" not in str(err.value)
 
 
 def test_engine_caps_object_is_accepted():
