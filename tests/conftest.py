@@ -400,6 +400,70 @@ def hf_reference() -> SimpleNamespace:
     return SimpleNamespace(greedy=hf_greedy, logits=hf_logits, model=load_hf_model)
 
 
+def greedy_in_regime(model: str, regime: str, engine_args: dict, prompts: list[list[int]], max_tokens: int,
+                     logprobs: int | None = None) -> list[Any]:
+    """Greedy outputs (EOS ignored) of ``prompts`` batched in one engine built with ``engine_args``, checked for
+    what every parity regime promises: each request runs to ``max_tokens``, a hybrid model's recurrent-state slots
+    all return to the pool, and a regime named ``...preemption`` did preempt (its KV pool is small enough)."""
+    from pocketllm import LLM, EngineArgs, SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=logprobs, ignore_eos=True)
+    with LLM(EngineArgs(model=model, **engine_args)) as llm:
+        outputs = llm.generate(prompts, params)
+        core = llm._client.backend.core
+        preemptions = core.scheduler.num_preemptions
+        free_slots = None if core.state_pool is None else core.state_pool.num_free_slots
+    assert all(o.finish_reason == "length" and len(o.token_ids) == max_tokens for o in outputs)
+    assert free_slots in (None, core.args.max_num_seqs), "every state slot returns to the pool"
+    if regime.endswith("preemption"):
+        assert preemptions > 0, "the KV pool was meant to be small enough to force preemption"
+    return outputs
+
+
+# Qwen3.5 parity (tests/test_qwen3_5.py, tests/test_qwen3_5_gguf.py): prompts of mixed lengths (70 is past one
+# 64-token chunk of the DeltaNet rule; the 9-token one shares the 70-token one's start), 32 greedy tokens, and the
+# engine regimes under which they must equal transformers'.
+QWEN3_5_PROMPT_LENGTHS = (5, 17, 70, 9)
+QWEN3_5_NEW_TOKENS = 32
+QWEN3_5_KV = {"num_kv_blocks": 256}   # a 2 GiB default CPU cache would cost more than the test itself
+QWEN3_5_REGIMES = {
+    "default": QWEN3_5_KV,
+    "no-prefix-cache": {**QWEN3_5_KV, "enable_prefix_caching": False},
+    "prefill-budget-16": {**QWEN3_5_KV, "max_num_batched_tokens": 16},
+    "no-chunking": {**QWEN3_5_KV, "enable_chunked_prefill": False},
+    "preemption": {"num_kv_blocks": 30, "block_size": 4, "max_num_batched_tokens": 24},
+    "async-preemption": {"num_kv_blocks": 30, "block_size": 4, "max_num_batched_tokens": 24,
+                         "async_scheduling": "on"},
+}
+
+
+def qwen3_5_prompts(vocab: int = 49152) -> list[list[int]]:
+    prompts = [[(1000 + 7919 * (i + 1) * (n + 3)) % vocab for i in range(length)]
+               for n, length in enumerate(QWEN3_5_PROMPT_LENGTHS)]
+    prompts[3] = prompts[2][:9]
+    return prompts
+
+
+def qwen3_5_shared_prefix_prompts() -> list[list[int]]:
+    base = qwen3_5_prompts()[2] + qwen3_5_prompts()[1]  # 87 tokens
+    return [base + [11, 12, 13], base + [21, 22]]
+
+
+@pytest.fixture(scope="session")
+def qwen3_5_references(tiny_checkpoint, hf_reference) -> Callable[..., list[list[int]]]:
+    """``qwen3_5_references(arch, which="batch")``: transformers' greedy continuations (its own cache) of
+    ``qwen3_5_prompts()`` (``"batch"``) or ``qwen3_5_shared_prefix_prompts()`` (``"shared"``), computed once."""
+    cache: dict[tuple[str, str], list[list[int]]] = {}
+
+    def get(arch: str, which: str = "batch") -> list[list[int]]:
+        if (arch, which) not in cache:
+            prompts = qwen3_5_prompts() if which == "batch" else qwen3_5_shared_prefix_prompts()
+            cache[arch, which] = hf_reference.greedy(tiny_checkpoint(arch), prompts, QWEN3_5_NEW_TOKENS)
+        return cache[arch, which]
+
+    return get
+
+
 @pytest.fixture(scope="module")
 def one_thread():
     """Tiny models on a shared 2-core machine: intra-op threads only thrash (a module opts in with

@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+from conftest import greedy_in_regime
 
 from pocketllm import LLM, EngineArgs, SamplingParams
 
@@ -64,15 +65,8 @@ def references(tiny_checkpoint, hf_reference):
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("regime", list(REGIMES))
 def test_greedy_matches_transformers(arch, regime, tiny_checkpoint, references):
-    expected = references(arch)
-    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
-    with LLM(EngineArgs(model=tiny_checkpoint(arch), **_regime(arch, regime))) as llm:
-        outputs = llm.generate(_prompts(), params)
-        preemptions = llm._client.backend.core.scheduler.num_preemptions
-    assert [o.token_ids for o in outputs] == expected
-    assert all(o.finish_reason == "length" for o in outputs)
-    if regime.endswith("preemption"):
-        assert preemptions > 0, "the KV pool was meant to be small enough to force preemption"
+    outputs = greedy_in_regime(tiny_checkpoint(arch), regime, _regime(arch, regime), _prompts(), NEW_TOKENS)
+    assert [o.token_ids for o in outputs] == references(arch)
 
 
 @pytest.mark.parametrize("regime", ["default", "async-preemption", "prefill-budget-16"])
