@@ -13,6 +13,7 @@ import importlib.util
 import json
 import math
 import os
+import shutil
 import sys
 from collections.abc import Callable
 from types import SimpleNamespace
@@ -269,6 +270,19 @@ def write_checkpoint(out_dir: str, config: dict, weights: dict[str, torch.Tensor
         if name not in ("config.json", "model.safetensors"):
             with open(os.path.join(files_from, name), "rb") as src, open(os.path.join(out_dir, name), "wb") as dst:
                 dst.write(src.read())
+
+
+def copy_checkpoint(source: str, out_dir: str, **config_changes: Any) -> str:
+    """A copy of the checkpoint directory ``source`` at ``out_dir`` whose config.json has ``config_changes``
+    set; returns ``out_dir``."""
+    shutil.copytree(source, out_dir)
+    path = os.path.join(out_dir, "config.json")
+    with open(path, encoding="utf-8") as handle:
+        config = json.load(handle)
+    config.update(config_changes)
+    with open(path, "w", encoding="utf-8") as handle:
+        json.dump(config, handle)
+    return out_dir
 
 
 def gguf_writer(gguf: Any, path: str, arch: str, config: dict) -> Any:

@@ -15,7 +15,7 @@ import os
 
 import pytest
 import torch
-from conftest import assert_logprobs_match, tiny_config, write_checkpoint
+from conftest import assert_logprobs_match, copy_checkpoint, tiny_config, write_checkpoint
 from safetensors.torch import load_file
 
 from pocketllm import LLM, EngineArgs, SamplingParams
@@ -141,6 +141,14 @@ def test_features_we_do_not_compute_are_refused_by_name(field, value):
     setattr(config, field, value)
     with pytest.raises(UnsupportedFeatureError, match=field):
         DeepseekV4ForCausalLM(config)
+
+
+def test_a_checkpoint_asking_for_softmax_scoring_is_refused_at_load(tiny_checkpoint, tmp_path):
+    """Through the public API: a checkpoint whose config.json asks for softmax expert scoring (we compute
+    sqrt-softplus only) is refused by the feature's name."""
+    directory = copy_checkpoint(tiny_checkpoint(ARCH), str(tmp_path / "softmax"), scoring_func="softmax")
+    with pytest.raises(UnsupportedFeatureError, match="scoring_func"):
+        LLM(EngineArgs(model=directory, **CPU, num_kv_blocks=16))
 
 
 def test_rope_types_other_than_default_and_yarn_are_refused():
