@@ -13,6 +13,7 @@ import importlib.util
 import json
 import math
 import os
+import shutil
 import sys
 from collections.abc import Callable
 from types import SimpleNamespace
@@ -148,6 +149,16 @@ TINY_CONFIGS: dict[str, dict[str, Any]] = {
         "mlp_only_layers": [],
     },
 }
+# Sliding windows as each family's transformers class reads them: Llama's forward ignores ``sliding_window``
+# (full attention; see ``hf_greedy``'s ``full_cache``); Qwen3 slides from ``max_window_layers`` on (layers 1 and
+# 2 of 3); Qwen3-MoE slides on every layer, its ``max_window_layers`` unread (a 16-token window, as Mistral's:
+# every layer slides, so a request holds only its window's blocks, and a pool that fits the longest request
+# must still be small enough to preempt).
+TINY_CONFIGS["llama_swa"] = {**TINY_CONFIGS["llama"], "sliding_window": 8}
+TINY_CONFIGS["qwen3_swa"] = {**TINY_CONFIGS["qwen3"], "use_sliding_window": True, "sliding_window": 8,
+                             "max_window_layers": 1}
+TINY_CONFIGS["qwen3_moe_swa"] = {**TINY_CONFIGS["qwen3_moe"], "use_sliding_window": True, "sliding_window": 16,
+                                 "max_window_layers": 1}
 _TINY_QWEN3_5: dict[str, Any] = {
     **_TINY_COMMON, "tie_word_embeddings": False, "num_hidden_layers": 4, "head_dim": 32,
     "layer_types": ["linear_attention"] * 3 + ["full_attention"], "linear_num_key_heads": 2,
@@ -261,6 +272,19 @@ def write_checkpoint(out_dir: str, config: dict, weights: dict[str, torch.Tensor
                 dst.write(src.read())
 
 
+def copy_checkpoint(source: str, out_dir: str, **config_changes: Any) -> str:
+    """A copy of the checkpoint directory ``source`` at ``out_dir`` whose config.json has ``config_changes``
+    set; returns ``out_dir``."""
+    shutil.copytree(source, out_dir)
+    path = os.path.join(out_dir, "config.json")
+    with open(path, encoding="utf-8") as handle:
+        config = json.load(handle)
+    config.update(config_changes)
+    with open(path, "w", encoding="utf-8") as handle:
+        json.dump(config, handle)
+    return out_dir
+
+
 def gguf_writer(gguf: Any, path: str, arch: str, config: dict) -> Any:
     """A ``gguf.GGUFWriter`` for ``arch`` holding the llama.cpp shape keys every test GGUF shares (layers,
     context, widths, heads, head size, RMSNorm epsilon) read from an HF ``config``."""
@@ -371,17 +395,26 @@ def load_hf_model(path: str) -> Any:
     return _HF_MODELS[path]
 
 
-def hf_greedy(path: str, prompts_token_ids: list[list[int]], max_new_tokens: int) -> list[list[int]]:
-    """Greedy continuations by transformers, one prompt at a time, EOS stopping off: new tokens only."""
+def hf_greedy(path: str, prompts_token_ids: list[list[int]], max_new_tokens: int,
+              full_cache: bool = False) -> list[list[int]]:
+    """Greedy continuations by transformers, one prompt at a time, EOS stopping off: new tokens only.
+
+    ``full_cache``: decode over a cache of full layers instead of the one ``generate`` builds from the config.
+    transformers' Llama attends over the whole context whatever its config's ``sliding_window`` (its forward
+    masks no window), yet the default cache, built from that config, keeps only the window's keys: its decode
+    steps would slide over a prefill that did not. With full layers, ``generate`` follows the forward."""
+    from transformers import DynamicCache
+
     model = load_hf_model(path)
     outputs = []
     with torch.no_grad():
         for prompt in prompts_token_ids:
             ids = torch.tensor([prompt], dtype=torch.long)
+            cache = {"cache": DynamicCache()} if full_cache else {}
             # eos_token_id=[] as a generate() kwarg disables stopping; eos_token_id=None inside a
             # GenerationConfig does not (transformers 5 fills None fields from the model's own config).
             result = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                    max_new_tokens=max_new_tokens, eos_token_id=[], pad_token_id=0)
+                                    max_new_tokens=max_new_tokens, eos_token_id=[], pad_token_id=0, **cache)
             outputs.append(result[0, len(prompt):].tolist())
     return outputs
 
