@@ -91,3 +91,14 @@ class TokenEvent:
     """The new reasoning text of this step (``text`` is the new answer text)."""
     tool_calls: list[ToolCall] | None = None
     """On the last event: the calls parsed from the answer (their text was never sent as ``text``)."""
+
+    def followed_by(self, later: TokenEvent) -> TokenEvent | None:
+        """This event and the next one of the same request as one event (texts, tokens and log-probabilities
+        joined, the end taken from ``later``); None where one event must stay ahead of the other: this one is
+        the last, or ``later`` brings reasoning text after this one's answer text."""
+        if self.finished or (self.text and later.reasoning_content):
+            return None
+        logprobs = self.logprobs if later.logprobs is None else (self.logprobs or []) + later.logprobs
+        return TokenEvent(self.request_id, self.text + later.text, self.token_ids + later.token_ids, later.finished,
+                          later.finish_reason, later.usage, logprobs, later.output,
+                          self.reasoning_content + later.reasoning_content, later.tool_calls)

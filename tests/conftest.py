@@ -13,6 +13,7 @@ import importlib.util
 import json
 import math
 import os
+import shutil
 import sys
 from collections.abc import Callable
 from types import SimpleNamespace
@@ -148,6 +149,16 @@ TINY_CONFIGS: dict[str, dict[str, Any]] = {
         "mlp_only_layers": [],
     },
 }
+# Sliding windows as each family's transformers class reads them: Llama's forward ignores ``sliding_window``
+# (full attention; see ``hf_greedy``'s ``full_cache``); Qwen3 slides from ``max_window_layers`` on (layers 1 and
+# 2 of 3); Qwen3-MoE slides on every layer, its ``max_window_layers`` unread (a 16-token window, as Mistral's:
+# every layer slides, so a request holds only its window's blocks, and a pool that fits the longest request
+# must still be small enough to preempt).
+TINY_CONFIGS["llama_swa"] = {**TINY_CONFIGS["llama"], "sliding_window": 8}
+TINY_CONFIGS["qwen3_swa"] = {**TINY_CONFIGS["qwen3"], "use_sliding_window": True, "sliding_window": 8,
+                             "max_window_layers": 1}
+TINY_CONFIGS["qwen3_moe_swa"] = {**TINY_CONFIGS["qwen3_moe"], "use_sliding_window": True, "sliding_window": 16,
+                                 "max_window_layers": 1}
 _TINY_QWEN3_5: dict[str, Any] = {
     **_TINY_COMMON, "tie_word_embeddings": False, "num_hidden_layers": 4, "head_dim": 32,
     "layer_types": ["linear_attention"] * 3 + ["full_attention"], "linear_num_key_heads": 2,
@@ -261,6 +272,19 @@ def write_checkpoint(out_dir: str, config: dict, weights: dict[str, torch.Tensor
                 dst.write(src.read())
 
 
+def copy_checkpoint(source: str, out_dir: str, **config_changes: Any) -> str:
+    """A copy of the checkpoint directory ``source`` at ``out_dir`` whose config.json has ``config_changes``
+    set; returns ``out_dir``."""
+    shutil.copytree(source, out_dir)
+    path = os.path.join(out_dir, "config.json")
+    with open(path, encoding="utf-8") as handle:
+        config = json.load(handle)
+    config.update(config_changes)
+    with open(path, "w", encoding="utf-8") as handle:
+        json.dump(config, handle)
+    return out_dir
+
+
 def gguf_writer(gguf: Any, path: str, arch: str, config: dict) -> Any:
     """A ``gguf.GGUFWriter`` for ``arch`` holding the llama.cpp shape keys every test GGUF shares (layers,
     context, widths, heads, head size, RMSNorm epsilon) read from an HF ``config``."""
@@ -371,17 +395,26 @@ def load_hf_model(path: str) -> Any:
     return _HF_MODELS[path]
 
 
-def hf_greedy(path: str, prompts_token_ids: list[list[int]], max_new_tokens: int) -> list[list[int]]:
-    """Greedy continuations by transformers, one prompt at a time, EOS stopping off: new tokens only."""
+def hf_greedy(path: str, prompts_token_ids: list[list[int]], max_new_tokens: int,
+              full_cache: bool = False) -> list[list[int]]:
+    """Greedy continuations by transformers, one prompt at a time, EOS stopping off: new tokens only.
+
+    ``full_cache``: decode over a cache of full layers instead of the one ``generate`` builds from the config.
+    transformers' Llama attends over the whole context whatever its config's ``sliding_window`` (its forward
+    masks no window), yet the default cache, built from that config, keeps only the window's keys: its decode
+    steps would slide over a prefill that did not. With full layers, ``generate`` follows the forward."""
+    from transformers import DynamicCache
+
     model = load_hf_model(path)
     outputs = []
     with torch.no_grad():
         for prompt in prompts_token_ids:
             ids = torch.tensor([prompt], dtype=torch.long)
+            cache = {"cache": DynamicCache()} if full_cache else {}
             # eos_token_id=[] as a generate() kwarg disables stopping; eos_token_id=None inside a
             # GenerationConfig does not (transformers 5 fills None fields from the model's own config).
             result = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                    max_new_tokens=max_new_tokens, eos_token_id=[], pad_token_id=0)
+                                    max_new_tokens=max_new_tokens, eos_token_id=[], pad_token_id=0, **cache)
             outputs.append(result[0, len(prompt):].tolist())
     return outputs
 
@@ -398,6 +431,73 @@ def hf_logits(path: str, token_ids: list[int], all_positions: bool = False) -> t
 def hf_reference() -> SimpleNamespace:
     """``hf_reference.greedy(path, prompts, n)`` and ``hf_reference.logits(path, ids, all_positions)``."""
     return SimpleNamespace(greedy=hf_greedy, logits=hf_logits, model=load_hf_model)
+
+
+def greedy_in_regime(model: str, regime: str, engine_args: dict, prompts: list[list[int]], max_tokens: int,
+                     logprobs: int | None = None) -> list[Any]:
+    """Greedy outputs (EOS ignored) of ``prompts`` batched in one engine built with ``engine_args``, checked for
+    what every parity regime promises: each request runs to ``max_tokens``, a hybrid model's recurrent-state slots
+    all return to the pool, and a regime named ``...preemption`` did preempt (its KV pool is small enough)."""
+    from pocketllm import LLM, EngineArgs, SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=logprobs, ignore_eos=True)
+    with LLM(EngineArgs(model=model, **engine_args)) as llm:
+        outputs = llm.generate(prompts, params)
+        core = llm._client.backend.core
+        preemptions = core.scheduler.num_preemptions
+        free_slots = None if core.state_pool is None else core.state_pool.num_free_slots
+    assert all(o.finish_reason == "length" and len(o.token_ids) == max_tokens for o in outputs)
+    assert free_slots in (None, core.args.max_num_seqs), "every state slot returns to the pool"
+    if regime.endswith("preemption"):
+        assert preemptions > 0, "the KV pool was meant to be small enough to force preemption"
+    return outputs
+
+
+# Qwen3.5 parity (tests/test_qwen3_5.py, tests/test_qwen3_5_gguf.py): prompts of mixed lengths (70 is past one
+# 64-token chunk of the DeltaNet rule; the 9-token one shares the 70-token one's start), 32 greedy tokens, and the
+# engine regimes under which they must equal transformers'. The Torch engine's Qwen3.5 path, named explicitly:
+# backend='auto' runs a Qwen3.5 safetensors checkpoint on the native plane where it is built
+# (tests/test_native_qwen3_5.py holds the same parity for it). A 2 GiB default CPU cache would cost more than the
+# test itself.
+QWEN3_5_PROMPT_LENGTHS = (5, 17, 70, 9)
+QWEN3_5_NEW_TOKENS = 32
+QWEN3_5_KV = {"num_kv_blocks": 256, "backend": "torch"}
+QWEN3_5_REGIMES = {
+    "default": QWEN3_5_KV,
+    "no-prefix-cache": {**QWEN3_5_KV, "enable_prefix_caching": False},
+    "prefill-budget-16": {**QWEN3_5_KV, "max_num_batched_tokens": 16},
+    "no-chunking": {**QWEN3_5_KV, "enable_chunked_prefill": False},
+    "preemption": {"num_kv_blocks": 30, "block_size": 4, "max_num_batched_tokens": 24, "backend": "torch"},
+    "async-preemption": {"num_kv_blocks": 30, "block_size": 4, "max_num_batched_tokens": 24,
+                         "async_scheduling": "on", "backend": "torch"},
+}
+
+
+def qwen3_5_prompts(vocab: int = 49152) -> list[list[int]]:
+    prompts = [[(1000 + 7919 * (i + 1) * (n + 3)) % vocab for i in range(length)]
+               for n, length in enumerate(QWEN3_5_PROMPT_LENGTHS)]
+    prompts[3] = prompts[2][:9]
+    return prompts
+
+
+def qwen3_5_shared_prefix_prompts() -> list[list[int]]:
+    base = qwen3_5_prompts()[2] + qwen3_5_prompts()[1]  # 87 tokens
+    return [base + [11, 12, 13], base + [21, 22]]
+
+
+@pytest.fixture(scope="session")
+def qwen3_5_references(tiny_checkpoint, hf_reference) -> Callable[..., list[list[int]]]:
+    """``qwen3_5_references(arch, which="batch")``: transformers' greedy continuations (its own cache) of
+    ``qwen3_5_prompts()`` (``"batch"``) or ``qwen3_5_shared_prefix_prompts()`` (``"shared"``), computed once."""
+    cache: dict[tuple[str, str], list[list[int]]] = {}
+
+    def get(arch: str, which: str = "batch") -> list[list[int]]:
+        if (arch, which) not in cache:
+            prompts = qwen3_5_prompts() if which == "batch" else qwen3_5_shared_prefix_prompts()
+            cache[arch, which] = hf_reference.greedy(tiny_checkpoint(arch), prompts, QWEN3_5_NEW_TOKENS)
+        return cache[arch, which]
+
+    return get
 
 
 @pytest.fixture(scope="module")

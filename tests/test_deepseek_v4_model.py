@@ -15,7 +15,7 @@ import os
 
 import pytest
 import torch
-from conftest import assert_logprobs_match, tiny_config, write_checkpoint
+from conftest import assert_logprobs_match, copy_checkpoint, tiny_config, write_checkpoint
 from safetensors.torch import load_file
 
 from pocketllm import LLM, EngineArgs, SamplingParams
@@ -33,6 +33,7 @@ REGIMES = {
     "prefill-budget-16": {**KV, "max_num_batched_tokens": 16},
     "prefill-budget-5": {**KV, "max_num_batched_tokens": 5},
     "no-chunking": {**KV, "enable_chunked_prefill": False},
+    "no-prefix-cache": {**KV, "enable_prefix_caching": False},
     "preemption": {**CPU, "num_kv_blocks": 30, "block_size": 4, "max_num_batched_tokens": 24},
     "async-preemption": {**CPU, "num_kv_blocks": 30, "block_size": 4, "max_num_batched_tokens": 24,
                          "async_scheduling": "on"},
@@ -45,15 +46,23 @@ def _prompts(vocab: int = 49152) -> list[list[int]]:
             for n, length in enumerate((5, 17, 33, 9, 41))]
 
 
+def _shared_prefix_prompts() -> list[list[int]]:
+    """Two prompts sharing a 50-token prefix (past the window and several compressed entries of each rate)."""
+    base = _prompts()[2] + _prompts()[1]
+    return [base + [11, 12, 13], base + [21, 22]]
+
+
 @pytest.fixture(scope="module")
 def references(tiny_checkpoint, hf_reference):
-    """transformers' greedy continuations of the prompts, computed once."""
+    """transformers' greedy continuations of the prompts (``which``: the batch, or the shared-prefix pair),
+    computed once."""
     cache: dict[str, list[list[int]]] = {}
 
-    def get() -> list[list[int]]:
-        if "greedy" not in cache:
-            cache["greedy"] = hf_reference.greedy(tiny_checkpoint(ARCH), _prompts(), NEW_TOKENS)
-        return cache["greedy"]
+    def get(which: str = "batch") -> list[list[int]]:
+        if which not in cache:
+            prompts = _prompts() if which == "batch" else _shared_prefix_prompts()
+            cache[which] = hf_reference.greedy(tiny_checkpoint(ARCH), prompts, NEW_TOKENS)
+        return cache[which]
 
     return get
 
@@ -134,6 +143,14 @@ def test_features_we_do_not_compute_are_refused_by_name(field, value):
         DeepseekV4ForCausalLM(config)
 
 
+def test_a_checkpoint_asking_for_softmax_scoring_is_refused_at_load(tiny_checkpoint, tmp_path):
+    """Through the public API: a checkpoint whose config.json asks for softmax expert scoring (we compute
+    sqrt-softplus only) is refused by the feature's name."""
+    directory = copy_checkpoint(tiny_checkpoint(ARCH), str(tmp_path / "softmax"), scoring_func="softmax")
+    with pytest.raises(UnsupportedFeatureError, match="scoring_func"):
+        LLM(EngineArgs(model=directory, **CPU, num_kv_blocks=16))
+
+
 def test_rope_types_other_than_default_and_yarn_are_refused():
     from pocketllm.models.deepseek_v4 import DeepseekV4ForCausalLM
 
@@ -189,6 +206,25 @@ def test_greedy_matches_transformers(regime, tiny_checkpoint, references):
     assert free_slots == core.args.max_num_seqs, "every state slot returns to the pool"
     if regime.endswith("preemption"):
         assert preemptions > 0, "the KV pool was meant to be small enough to force preemption"
+
+
+def test_shared_prefix_with_prefix_caching_asked_for(tiny_checkpoint, references):
+    """The compressors' and the window's per-request state is not in the paged cache, so prefix caching is
+    declared off for DeepSeek-V4: asking for it changes nothing, and nothing is 'cached'."""
+    prompts = _shared_prefix_prompts()
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    results = {}
+    for caching in (True, False):
+        with LLM(EngineArgs(model=tiny_checkpoint(ARCH), enable_prefix_caching=caching, block_size=4,
+                            max_num_batched_tokens=16, **KV)) as llm:
+            assert llm.engine_caps().prefix_caching is False
+            first = llm.generate([prompts[0]], params)
+            second = llm.generate([prompts[1]], params)
+            both = llm.generate(prompts, params)     # batched together as well
+        results[caching] = [o.token_ids for o in first + second + both]
+        assert [o.usage.cached_tokens for o in second + both] == [0, 0, 0]
+    expected = references("shared")
+    assert results[True] == results[False] == expected + expected
 
 
 def test_logprobs_match_transformers(tiny_checkpoint, hf_reference):

@@ -6,10 +6,15 @@ import math
 
 import pytest
 import torch
+from conftest import greedy_in_regime
 
 from pocketllm import LLM, EngineArgs, SamplingParams
 
-ARCHS = ["llama", "qwen2", "qwen3", "qwen3_moe", "mistral", "qwen2_swa", "gemma3"]
+ARCHS = ["llama", "qwen2", "qwen3", "qwen3_moe", "mistral", "qwen2_swa", "gemma3", "llama_swa", "qwen3_swa",
+         "qwen3_moe_swa"]
+# Llama with ``sliding_window`` in its config: transformers' forward attends fully, and so do we; its reference is
+# generated over a cache of full layers (``hf_greedy``'s ``full_cache``).
+FULL_CACHE_REFERENCE = ("llama_swa",)
 PROMPT_LENGTHS = (5, 17, 33, 9)
 NEW_TOKENS = 32
 
@@ -36,9 +41,9 @@ REGIMES = {
 }
 
 
-# Every layer of the tiny Mistral slides, so its requests release the blocks behind the window and a 20-block pool
-# no longer preempts: 17 blocks (68 tokens, the longest request's 65 fit) do.
-PREEMPTION_POOL = {"mistral": 17}
+# Every layer of the tiny Mistral and of the windowed Qwen3-MoE slides, so their requests release the blocks behind
+# the window and a 20-block pool no longer preempts: 17 blocks (68 tokens, the longest request's 65 fit) do.
+PREEMPTION_POOL = {"mistral": 17, "qwen3_moe_swa": 17}
 
 
 def _regime(arch: str, regime: str) -> dict:
@@ -48,6 +53,10 @@ def _regime(arch: str, regime: str) -> dict:
     return args
 
 
+def _reference_greedy(hf_reference, directory: str, arch: str, prompts: list[list[int]], new_tokens: int):
+    return hf_reference.greedy(directory, prompts, new_tokens, full_cache=arch in FULL_CACHE_REFERENCE)
+
+
 @pytest.fixture(scope="module")
 def references(tiny_checkpoint, hf_reference):
     """HF greedy continuations per architecture, computed once."""
@@ -55,7 +64,7 @@ def references(tiny_checkpoint, hf_reference):
 
     def get(arch: str) -> list[list[int]]:
         if arch not in cache:
-            cache[arch] = hf_reference.greedy(tiny_checkpoint(arch), _prompts(), NEW_TOKENS)
+            cache[arch] = _reference_greedy(hf_reference, tiny_checkpoint(arch), arch, _prompts(), NEW_TOKENS)
         return cache[arch]
 
     return get
@@ -64,15 +73,8 @@ def references(tiny_checkpoint, hf_reference):
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("regime", list(REGIMES))
 def test_greedy_matches_transformers(arch, regime, tiny_checkpoint, references):
-    expected = references(arch)
-    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
-    with LLM(EngineArgs(model=tiny_checkpoint(arch), **_regime(arch, regime))) as llm:
-        outputs = llm.generate(_prompts(), params)
-        preemptions = llm._client.backend.core.scheduler.num_preemptions
-    assert [o.token_ids for o in outputs] == expected
-    assert all(o.finish_reason == "length" for o in outputs)
-    if regime.endswith("preemption"):
-        assert preemptions > 0, "the KV pool was meant to be small enough to force preemption"
+    outputs = greedy_in_regime(tiny_checkpoint(arch), regime, _regime(arch, regime), _prompts(), NEW_TOKENS)
+    assert [o.token_ids for o in outputs] == references(arch)
 
 
 @pytest.mark.parametrize("regime", ["default", "async-preemption", "prefill-budget-16"])
@@ -151,7 +153,7 @@ def test_prefix_cache_hit_matches_transformers(arch, tiny_checkpoint, hf_referen
         llm.generate([first], params)
         out = llm.generate([second], params)[0]
     assert out.usage.cached_tokens == 52, "the shared prefix's 13 full blocks come from the cache"
-    assert out.token_ids == hf_reference.greedy(directory, [second], 12)[0]
+    assert out.token_ids == _reference_greedy(hf_reference, directory, arch, [second], 12)[0]
     reference = torch.log_softmax(hf_reference.logits(directory, second + out.token_ids, all_positions=True), -1)
     for i, entry in enumerate(out.logprobs):
         row = reference[len(second) - 1 + i]

@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 
 import numpy as np
 import pytest
 import torch
-from conftest import assert_logprobs_match, gguf_writer, tiny_config, write_checkpoint
+from conftest import TINY_CONFIGS, assert_logprobs_match, copy_checkpoint, gguf_writer, tiny_config, write_checkpoint
 from safetensors.torch import load_file
 
 from pocketllm import LLM, EngineArgs, SamplingParams
@@ -48,6 +47,14 @@ def test_features_we_do_not_compute_are_refused_by_name(field, value):
     setattr(config, field, value)
     with pytest.raises(UnsupportedFeatureError, match=field):
         Gemma3ForCausalLM(config)
+
+
+def test_a_checkpoint_asking_for_attention_soft_capping_is_refused_at_load(tiny_checkpoint, tmp_path):
+    """Through the public API: a Gemma 3 checkpoint whose config.json soft-caps attention logits is refused by
+    the feature's name."""
+    directory = copy_checkpoint(tiny_checkpoint("gemma3"), str(tmp_path / "softcap"), attn_logit_softcapping=50.0)
+    with pytest.raises(UnsupportedFeatureError, match="attn_logit_softcapping"):
+        LLM(EngineArgs(model=directory, device="cpu", num_kv_blocks=16))
 
 
 @pytest.mark.parametrize("device_args", [{}, {"device": "cpu"}])
@@ -193,13 +200,10 @@ def test_gguf_equals_the_safetensors_checkpoint(tiny_checkpoint, hf_reference, t
     not the 27B is head_dim ** -0.5, so the checkpoint here sets query_pre_attn_scalar = head_dim."""
     from pocketllm.loaders.checkpoint import load_checkpoint
 
-    directory = str(tmp_path / "gemma3")
-    shutil.copytree(tiny_checkpoint("gemma3"), directory)
+    head_dim = TINY_CONFIGS["gemma3"]["head_dim"]
+    directory = copy_checkpoint(tiny_checkpoint("gemma3"), str(tmp_path / "gemma3"), query_pre_attn_scalar=head_dim)
     with open(os.path.join(directory, "config.json"), encoding="utf-8") as handle:
         config = json.load(handle)
-    config["query_pre_attn_scalar"] = config["head_dim"]
-    with open(os.path.join(directory, "config.json"), "w", encoding="utf-8") as handle:
-        json.dump(config, handle)
     state = load_file(os.path.join(directory, "model.safetensors"))
     path = str(tmp_path / "gemma3.gguf")
     _write_gemma3_gguf(path, config, state)

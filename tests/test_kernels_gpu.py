@@ -415,7 +415,7 @@ def test_fused_experts_with_deepseek_v4_clamped_swiglu(tokens):
     weights large enough that the clamps bite."""
     _need_kernels(torch.float32, uses_dot=True)
     from pocketllm.kernels.moe import fused_experts
-    from pocketllm.models.deepseek_v4 import clamped_swiglu
+    from pocketllm.models.deepseek_v4_blocks import clamped_swiglu
 
     torch.manual_seed(1)
     num_experts, top_k, hidden_size, inter, limit = 8, 3, 64, 48, 2.0
@@ -442,7 +442,7 @@ def test_fused_experts_with_deepseek_v4_clamped_swiglu(tokens):
 def test_sinkhorn_in_one_launch_equals_the_loop(n):
     _need_kernels()
     from pocketllm.kernels.sinkhorn import sinkhorn_fused
-    from pocketllm.models.deepseek_v4 import sinkhorn
+    from pocketllm.models.deepseek_v4_blocks import sinkhorn
 
     torch.manual_seed(2)
     comb = torch.softmax(torch.randn(7, n, n, device=DEVICE) * 2, dim=-1) + 1e-6
@@ -555,11 +555,16 @@ PROMPTS.append(PROMPTS[2][:20] + [7, 8, 9])  # shares a prefix with the 33-token
 
 
 def _greedy(arch: str, device: str, dtype: str, new_tokens: int, **options) -> list[list[int]]:
+    return _greedy_run(arch, device, dtype, new_tokens, **options)[0]
+
+
+def _greedy_run(arch: str, device: str, dtype: str, new_tokens: int, **options) -> tuple[list[list[int]], int]:
+    """Greedy continuations of ``PROMPTS`` and the number of preemptions the run took."""
     from pocketllm.config import EngineArgs
     from pocketllm.engine.engine_core import EngineCore
     from pocketllm.sampling_params import SamplingParams
 
-    args = EngineArgs(device=device, dtype=dtype, num_kv_blocks=256, max_num_seqs=8, **options)
+    args = EngineArgs(device=device, dtype=dtype, **({"num_kv_blocks": 256, "max_num_seqs": 8} | options))
     config, weights = _tiny_checkpoint(arch)
     core = EngineCore(args, config, weights, frozenset({2}))
     params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
@@ -573,7 +578,7 @@ def _greedy(arch: str, device: str, dtype: str, new_tokens: int, **options) -> l
         previous = pending if core.pipelined else None
         if pending is not None and not core.pipelined:
             core.complete(pending)
-    return [list(r.output_token_ids) for r in requests]
+    return [list(r.output_token_ids) for r in requests], core.scheduler.num_preemptions
 
 
 REGIMES = {
@@ -582,7 +587,30 @@ REGIMES = {
     "eager": {"enforce_eager": True},
     "chunked-16": {"max_num_batched_tokens": 16},
     "block-4": {"block_size": 4},
+    "no-prefix-cache": {"enable_prefix_caching": False},
+    # A pool too small for the five requests at once.
+    "preemption": {"num_kv_blocks": 32, "block_size": 4, "max_num_batched_tokens": 24},
 }
+# Every layer of the tiny Mistral slides, so its requests release the blocks behind the window: no pool that holds
+# its longest request (70 + 32 tokens) preempts it. Here it runs a tight pool with those releases; the CPU parity
+# tests preempt it with shorter prompts.
+NOT_PREEMPTED = {"mistral"}
+NEW_TOKENS = 32
+
+
+def _regime(arch: str, regime: str) -> dict:
+    args = dict(REGIMES[regime])
+    if regime == "preemption" and arch in NOT_PREEMPTED:
+        args["num_kv_blocks"] = 26
+    return args
+
+
+def _assert_cuda_equals_cpu(arch: str, regime: str) -> None:
+    expected, _ = _greedy_run(arch, "cpu", "float32", NEW_TOKENS, **_regime(arch, regime))
+    outputs, preemptions = _greedy_run(arch, "cuda", "float32", NEW_TOKENS, **_regime(arch, regime))
+    assert outputs == expected
+    if regime == "preemption" and arch not in NOT_PREEMPTED:
+        assert preemptions > 0, "the KV pool was meant to be small enough to force preemption"
 
 
 # mistral, qwen2_swa and gemma3: sliding windows (every layer; the second layer only; every other layer) shorter
@@ -592,17 +620,15 @@ REGIMES = {
 @pytest.mark.parametrize("regime", list(REGIMES))
 def test_engine_fp32_cuda_equals_cpu(arch, regime):
     _need_cuda()
-    expected = _greedy(arch, "cpu", "float32", 24, **REGIMES[regime])
-    assert _greedy(arch, "cuda", "float32", 24, **REGIMES[regime]) == expected
+    _assert_cuda_equals_cpu(arch, regime)
 
 
 @pytest.mark.parametrize("arch", sorted(TINY_HYBRID_ARCHS))
-@pytest.mark.parametrize("regime", ["graphs", "graphs-sync", "eager", "chunked-16"])
+@pytest.mark.parametrize("regime", ["graphs", "graphs-sync", "eager", "chunked-16", "preemption"])
 def test_hybrid_fp32_cuda_equals_cpu(arch, regime):
     """Qwen3.5 (Gated DeltaNet state slots beside the paged KV cache) on the CUDA step path."""
     _need_cuda()
-    expected = _greedy(arch, "cpu", "float32", 24, **REGIMES[regime])
-    assert _greedy(arch, "cuda", "float32", 24, **REGIMES[regime]) == expected
+    _assert_cuda_equals_cpu(arch, regime)
 
 
 def test_seeded_sampling_on_cuda_same_alone_and_batched():
@@ -644,13 +670,15 @@ def assert_near_ties_only(arch: str, outputs: list[list[int]], margin: float) ->
 
 
 @pytest.mark.parametrize("arch, kv", [("llama", "auto"), ("llama", "fp8"), ("qwen3", "auto"), ("qwen3", "fp8"),
-                                      ("gemma3", "auto"), ("deepseek_v4_keep_all", "auto")])
+                                      ("mistral", "auto"), ("qwen2_swa", "auto"), ("gemma3", "auto"),
+                                      ("deepseek_v4_keep_all", "auto")])
 def test_engine_bf16_diverges_only_at_near_ties(arch, kv):
     """Every bf16 CUDA token is the fp32 argmax, or within bf16 noise of it, along the bf16 path. A float8
     KV cache (3 mantissa bits) moves logits further. The margins come from the distribution of the gap (as a
     fraction of the largest |logit|) that ``scripts/fp8_gap.py`` measured on an H200 over 24 random prompts of
     4-120 tokens and 24 new tokens each (576 tokens an architecture): bf16 cache p99 0.7%, largest 1.2% (llama)
-    and 1.3% (qwen3), so 5%; float8 cache (llama) p90 2.8%, p99 8.4%, largest 19.8%, so 25%. Gemma 3 (Triton
+    and 1.3% (qwen3), so 5% (also for Mistral and the sliding-window Qwen2: the same kernels with a window);
+    float8 cache (llama) p90 2.8%, p99 8.4%, largest 19.8%, so 25%. Gemma 3 (Triton
     kernels, soft-capped logits) and DeepSeek-V4 (the reference step on CUDA; the checkpoint whose indexer keeps
     every entry, see ``conftest.py``) are held to the bf16 margin; this check on the CPU engine in bf16 gave
     largest gaps of 0.3% (Gemma 3) and 3.4% (DeepSeek-V4). The fp32 test above checks the indexer's top 3."""

@@ -12,7 +12,17 @@ import os
 
 import pytest
 import torch
-from conftest import QWEN3_5_TEMPLATE, TINY_HYBRID_ARCHS, write_checkpoint
+from conftest import (
+    QWEN3_5_KV,
+    QWEN3_5_NEW_TOKENS,
+    QWEN3_5_REGIMES,
+    QWEN3_5_TEMPLATE,
+    TINY_HYBRID_ARCHS,
+    greedy_in_regime,
+    qwen3_5_prompts,
+    qwen3_5_shared_prefix_prompts,
+    write_checkpoint,
+)
 from safetensors.torch import load_file
 
 from pocketllm import LLM, EngineArgs, SamplingParams
@@ -24,37 +34,7 @@ from pocketllm.layers.gated_delta import (
     recurrent_gated_delta_rule,
 )
 
-NEW_TOKENS = 32
-PROMPT_LENGTHS = (5, 17, 70, 9)   # 70 > one 64-token rule chunk
-
-
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-def _prompts(vocab: int = 49152) -> list[list[int]]:
-    prompts = [[(1000 + 7919 * (i + 1) * (n + 3)) % vocab for i in range(length)]
-               for n, length in enumerate(PROMPT_LENGTHS)]
-    prompts[3] = prompts[2][:9]          # shares the 70-token prompt's start
-    return prompts
-
-
-def _shared_prefix_prompts() -> list[list[int]]:
-    base = _prompts()[2] + _prompts()[1]  # 87 tokens
-    return [base + [11, 12, 13], base + [21, 22]]
-
-
-@pytest.fixture(scope="module")
-def references(tiny_checkpoint, hf_reference):
-    """HF greedy continuations (transformers' generate with its own cache), computed once per arch."""
-    cache: dict[tuple[str, str], list[list[int]]] = {}
-
-    def get(arch: str, which: str = "batch") -> list[list[int]]:
-        if (arch, which) not in cache:
-            prompts = _prompts() if which == "batch" else _shared_prefix_prompts()
-            cache[arch, which] = hf_reference.greedy(tiny_checkpoint(arch), prompts, NEW_TOKENS)
-        return cache[arch, which]
-
-    return get
 
 
 # ---------------------------------------------------------------------------------------------- kernels
@@ -131,52 +111,30 @@ def test_causal_conv1d_chunks_and_steps_match_transformers():
 
 # ---------------------------------------------------------------------------------------- engine parity
 
-# The Torch engine's Qwen3.5 path, named explicitly: backend='auto' runs Qwen3.5 on the native plane where it is
-# built (tests/test_native_qwen3_5.py holds the same parity for it). A 2 GiB default CPU cache would cost more
-# than the test itself.
-KV = {"num_kv_blocks": 256, "backend": "torch"}
-REGIMES = {
-    "default": KV,
-    "prefill-budget-16": {**KV, "max_num_batched_tokens": 16},
-    "no-chunking": {**KV, "enable_chunked_prefill": False},
-    "preemption": {"num_kv_blocks": 30, "block_size": 4, "max_num_batched_tokens": 24, "backend": "torch"},
-    "async-preemption": {"num_kv_blocks": 30, "block_size": 4, "max_num_batched_tokens": 24,
-                         "async_scheduling": "on", "backend": "torch"},
-}
+@pytest.mark.parametrize("arch", TINY_HYBRID_ARCHS)
+@pytest.mark.parametrize("regime", list(QWEN3_5_REGIMES))
+def test_greedy_matches_transformers(arch, regime, tiny_checkpoint, qwen3_5_references):
+    outputs = greedy_in_regime(tiny_checkpoint(arch), regime, QWEN3_5_REGIMES[regime], qwen3_5_prompts(),
+                               QWEN3_5_NEW_TOKENS)
+    assert [o.token_ids for o in outputs] == qwen3_5_references(arch)
 
 
 @pytest.mark.parametrize("arch", TINY_HYBRID_ARCHS)
-@pytest.mark.parametrize("regime", list(REGIMES))
-def test_greedy_matches_transformers(arch, regime, tiny_checkpoint, references):
-    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
-    with LLM(EngineArgs(model=tiny_checkpoint(arch), **REGIMES[regime])) as llm:
-        outputs = llm.generate(_prompts(), params)
-        core = llm._client.backend.core
-        preemptions = core.scheduler.num_preemptions
-        free_slots = core.state_pool.num_free_slots
-    assert [o.token_ids for o in outputs] == references(arch)
-    assert all(o.finish_reason == "length" for o in outputs)
-    assert free_slots == core.args.max_num_seqs, "every state slot returns to the pool"
-    if regime.endswith("preemption"):
-        assert preemptions > 0, "the KV pool was meant to be small enough to force preemption"
-
-
-@pytest.mark.parametrize("arch", TINY_HYBRID_ARCHS)
-def test_shared_prefix_with_prefix_caching_asked_for(arch, tiny_checkpoint, references):
+def test_shared_prefix_with_prefix_caching_asked_for(arch, tiny_checkpoint, qwen3_5_references):
     """Prefix caching is declared off for hybrids: asking for it changes nothing, and nothing is 'cached'."""
-    prompts = _shared_prefix_prompts()
-    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    prompts = qwen3_5_shared_prefix_prompts()
+    params = SamplingParams(max_tokens=QWEN3_5_NEW_TOKENS, temperature=0.0, ignore_eos=True)
     results = {}
     for caching in (True, False):
         with LLM(EngineArgs(model=tiny_checkpoint(arch), enable_prefix_caching=caching,
-                            max_num_batched_tokens=16, **KV)) as llm:
+                            max_num_batched_tokens=16, **QWEN3_5_KV)) as llm:
             assert llm.engine_caps().prefix_caching is False
             first = llm.generate([prompts[0]], params)
             second = llm.generate([prompts[1]], params)
             both = llm.generate(prompts, params)     # batched together as well
         results[caching] = [o.token_ids for o in first + second + both]
         assert second[0].usage.cached_tokens == 0
-    expected = references(arch, "shared")
+    expected = qwen3_5_references(arch, "shared")
     assert results[True] == results[False] == expected + expected
 
 
@@ -184,8 +142,8 @@ def test_one_token_prompts_and_cancel_free_slots(tiny_checkpoint, hf_reference):
     """A one-token prompt starts from a zero state in a reused slot; cancelled requests give slots back."""
     directory = tiny_checkpoint("qwen3_5_text")
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-    with LLM(EngineArgs(model=directory, max_num_seqs=2, **KV)) as llm:
-        llm.generate(_prompts()[:2], params)                 # dirty both slots
+    with LLM(EngineArgs(model=directory, max_num_seqs=2, **QWEN3_5_KV)) as llm:
+        llm.generate(qwen3_5_prompts()[:2], params)          # dirty both slots
         outputs = llm.generate([[504], [3575]], params)
         core = llm._client.backend.core
         core.add_request("cancel-me", [1, 2, 3], params)
@@ -230,18 +188,18 @@ def _as_conditional_generation(text_dir: str, out_dir: str, model_type: str, fus
 
 
 @pytest.mark.parametrize("arch, model_type", [("qwen3_5_text", "qwen3_5"), ("qwen3_5_moe_text", "qwen3_5_moe")])
-def test_conditional_generation_checkpoint_loads_its_text_part(arch, model_type, tiny_checkpoint, references,
-                                                               tmp_path):
+def test_conditional_generation_checkpoint_loads_its_text_part(arch, model_type, tiny_checkpoint,
+                                                               qwen3_5_references, tmp_path):
     from pocketllm.loaders.checkpoint import load_checkpoint
 
     directory = str(tmp_path / model_type)
     _as_conditional_generation(tiny_checkpoint(arch), directory, model_type, fuse_experts=arch.endswith("moe_text"))
     config = load_checkpoint(directory).hf_config
     assert config.model_type == arch and config.vocab_size == 49152
-    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
-    with LLM(EngineArgs(model=directory, **KV)) as llm:
-        outputs = llm.generate(_prompts()[:2], params)
-    assert [o.token_ids for o in outputs] == references(arch)[:2]
+    params = SamplingParams(max_tokens=QWEN3_5_NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    with LLM(EngineArgs(model=directory, **QWEN3_5_KV)) as llm:
+        outputs = llm.generate(qwen3_5_prompts()[:2], params)
+    assert [o.token_ids for o in outputs] == qwen3_5_references(arch)[:2]
 
 
 def test_tiny_checkpoints_carry_the_qwen3_5_chat_template(tiny_checkpoint):

@@ -22,9 +22,10 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
 
 
 def engine_args(model: str, tp: int, **extra) -> EngineArgs:
-    return EngineArgs(model=model, tensor_parallel_size=tp, device="cpu", dtype="float32", cpu_kv_cache_gb=0.02,
-                      max_model_len=256, tensor_parallel_startup_timeout=120, tensor_parallel_shutdown_timeout=10,
-                      **extra)
+    """The Torch engine at ``tp`` ranks (named: backend='auto' would run a TP=1 Qwen3.5 on the native plane)."""
+    return EngineArgs(model=model, backend="torch", tensor_parallel_size=tp, device="cpu", dtype="float32",
+                      cpu_kv_cache_gb=0.02, max_model_len=256, tensor_parallel_startup_timeout=120,
+                      tensor_parallel_shutdown_timeout=10, **extra)
 
 
 def gone(pid: int) -> bool:

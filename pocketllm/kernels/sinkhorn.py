@@ -27,7 +27,7 @@ def _sinkhorn_kernel(x_ptr, out_ptr, iterations, eps, N: tl.constexpr, BLOCK: tl
 
 
 def sinkhorn_fused(comb: torch.Tensor, iterations: int, eps: float) -> torch.Tensor:
-    """``models.deepseek_v4.sinkhorn`` of float32 ``comb`` [T, n, n]: column then row sums normalised in turn,
+    """``models.deepseek_v4_blocks.sinkhorn`` of float32 ``comb`` [T, n, n]: column then row sums normalised in turn,
     ``iterations`` column passes."""
     comb = comb.contiguous()
     tokens, n = comb.shape[0], comb.shape[-1]

@@ -13,7 +13,7 @@ that everything here imports where Triton is absent (``kernels/fp8.py`` is torch
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -21,9 +21,6 @@ from torch import nn
 
 from pocketllm.kernels.fp8 import copy_rows_
 from pocketllm.step.attention_metadata import AttentionMetadata
-
-if TYPE_CHECKING:
-    from pocketllm.layers.attention import Attention
 
 # Decode steps of up to this many sequences prepare Q/K/V inside the attention kernel (one launch instead of
 # two, and the cached context read while the QKV product finishes); larger batches keep two kernels (at batch
@@ -35,6 +32,19 @@ PACKED_DECODE_MAX_ROWS = 16
 PACKED_DECODE_WITH_QK_NORM = False
 
 
+class AttentionLayer(Protocol):
+    """What a backend reads of the layer it runs (``layers/attention.py``'s ``Attention``): its shape, scale,
+    window and the paged cache ([num_blocks, block_size, num_kv_heads, head_dim] each)."""
+
+    num_heads: int
+    head_dim: int
+    num_kv_heads: int
+    scale: float
+    sliding_window: int | None
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+
+
 class AttentionBackend(ABC):
     """Stores keys/values into a layer's cache and attends each sequence over its context."""
 
@@ -43,11 +53,11 @@ class AttentionBackend(ABC):
     supports_packed = False
 
     @abstractmethod
-    def forward(self, layer: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    def forward(self, layer: AttentionLayer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         """``q`` [T, H, D], ``k``/``v`` [T, KVH, D] → [T, H*D], this step's keys/values stored first."""
 
-    def forward_packed(self, layer: Attention, qkv: torch.Tensor, positions: torch.Tensor, rotary: nn.Module,
+    def forward_packed(self, layer: AttentionLayer, qkv: torch.Tensor, positions: torch.Tensor, rotary: nn.Module,
                        q_norm: nn.Module | None, k_norm: nn.Module | None, meta: AttentionMetadata) -> torch.Tensor:
         """From the fused projection ``qkv`` [T, (H + 2 KVH) * D]: per-head q/k norm, rotary embedding, the KV
         store and attention → [T, H*D]; only where ``supports_packed``."""
@@ -61,7 +71,7 @@ class TorchAttentionBackend(AttentionBackend):
 
     name = "torch"
 
-    def forward(self, layer: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    def forward(self, layer: AttentionLayer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         k_flat = layer.k_cache.view(-1, layer.num_kv_heads, layer.head_dim)
         v_flat = layer.v_cache.view(-1, layer.num_kv_heads, layer.head_dim)
@@ -75,14 +85,14 @@ class TorchAttentionBackend(AttentionBackend):
             out = torch.cat([self._sequence(layer, q, meta, i) for i in range(meta.num_seqs)], dim=0)
         return out.reshape(q.shape[0], layer.num_heads * layer.head_dim)
 
-    def _context(self, layer: Attention, meta: AttentionMetadata, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _context(self, layer: AttentionLayer, meta: AttentionMetadata, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         length = meta.context_lens[i]
         blocks = meta.block_tables[i, : -(-length // meta.block_size)]
         k = layer.k_cache[blocks].reshape(-1, layer.num_kv_heads, layer.head_dim)[:length]
         v = layer.v_cache[blocks].reshape(-1, layer.num_kv_heads, layer.head_dim)[:length]
         return k, v
 
-    def _sequence(self, layer: Attention, q: torch.Tensor, meta: AttentionMetadata, i: int) -> torch.Tensor:
+    def _sequence(self, layer: AttentionLayer, q: torch.Tensor, meta: AttentionMetadata, i: int) -> torch.Tensor:
         start, end = meta.query_start[i], meta.query_start[i + 1]
         k, v = self._context(layer, meta, i)
         q_len, ctx_len = end - start, k.shape[0]
@@ -98,7 +108,7 @@ class TorchAttentionBackend(AttentionBackend):
             attn_mask=mask, scale=layer.scale, enable_gqa=layer.num_heads != layer.num_kv_heads)
         return out.transpose(0, 1)
 
-    def _decode(self, layer: Attention, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def _decode(self, layer: AttentionLayer, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """One query per sequence: pad every context to the longest and attend in one call."""
         lens = torch.tensor(meta.context_lens, device=q.device)
         max_len = int(max(meta.context_lens))
@@ -124,14 +134,14 @@ class TritonAttentionBackend(AttentionBackend):
     name = "triton"
     supports_packed = True
 
-    def forward(self, layer: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    def forward(self, layer: AttentionLayer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         from pocketllm.kernels.attention import store_kv
 
         store_kv(k, v, layer.k_cache, layer.v_cache, meta.slot_mapping)
         return self.attend(layer, q.contiguous(), meta)
 
-    def forward_packed(self, layer: Attention, qkv: torch.Tensor, positions: torch.Tensor, rotary: nn.Module,
+    def forward_packed(self, layer: AttentionLayer, qkv: torch.Tensor, positions: torch.Tensor, rotary: nn.Module,
                        q_norm: nn.Module | None, k_norm: nn.Module | None, meta: AttentionMetadata) -> torch.Tensor:
         """Small decode steps: one packed launch (Q/K/V prepared inside the attention kernel, each row storing its
         own keys/values); else (and for rows that read each other's: ``rows_share_context``) the QKV preparation
@@ -154,7 +164,7 @@ class TritonAttentionBackend(AttentionBackend):
                         layer.head_dim, layer.k_cache, layer.v_cache, meta.slot_mapping)
         return self.attend(layer, q, meta)
 
-    def attend(self, layer: Attention, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def attend(self, layer: AttentionLayer, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """Attention over the cache (this step's keys/values already stored): the decode kernel for decode rows
         (a mixed step's leading ones), the prefill kernel for the rest → [T, H*D]."""
         from pocketllm.kernels.attention import paged_decode, paged_prefill

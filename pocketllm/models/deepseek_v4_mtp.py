@@ -24,8 +24,8 @@ from torch import nn
 
 from pocketllm.errors import UnsupportedFeatureError
 from pocketllm.layers.linear import ReplicatedLinear
-from pocketllm.models.deepseek_v4 import MOE, DeepseekV4DecoderLayer, HyperHead
 from pocketllm.models.deepseek_v4_attention import SLIDING, Fp32RMSNorm, InterleavedRotary
+from pocketllm.models.deepseek_v4_blocks import MOE, DeepseekV4DecoderLayer, HyperHead
 from pocketllm.step.attention_metadata import AttentionMetadata
 
 

@@ -89,6 +89,25 @@ def sse(payload: dict | str) -> bytes:
     return b"data: " + data + b"\n\n"
 
 
+def _coalesced(ready: list[tuple[_Choice, TokenEvent | Exception]]) -> list[tuple[_Choice, TokenEvent | Exception]]:
+    """What arrived together, each choice's consecutive events joined into one where they can be
+    (``TokenEvent.followed_by``): a reader that fell behind the engine sends one chunk for the tokens it has,
+    not one chunk a token. A reader that keeps up has one event a choice and sends each as it comes."""
+    joined: list[tuple[_Choice, TokenEvent | Exception]] = []
+    last: dict[int, int] = {}   # choice index -> where its latest event sits in ``joined``
+    for choice, event in ready:
+        at = last.get(choice.index)
+        if at is not None and isinstance(event, TokenEvent):
+            earlier = joined[at][1]
+            merged = earlier.followed_by(event) if isinstance(earlier, TokenEvent) else None
+            if merged is not None:
+                joined[at] = (choice, merged)
+                continue
+        last[choice.index] = len(joined)
+        joined.append((choice, event))
+    return joined
+
+
 async def _arrived(ready: list) -> AsyncIterator[list]:
     yield ready
 
@@ -385,7 +404,7 @@ class OpenAIServing:
                     yield [{**first, "usage": None} if job.include_usage else first]
             async for ready in arrivals:
                 batch: list[dict | str] = []
-                for choice, event in ready:
+                for choice, event in _coalesced(ready):
                     if isinstance(event, Exception):
                         batch.append({"error": {"message": str(event), "type": "server_error", "param": None,
                                                 "code": None}})
