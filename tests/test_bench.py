@@ -58,9 +58,11 @@ def _config_only(checkpoint: str, out_dir) -> str:
     return str(out_dir)
 
 
-@pytest.mark.parametrize("tokenizer", [True, False], ids=["with-tokenizer", "without-tokenizer"])
-def test_bench_serve(tiny_checkpoint, tmp_path, tokenizer):
-    """Without a tokenizer the stream's texts are empty: the tokens are still timed and counted (from usage)."""
+@pytest.mark.parametrize(("tokenizer", "processes"), [(True, 1), (False, 1), (True, 2)],
+                         ids=["with-tokenizer", "without-tokenizer", "two-client-processes"])
+def test_bench_serve(tiny_checkpoint, tmp_path, tokenizer, processes):
+    """Without a tokenizer the stream's texts are empty: the tokens are still timed and counted (from usage).
+    With two client processes each sends its share and the results come back together."""
     from server_utils import ServerProcess
 
     if tokenizer:
@@ -73,7 +75,7 @@ def test_bench_serve(tiny_checkpoint, tmp_path, tokenizer):
         assert main(["bench", "serve", "--base-url", server.url, "--num-requests", "4", "--request-rate", "50",
                      "--max-concurrency", "3", "--min-input-len", "4", "--max-input-len", "12",
                      "--min-output-len", "3", "--max-output-len", "6", "--vocab-size", "1000",
-                     "--output-json", str(out)]) == 0
+                     "--client-processes", str(processes), "--output-json", str(out)]) == 0
     finally:
         server.stop()
     result = _read(out)["pocketllm"]
@@ -82,6 +84,7 @@ def test_bench_serve(tiny_checkpoint, tmp_path, tokenizer):
     for name in ("ttft_s", "tpot_s", "itl_s", "e2e_s"):
         assert result[name]["p50"] is not None and result[name]["p99"] >= result[name]["p50"]
     assert result["requests_per_s"] > 0 and result["output_tokens_per_s"] > 0
+    assert result["client_processes"] == processes
 
 
 def test_bench_serve_waits_for_ready_and_stops_on_a_refusal_that_will_not_pass():

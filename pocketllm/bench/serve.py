@@ -8,20 +8,21 @@ Output tokens are counted from the stream's usage (``stream_options.include_usag
 without a tokenizer (a dummy preset), which streams empty texts, is measured too. Reported: request/s, output
 tok/s, TTFT, TPOT ((end - first token) / (tokens - 1)), ITL (gaps between
 streamed chunks; a chunk can carry more than one token when text is held back) and end-to-end latency,
-each as mean, p50 and p99.
+each as mean, p50 and p99. The streams are read by ``sse_client`` (a lean HTTP/1.1 reader) in one or more
+processes (``serve_load``), so that the load generator's own work per event stays far below the server's.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import json
+import os
 import random
 import statistics
 import time
 from typing import Any
 
-from pocketllm.bench import common
+from pocketllm.bench import common, serve_load
 from pocketllm.errors import PocketLLMError
 
 
@@ -43,6 +44,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--temperature", type=float, default=0.0, help="Sampling temperature (default: 0).")
     parser.add_argument("--seed", type=int, default=0, help="Seed of the workload and the arrival times.")
     parser.add_argument("--timeout", type=float, default=600.0, help="Seconds one request may take.")
+    parser.add_argument("--client-processes", type=int, default=None,
+                        help="Processes that send the requests and read the streams (default: 1 for fewer than 64 "
+                             "requests, else a quarter of the cores, at most 4).")
     parser.add_argument("--wait-ready", type=float, default=600.0,
                         help="Seconds to wait for the server's /ready to answer 200 before sending anything (a "
                              "server still loading its model is waited for; 0: do not wait; default: %(default)s).")
@@ -92,75 +96,42 @@ def _stats(values: list[float]) -> dict[str, float | None]:
     return {"mean": statistics.fmean(ordered), "p50": pct(50), "p99": pct(99)}
 
 
-def _carries_tokens(choice: dict[str, Any]) -> bool:
-    """A streamed choice that brings generated tokens: text, or (a server without a tokenizer streams an empty
-    text for each token) any chunk before the last."""
-    return bool(choice.get("text")) or choice.get("finish_reason") is None
+def _default_processes(num_requests: int) -> int:
+    """Load-generator processes when not given: one for small runs, else a quarter of the cores (at most 4),
+    leaving the rest to the server on the same machine."""
+    return 1 if num_requests < 64 else max(1, min(4, (os.cpu_count() or 1) // 4))
 
 
-async def _one(client, url: str, body: dict[str, Any], headers: dict[str, str]) -> dict[str, Any]:
-    start = time.perf_counter()
-    chunks: list[float] = []
-    error = None
-    output_tokens = None
-    try:
-        async with client.stream("POST", url, json=body, headers=headers) as response:
-            if response.status_code != 200:
-                error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
-            else:
-                async for line in response.aiter_lines():
-                    if not line.startswith("data: ") or line == "data: [DONE]":
-                        continue
-                    data = json.loads(line[6:])
-                    if "error" in data:
-                        error = data["error"].get("message", "error")
-                        continue
-                    if any(_carries_tokens(c) for c in data.get("choices", [])):
-                        chunks.append(time.perf_counter())
-                    if data.get("usage"):
-                        output_tokens = data["usage"]["completion_tokens"]
-                if error is None and not chunks:
-                    error = "the stream carried no tokens"
-    except Exception as exc:  # counted as a failed request
-        error = repr(exc)
-    end = time.perf_counter()
-    return {"start": start, "end": end, "chunks": chunks, "error": error,
-            "output_tokens": body["max_tokens"] if output_tokens is None else output_tokens,
-            "prompt_tokens": len(body["prompt"])}
-
-
-async def _run(args: argparse.Namespace) -> dict[str, Any]:
+async def _prepare(args: argparse.Namespace, headers: dict[str, str]) -> str:
+    """Wait for the server to be ready; the model name the requests carry."""
     import httpx
 
+    async with httpx.AsyncClient(timeout=args.timeout) as client:
+        if args.wait_ready > 0:
+            await _wait_ready(client, args.base_url, args.wait_ready, headers)
+        if args.served_model is not None:
+            return args.served_model
+        listed = (await client.get(args.base_url + "/v1/models", headers=headers)).json()
+        return listed["data"][0]["id"]
+
+
+def _run(args: argparse.Namespace) -> dict[str, Any]:
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     workload = common.random_workload(args.num_requests, (args.min_input_len, args.max_input_len),
                                       (args.min_output_len, args.max_output_len), args.vocab_size, args.seed)
+    model = asyncio.run(_prepare(args, headers))
     rng = random.Random(args.seed + 1)
-    limits = httpx.Limits(max_connections=args.max_concurrency or args.num_requests)
-    async with httpx.AsyncClient(timeout=args.timeout, limits=limits) as client:
-        if args.wait_ready > 0:
-            await _wait_ready(client, args.base_url, args.wait_ready, headers)
-        model = args.served_model
-        if model is None:
-            listed = (await client.get(args.base_url + "/v1/models", headers=headers)).json()
-            model = listed["data"][0]["id"]
-        semaphore = asyncio.Semaphore(args.max_concurrency or args.num_requests)
-        url = args.base_url + "/v1/completions"
-
-        async def limited(body: dict[str, Any]) -> dict[str, Any]:
-            async with semaphore:
-                return await _one(client, url, body, headers)
-
-        tasks = []
-        started = time.perf_counter()
-        for prompt, n in zip(workload.prompts, workload.output_lens):
-            body = {"model": model, "prompt": prompt, "max_tokens": n, "temperature": args.temperature,
-                    "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
-            tasks.append(asyncio.ensure_future(limited(body)))
-            if args.request_rate != float("inf"):
-                await asyncio.sleep(rng.expovariate(args.request_rate))
-        results = await asyncio.gather(*tasks)
-        duration = time.perf_counter() - started
+    scheduled, offset = [], 0.0
+    for prompt, n in zip(workload.prompts, workload.output_lens):
+        body = {"model": model, "prompt": prompt, "max_tokens": n, "temperature": args.temperature,
+                "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+        scheduled.append((offset, body))
+        if args.request_rate != float("inf"):
+            offset += rng.expovariate(args.request_rate)
+    processes = args.client_processes or _default_processes(args.num_requests)
+    results, started = serve_load.send_all(args.base_url + "/v1/completions", scheduled, headers, args.timeout,
+                                           args.max_concurrency, processes)
+    duration = max(r["end"] for r in results) - started
     done = [r for r in results if r["error"] is None and r["chunks"]]
     ttft = [r["chunks"][0] - r["start"] for r in done]
     tpot = [(r["end"] - r["chunks"][0]) / (r["output_tokens"] - 1) for r in done if r["output_tokens"] > 1]
@@ -169,7 +140,7 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
     output_tokens = sum(r["output_tokens"] for r in done)
     return {
         "model": model, "duration_s": duration, "completed": len(done), "failed": len(results) - len(done),
-        "errors": sorted({r["error"] for r in results if r["error"]})[:5],
+        "errors": sorted({r["error"] for r in results if r["error"]})[:5], "client_processes": processes,
         "requests_per_s": len(done) / duration, "output_tokens_per_s": output_tokens / duration,
         "total_tokens_per_s": (output_tokens + sum(r["prompt_tokens"] for r in done)) / duration,
         "output_tokens": output_tokens, "ttft_s": _stats(ttft), "tpot_s": _stats(tpot), "itl_s": _stats(itl),
@@ -178,7 +149,7 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    ours = asyncio.run(_run(args))
+    ours = _run(args)
     result = {
         "benchmark": "serve", "date": time.strftime("%Y-%m-%d"), "hardware": common.hardware(),
         "workload": {"base_url": args.base_url, "num_requests": args.num_requests,
