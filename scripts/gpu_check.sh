@@ -18,6 +18,7 @@ fi
 
 # serve_bench NAME [PYTHONPATH-prefix]: `pocketllm serve` of the throughput workload's model, then `bench serve`
 # all at once and at 32 req/s, then once more all at once under py-spy (raw stacks in $OUT/NAME-stacks.txt).
+# SERVE_VOCAB: the served model's vocabulary size, with which the requests are `bench throughput`'s workload.
 serve_bench() {
   local name=$1 port=8010
   PYTHONPATH=${2:+$2:}$PYTHONPATH $PY -m pocketllm serve --model ${SERVE_MODEL:-qwen3-0.6b} --load-format dummy \
@@ -36,7 +37,7 @@ for _ in range(600):
 sys.exit('the server was not ready within 300 s')" >> "$OUT/bench.log" 2>&1; then
     tail -3 "$OUT/bench.log"; kill $server 2> /dev/null; return
   fi
-  local common="--base-url http://127.0.0.1:$port --num-requests ${SERVE_REQUESTS:-256} --temperature 0.6 ${SERVE_BENCH_ARGS:-}"
+  local common="--base-url http://127.0.0.1:$port --num-requests ${SERVE_REQUESTS:-256} --temperature 0.6 --vocab-size ${SERVE_VOCAB:-151936} ${SERVE_BENCH_ARGS:-}"
   echo "$name, all at once:" | tee -a "$OUT/bench.log"
   timeout 120 $PY -m pocketllm bench serve $common --output-json "$OUT/$name-inf.json" 2>&1 | tee -a "$OUT/bench.log"
   echo "$name, 32 req/s:" | tee -a "$OUT/bench.log"
