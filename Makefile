@@ -87,11 +87,14 @@ test-slow: install native chromium
 
 # The reliability tests at full length: the HTTP fuzzer with 20,000 body cases and 2,000 raw requests, the JSONL
 # fuzzers (pipe and WebSocket) with 20,000 lines each, and the server's and harness's edge, disconnect, cancel and
-# store tests (`make test` runs the same files with 2,000 body cases, 200 raw requests and 1,000 lines).
+# store tests (`make test` runs the same files with 2,000 body cases, 200 raw requests and 1,000 lines). The pipe's
+# tests run once more against the native executable (tests/test_engine_exe.py collects them).
 SOAK_TESTS := tests/test_server_fuzz.py tests/test_server_guards.py tests/test_server.py tests/test_request_limits.py \
-	tests/test_harness_channel.py tests/test_harness_store.py tests/test_harness_pipe.py tests/test_harness_host.py
-soak: install
-	POCKETLLM_FUZZ_CASES=20000 POCKETLLM_FUZZ_LINES=20000 $(BIN)/python -m pytest -q $(SOAK_TESTS) $(PYTEST_ARGS)
+	tests/test_harness_channel.py tests/test_harness_store.py tests/test_harness_pipe.py tests/test_harness_host.py \
+	tests/test_engine_exe.py
+soak: install native
+	POCKETLLM_ENGINE=$(abspath $(NATIVE_BUILD))/pocketllm_engine POCKETLLM_FUZZ_CASES=20000 POCKETLLM_FUZZ_LINES=20000 \
+		$(BIN)/python -m pytest -q $(SOAK_TESTS) $(PYTEST_ARGS)
 
 lint: install
 	$(BIN)/ruff check pocketllm tests

@@ -147,6 +147,13 @@ def test_batched_greedy_tokens_equal_the_torch_backend(native, tiny_checkpoint, 
     assert all(o.finish_reason == "length" and o.usage.completion_tokens == 16 for o in outputs)
 
 
+@pytest.fixture(scope="module", params=["qwen3", "qwen3_5_text"])
+def semantics_llm(native, tiny_checkpoint, request):
+    """backend='cpp' on a tiny Qwen3 and a tiny Qwen3.5 (recurrent state beside the paged cache)."""
+    with LLM(EngineArgs(model=tiny_checkpoint(request.param), backend="cpp", cpu_kv_cache_gb=0.05)) as llm:
+        yield llm
+
+
 def test_capabilities_follow_the_native_engine(cpp_llm):
     caps = cpp_llm.engine_caps()
     assert caps.continuous_batching and caps.paged_kv and caps.prefix_caching and caps.per_request_sampling
@@ -162,8 +169,9 @@ def test_capabilities_follow_the_native_engine(cpp_llm):
     assert cpp_llm.generate(PROMPTS[0], _greedy(2, ignore_eos=True))[0].usage.completion_tokens == 2
 
 
-def test_eos_is_excluded_and_counted(native, qwen3):
-    args = EngineArgs(model=qwen3, backend="cpp", cpu_kv_cache_gb=0.05)
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_5_text"])
+def test_eos_is_excluded_and_counted(native, tiny_checkpoint, arch):
+    args = EngineArgs(model=tiny_checkpoint(arch), backend="cpp", cpu_kv_cache_gb=0.05)
     with LLM(args) as llm:
         free = llm.generate(PROMPTS[1], _greedy(12, ignore_eos=True))[0]
     eos = free.token_ids[4]
@@ -178,14 +186,14 @@ def test_eos_is_excluded_and_counted(native, qwen3):
     assert streamed[-1].finish_reason == "stop" and streamed[-1].usage.completion_tokens == cut + 1
 
 
-def test_streaming_equals_offline_and_stop_strings_apply(cpp_llm):
-    whole = cpp_llm.generate(PROMPTS[2], _greedy(16, ignore_eos=True))[0]
-    events = list(cpp_llm.generate_stream(PROMPTS[2], _greedy(16, ignore_eos=True)))
+def test_streaming_equals_offline_and_stop_strings_apply(semantics_llm):
+    whole = semantics_llm.generate(PROMPTS[2], _greedy(16, ignore_eos=True))[0]
+    events = list(semantics_llm.generate_stream(PROMPTS[2], _greedy(16, ignore_eos=True)))
     assert "".join(e.text for e in events) == whole.text and events[-1].finished
     assert [t for e in events for t in e.token_ids] == whole.token_ids
     stop = whole.text[len(whole.text) // 2:][:3]
     if stop.strip():
-        stopped = cpp_llm.generate(PROMPTS[2], _greedy(16, ignore_eos=True, stop=[stop]))[0]
+        stopped = semantics_llm.generate(PROMPTS[2], _greedy(16, ignore_eos=True, stop=[stop]))[0]
         assert stopped.finish_reason == "stop" and stopped.text == whole.text[:whole.text.index(stop)]
 
 
@@ -197,17 +205,17 @@ def _idle(stats) -> dict:
     return stats()
 
 
-def test_cancel_frees_the_native_blocks(cpp_llm):
-    stats = cpp_llm.stats
+def test_cancel_frees_the_native_blocks(semantics_llm):
+    stats = semantics_llm.stats
     free_before = _idle(stats)["kv_cache_free_blocks"]
     assert free_before == stats()["kv_cache_total_blocks"]
-    events = cpp_llm.generate_stream(PROMPTS[0] * 8, SamplingParams(max_tokens=10_000, temperature=0.0,
-                                                                     ignore_eos=True), request_id="to-cancel")
+    params = SamplingParams(max_tokens=10_000, temperature=0.0, ignore_eos=True)
+    events = semantics_llm.generate_stream(PROMPTS[0] * 8, params, request_id="to-cancel")
     next(events)
-    assert cpp_llm.cancel("to-cancel") is True
+    assert semantics_llm.cancel("to-cancel") is True
     rest = list(events)
     assert rest[-1].finished and rest[-1].finish_reason == "cancelled"
-    assert cpp_llm.cancel("to-cancel") is False
+    assert semantics_llm.cancel("to-cancel") is False
     deadline = time.monotonic() + 5
     while stats()["kv_cache_free_blocks"] != free_before and time.monotonic() < deadline:
         time.sleep(0.01)
