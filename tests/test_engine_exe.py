@@ -1,7 +1,7 @@
 """``pocketllm_engine``, the native executable that serves the harness protocol without Python: its tokenizer
 against the ``tokenizers`` library and transformers, and the protocol tests of ``pocketllm pipe``
 (tests/test_harness_pipe.py) run against it with the default model, SmolLM2-135M-Instruct's Q4_1 GGUF, as the
-pipe is tested (the executable dequantises it to float32 at load).
+pipe is tested (the executable keeps its Q4_1 layers in 4 bits where the CPU has AVX-512 VNNI, else float32).
 
 The ``test_engine_*`` tests assert the same protocol behaviour with a tiny random Qwen3 safetensors checkpoint,
 without the model's words."""
@@ -302,12 +302,12 @@ def test_engine_load_failure_is_reported_then_exits_one(pipe_process, qwen3, tmp
     assert not impure
 
 
-def _served(engine_exe: str, model: str, requests: list[dict]) -> dict:
-    """Each request's chunks (in order) and final line, from one run of the executable on ``model`` with the
-    requests as its whole input (end of input drains them, then the process exits 0)."""
+def _served(engine_exe: str, model: str, requests: list[dict], *args: str) -> dict:
+    """Each request's chunks (in order) and final line, from one run of the executable on ``model`` (and ``args``)
+    with the requests as its whole input (end of input drains them, then the process exits 0)."""
     lines = "".join(json.dumps(request) + "\n" for request in requests)
-    out = subprocess.run([engine_exe, "--model", model, "--ctx", "512"], input=lines.encode(), capture_output=True,
-                         timeout=300)
+    out = subprocess.run([engine_exe, "--model", model, "--ctx", "512", *args], input=lines.encode(),
+                         capture_output=True, timeout=300)
     assert out.returncode == 0, out.stderr.decode(errors="replace")
     answers: dict = {request["id"]: {"chunks": [], "done": None} for request in requests}
     for line in out.stdout.decode().split("\n"):
@@ -344,9 +344,10 @@ def test_gguf_chat_rendering_matches_transformers(engine_exe, smollm2_gguf, smol
 
 
 def test_gguf_greedy_tokens_match_the_python_engine_in_float32(engine_exe, smollm2_gguf):
-    """The executable computes in float32 from the dequantised Q4_1 weights: its greedy tokens (one chunk a token,
-    since every token here decodes to whole characters) equal the Python engine's with float32 weights
-    (``cpu_weight_format="float32"``) on text prompts and on a chat, whose answer ends on the GGUF's EOS."""
+    """With --weight-format float32 the executable computes in float32 from the dequantised Q4_1 weights: its
+    greedy tokens (one chunk a token, since every token here decodes to whole characters) equal the Python
+    engine's with float32 weights (``cpu_weight_format="float32"``) on text prompts and on a chat, whose answer
+    ends on the GGUF's EOS."""
     from pocketllm import LLM, EngineArgs, SamplingParams
 
     prompts = ["Once upon a time", "The quick brown fox"]
@@ -357,7 +358,7 @@ def test_gguf_greedy_tokens_match_the_python_engine_in_float32(engine_exe, smoll
         pieces = [[engine.tokenizer.decode([token], skip_special_tokens=False) for token in ids] for ids in expected]
     requests = [{"op": "generate", "id": i, "prompt": prompt, "n": 24, "temp": 0} for i, prompt in enumerate(prompts)]
     requests.append({"op": "chat", "id": "chat", "messages": FRANCE, "n": 32, "temp": 0})
-    answers = _served(engine_exe, smollm2_gguf, requests)
+    answers = _served(engine_exe, smollm2_gguf, requests, "--weight-format", "float32")
     for i, ids in enumerate(expected):
         assert len(ids) == 24 and all(pieces[i])
         assert answers[i]["chunks"] == pieces[i], prompts[i]

@@ -247,8 +247,9 @@ def test_llama_gguf_matches_the_python_engine_in_float32(native, smollm2_gguf):
 
     options = native.QwenEngineOptions()
     options.kv_cache_mb = 16.0
+    options.weight_format = "float32"   # "auto" keeps the Q4_1 layers in 4 bits (tests/test_native_q4.py)
     engine = native.QwenEngine(smollm2_gguf, options)
-    assert engine.architecture == "LlamaForCausalLM"
+    assert engine.architecture == "LlamaForCausalLM" and engine.weight_format == "float32"
     assert (engine.eos_id, engine.eos_source) == (2, "config")
     with LLM(EngineArgs(model=smollm2_gguf, cpu_weight_format="float32")) as reference:
         prompts = [reference.tokenizer.encode(text, add_special_tokens=False)
@@ -286,6 +287,7 @@ def test_gguf_of_every_read_type_matches_transformers(native, tmp_path, hf_refer
     write_gguf(path, arch, config, tensors)
     options = native.QwenEngineOptions()
     options.kv_cache_mb = 16.0
+    options.weight_format = "float32"   # transformers computes in float32 (mostly-Q4_1 layers would run in 4 bits)
     engine = native.QwenEngine(path, options)
     assert engine.architecture == hf_class and engine.vocab_size == config["vocab_size"]
     prompts = [[5, 17, 301, 42, 9, 77, 100, 23], [88, 12, 3]]

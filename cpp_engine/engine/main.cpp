@@ -806,9 +806,10 @@ class Server {
 
 const char* kUsage =
     "usage: pocketllm_engine --model DIR|FILE.gguf [--ctx N] [--max-seqs N] [--kv-cache-mb MB] [--threads N]\n"
-    "                        [--verbose]\n"
+    "                        [--weight-format auto|float32] [--verbose]\n"
     "Serves the harness's JSONL protocol (see pocketllm/harness/PROTOCOL.md) on stdin/stdout with a Qwen3,\n"
-    "Qwen3-MoE or Qwen3.5 safetensors checkpoint, or a llama, qwen2 or qwen3 GGUF file, on CPU.\n";
+    "Qwen3-MoE or Qwen3.5 safetensors checkpoint, or a llama, qwen2 or qwen3 GGUF file, on CPU.\n"
+    "--weight-format auto (default) keeps a Q4_1 GGUF's layer weights in 4 bits (AVX-512 VNNI); float32 does not.\n";
 
 // The test modes' input: `serve` for each stdin line (without its newline, the last one even if unterminated)
 // until end of input; returns the exit status.
@@ -899,6 +900,7 @@ int run(int argc, char** argv) {
     else if (arg == "--max-seqs") max_seqs = std::stoll(value());
     else if (arg == "--kv-cache-mb") options.kv_cache_mb = std::stod(value());
     else if (arg == "--threads") options.num_threads = std::stoll(value());
+    else if (arg == "--weight-format") options.weight_format = value();
     else if (arg == "--verbose") g_verbose = true;
     else if (arg == "-h" || arg == "--help") { std::fputs(kUsage, stdout); return 0; }
     else throw std::invalid_argument("unknown argument " + arg);

@@ -2,14 +2,17 @@
 // Calls that run the model release the GIL; callbacks from the scheduler's thread take it, and what they raise
 // is reported on stderr and swallowed.
 #include <pybind11/functional.h>
+#include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
 #include <cstdio>
+#include <cstring>
 #include <memory>
 
 #include "../src/batch_core.h"
 #include "../src/batch_scheduler.h"
+#include "../src/q4_weights.h"
 #include "../src/qwen_engine.h"
 
 namespace py = pybind11;
@@ -66,9 +69,44 @@ py::dict stats_dict(const BatchStats& s) {
 
 }  // namespace
 
+// A C-contiguous array's data as a tensor (no copy), and a tensor copied out to a new array.
+template <typename T>
+at::Tensor as_tensor(const py::array_t<T, py::array::c_style | py::array::forcecast>& a, at::ScalarType type) {
+  std::vector<int64_t> shape(a.shape(), a.shape() + a.ndim());
+  return at::from_blob(const_cast<T*>(a.data()), shape, type);
+}
+
+template <typename T>
+py::array_t<T> to_array(const at::Tensor& t) {
+  const at::Tensor c = t.contiguous();
+  py::array_t<T> out(std::vector<py::ssize_t>(c.sizes().begin(), c.sizes().end()));
+  std::memcpy(out.mutable_data(), c.data_ptr<T>(), c.numel() * sizeof(T));
+  return out;
+}
+
+void require_q4_kernel() {
+  if (!q4_kernel_supported()) throw std::runtime_error("this CPU lacks AVX-512 VNNI: the 4-bit kernel does not run");
+}
+
 PYBIND11_MODULE(_native, m) {
   m.doc() = "PocketLLM's native plane: a C++ Qwen3 and Qwen3.5 engine over libtorch";
   m.attr("backend") = "cpu";
+  // The 4-bit weights as the engine builds and multiplies them (tests compare them with the Torch plane's).
+  m.def("q4_kernel_supported", &q4_kernel_supported);
+  m.def("q4_pack", [](const py::array_t<float, py::array::c_style | py::array::forcecast>& weight) {
+    require_q4_kernel();
+    if (weight.ndim() != 2 || !q4_shape_supported(weight.shape(0), weight.shape(1)))
+      throw std::invalid_argument("q4_pack: a [N, K] weight with N a multiple of 16 and K of 32");
+    return to_array<uint8_t>(q4_pack(as_tensor(weight, at::kFloat)));
+  }, py::arg("weight"));
+  m.def("q4_linear", [](const py::array_t<float, py::array::c_style | py::array::forcecast>& x,
+                        const py::array_t<uint8_t, py::array::c_style | py::array::forcecast>& records) {
+    require_q4_kernel();
+    if (x.ndim() != 2 || records.ndim() != 3 || records.shape(2) != 320 || x.shape(1) != records.shape(1) * 32)
+      throw std::invalid_argument("q4_linear: x [T, K] and records [N / 16, K / 32, 320]");
+    std::vector<uint8_t> scratch;
+    return to_array<float>(q4_linear(as_tensor(x, at::kFloat), as_tensor(records, at::kByte), at::Tensor(), scratch));
+  }, py::arg("x"), py::arg("records"));
 
   py::class_<SamplingOptions>(m, "QwenBatchSamplingParams")
       .def(py::init<>())
@@ -96,7 +134,8 @@ PYBIND11_MODULE(_native, m) {
       .def_readwrite("prefix_caching", &QwenEngineOptions::prefix_caching)
       .def_readwrite("num_threads", &QwenEngineOptions::num_threads)
       .def_readwrite("eos_token_ids", &QwenEngineOptions::eos_token_ids)
-      .def_readwrite("sampling", &QwenEngineOptions::sampling);
+      .def_readwrite("sampling", &QwenEngineOptions::sampling)
+      .def_readwrite("weight_format", &QwenEngineOptions::weight_format);
 
   py::class_<QwenEngine>(m, "QwenEngine")
       .def(py::init<const std::string&, const QwenEngineOptions&>(), py::arg("checkpoint"),
@@ -114,6 +153,7 @@ PYBIND11_MODULE(_native, m) {
       .def_property_readonly("architecture", [](const QwenEngine& e) { return e.config().architecture; })
       .def_property_readonly("num_parameters", &QwenEngine::num_parameters)
       .def_property_readonly("decode_weight_bytes", &QwenEngine::decode_weight_bytes)
+      .def_property_readonly("weight_format", &QwenEngine::weight_format)
       .def_property_readonly("num_kv_blocks", [](QwenEngine& e) { return e.pool().num_blocks(); })
       .def_property_readonly("block_size", [](QwenEngine& e) { return e.pool().block_size(); })
       .def_property_readonly("session_length", &QwenEngine::session_length)

@@ -5,11 +5,13 @@
 
 #include <algorithm>
 #include <fstream>
+#include <map>
 #include <sstream>
 #include <stdexcept>
 
 #include "gguf.h"
 #include "gguf_checkpoint.h"
+#include "q4_weights.h"
 #include "json.h"
 
 namespace pocket {
@@ -38,12 +40,32 @@ std::vector<int64_t> generation_config_eos(const std::string& checkpoint) {
   return out;
 }
 
-// A checkpoint directory's safetensors, or a .gguf file's tensors dequantised.
-QwenModel load_model(const std::string& checkpoint) {
+// The GGML type holding most elements of the layers' matrices (blk.* tensors of two or more dimensions), as the
+// Python loader's linear_weight_type counts it; -1 when there are none.
+int64_t linear_weight_type(const GgufFile& file) {
+  std::map<uint32_t, int64_t> counts;
+  for (const GgufTensor& t : file.tensors())
+    if (t.name.rfind("blk.", 0) == 0 && t.shape.size() >= 2) counts[t.type] += t.numel();
+  int64_t best = -1, most = -1;
+  for (const auto& [type, n] : counts)
+    if (n > most) { most = n; best = type; }
+  return best;
+}
+
+constexpr int64_t kGgmlQ4_1 = 3;
+
+// A checkpoint directory's safetensors, or a .gguf file's tensors dequantised (the dense layers' linear weights
+// then held as 4-bit records for weight_format "auto" on a Q4_1 file, where the CPU runs the kernel).
+QwenModel load_model(const std::string& checkpoint, const QwenEngineOptions& options) {
+  if (options.weight_format != "auto" && options.weight_format != "float32")
+    throw std::invalid_argument("weight_format must be 'auto' or 'float32', not '" + options.weight_format + "'");
   if (!is_gguf_path(checkpoint)) return QwenModel(checkpoint, read_qwen_config(checkpoint));
   GgufFile file(checkpoint);
   QwenConfig config = read_gguf_config(file);
-  return QwenModel(load_gguf_weights(file, config), config);
+  QwenModel model(load_gguf_weights(file, config), config);
+  if (options.weight_format == "auto" && linear_weight_type(file) == kGgmlQ4_1 && q4_kernel_supported())
+    model.use_q4_weights();
+  return model;
 }
 
 }  // namespace
@@ -54,7 +76,7 @@ QwenConfig checkpoint_config(const std::string& checkpoint) {
 
 QwenEngine::QwenEngine(const std::string& checkpoint, const QwenEngineOptions& options)
     : options_(options),
-      model_(load_model(checkpoint)),
+      model_(load_model(checkpoint, options)),
       pool_(blocks_for(model_.config(), options), options.block_size,
             options.prefix_caching && !model_.config().hybrid) {
   // A hybrid model's linear-attention state after a prefix exists only for the sequence that computed it, so a

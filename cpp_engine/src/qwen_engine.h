@@ -25,6 +25,10 @@ struct QwenEngineOptions {
   int64_t num_threads = 0;          // 0: libtorch's default
   std::vector<int64_t> eos_token_ids;   // empty: generation_config.json's, else config.json's
   SamplingOptions sampling;         // the single-session API's sampling (greedy by default)
+  // "auto": a GGUF whose layers' matrices are mostly Q4_1 keeps its dense layers' linear weights as 4-bit records
+  // multiplied by the project's AVX-512 VNNI kernel (q4_weights.h) where the CPU has it, as the Torch plane's
+  // cpu_weight_format "auto" does; "float32": every weight dequantised to float32.
+  std::string weight_format = "auto";
 };
 
 // One sequence's tokens (prompt then outputs), KV blocks and sampling state.
@@ -56,6 +60,8 @@ class QwenEngine {
   int64_t max_model_len() const { return max_model_len_; }
   int64_t num_parameters() const { return model_.num_parameters(); }
   int64_t decode_weight_bytes() const { return model_.decode_weight_bytes(); }
+  // The linear weights' format as run: "int4" (4-bit records) or "float32".
+  std::string weight_format() const { return model_.q4_weights() ? "int4" : "float32"; }
 
   // Single session: prefill starts a new sequence (reusing cached prefix blocks) and returns its first token.
   int64_t prefill(const std::vector<int64_t>& prompt);

@@ -6,6 +6,8 @@
 // shared expert scaled by sigmoid(shared_expert_gate).
 #include "qwen_model.h"
 
+#include <omp.h>
+
 #include <cmath>
 #include <fstream>
 #include <sstream>
@@ -13,10 +15,25 @@
 
 #include "json.h"
 #include "paged_attention.h"
+#include "q4_weights.h"
 #include "safetensors.h"
 
 namespace pocket {
 namespace {
+
+constexpr int64_t kQ4Rows = 8;   // most rows of a 4-bit product (more: the float32 weights), as INT4_MAX_ROWS
+
+// libtorch's parallel_for (OpenMP) on the calling thread alone while it lives.
+class SerialRegion {
+ public:
+  SerialRegion() : before_(omp_get_max_threads()) { omp_set_num_threads(1); }
+  ~SerialRegion() { omp_set_num_threads(before_); }
+  SerialRegion(const SerialRegion&) = delete;
+  SerialRegion& operator=(const SerialRegion&) = delete;
+
+ private:
+  int before_;
+};
 
 Json read_json(const std::string& path) {
   std::ifstream in(path);
@@ -276,6 +293,38 @@ QwenModel::QwenModel(TensorMap w, const QwenConfig& config) : config_(config) {
   inv_freq_ = 1.0 / at::pow(config_.rope_theta, at::arange(0, rotary, 2, at::kLong).to(at::kFloat) / rotary);
 }
 
+int64_t QwenModel::use_q4_weights() {
+  SerialRegion serial;   // small ATen ops per matrix: threads cost more than they give here (see linear)
+  int64_t converted = 0;
+  auto convert = [&](at::Tensor& weight, at::Tensor& records) {
+    if (!weight.defined() || !q4_shape_supported(weight.size(0), weight.size(1))) return;
+    records = q4_pack(weight);
+    decode_weight_bytes_ += records.numel() - weight.numel() * 4;   // a decode step reads the records
+    ++converted;
+  };
+  for (Layer& l : layers_) {
+    if (l.delta || l.router.defined()) continue;   // Qwen3.5 and MoE layers keep float32
+    convert(l.qkv, l.qkv_q4);
+    convert(l.o_proj, l.o_proj_q4);
+    convert(l.gate_up, l.gate_up_q4);
+    convert(l.down, l.down_q4);
+  }
+  q4_layers_ += converted;
+  return converted;
+}
+
+at::Tensor QwenModel::linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& records,
+                             const at::Tensor& bias) {
+  if (records.defined() && q4_step_) {
+    // On the calling thread: the kernel's parallel_for is one OpenMP region per product (four per layer), and on
+    // the shared 2-core VM, with the other core busy, each region waited for a time slice (the default model
+    // decoded 2.2-3.7 tok/s with two threads against about 60 with one).
+    SerialRegion serial;
+    return q4_linear(x, records, bias, q4_scratch_);
+  }
+  return bias.defined() ? at::linear(x, weight, bias) : at::linear(x, weight);
+}
+
 int64_t QwenModel::acquire_state_slot() {
   if (!free_state_slots_.empty()) {
     const int64_t slot = free_state_slots_.back();
@@ -350,7 +399,7 @@ at::Tensor QwenModel::attention(size_t li, const at::Tensor& h, const at::Tensor
   const Layer& l = layers_[li];
   const int64_t T = h.size(0), H = c.num_heads, KVH = c.num_kv_heads, D = c.head_dim;
   const int64_t QW = c.hybrid ? 2 * H * D : H * D;   // Qwen3.5: per head the query, then its gate
-  at::Tensor qkv = l.qkv_bias.defined() ? at::linear(h, l.qkv, l.qkv_bias) : at::linear(h, l.qkv);
+  at::Tensor qkv = linear(h, l.qkv, l.qkv_q4, l.qkv_bias);
   at::Tensor q, gate;
   if (c.hybrid) {
     at::Tensor query_gate = qkv.narrow(1, 0, QW).view({T, H, 2 * D});
@@ -374,7 +423,7 @@ at::Tensor QwenModel::attention(size_t li, const at::Tensor& h, const at::Tensor
   paged_attention(q.data_ptr<float>(), k_cache_[li].data_ptr<float>(), v_cache_[li].data_ptr<float>(),
                   attn.data_ptr<float>(), views, H, KVH, D, static_cast<float>(1.0 / std::sqrt(double(D))));
   if (gate.defined()) attn = attn * at::sigmoid(gate);
-  return at::linear(attn.reshape({T, H * D}), l.o_proj);
+  return linear(attn.reshape({T, H * D}), l.o_proj, l.o_proj_q4);
 }
 
 at::Tensor QwenModel::forward(const std::vector<int64_t>& tokens, const std::vector<Chunk>& chunks) {
@@ -406,6 +455,11 @@ at::Tensor QwenModel::forward(const std::vector<int64_t>& tokens, const std::vec
     if (ch.wants_logits) logit_rows.push_back(row - 1);
   }
   if (row != T) throw std::logic_error("chunk sizes do not add up to the tokens given");
+  // The 4-bit products for a decode step of up to kQ4Rows sequences (one token each, past its prompt), as the
+  // Torch plane's int4 layers do; prompts go through the float32 weights (8-bit activations at every prompt
+  // position lose the large activations some tokens carry: SmolLM2's answer to a chat went astray).
+  q4_step_ = q4_layers_ > 0 && T <= kQ4Rows;
+  for (const Chunk& ch : chunks) q4_step_ = q4_step_ && ch.num_tokens == 1 && ch.start > 0;
   at::Tensor ids = at::tensor(tokens, at::kLong);
   at::Tensor pos = at::tensor(positions, at::kLong);
   at::Tensor slot = at::tensor(slots, at::kLong);
@@ -420,9 +474,9 @@ at::Tensor QwenModel::forward(const std::vector<int64_t>& tokens, const std::vec
     if (l.router.defined()) {
       x = x + moe(l, h);
     } else {
-      at::Tensor gu = at::linear(h, l.gate_up);
+      at::Tensor gu = linear(h, l.gate_up, l.gate_up_q4);
       at::Tensor act = at::silu(gu.narrow(1, 0, c.intermediate_size)) * gu.narrow(1, c.intermediate_size, c.intermediate_size);
-      x = x + at::linear(act, l.down);
+      x = x + linear(act, l.down, l.down_q4);
     }
   }
   if (logit_rows.empty()) return at::empty({0, c.vocab_size});

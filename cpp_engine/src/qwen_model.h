@@ -65,6 +65,13 @@ class QwenModel {
   int64_t num_parameters() const { return num_parameters_; }
   int64_t decode_weight_bytes() const { return decode_weight_bytes_; }
 
+  // Also hold the dense layers' linear weights (QKV, o_proj, gate/up, down) whose shapes fit as the 4-bit
+  // kernel's records (q4_weights.h), which decode steps of up to 8 sequences multiply by; prompts keep the float32
+  // weights, as do the LM head and the embeddings. Only for weights that were 4-bit blocks (GGUF Q4_1), where the
+  // records hold them exactly. Returns the matrices converted.
+  int64_t use_q4_weights();
+  bool q4_weights() const { return q4_layers_ > 0; }
+
   // Allocate the paged KV cache: num_blocks blocks of block_size positions, per (full-attention) layer.
   void allocate_cache(int64_t num_blocks, int64_t block_size);
   int64_t block_size() const { return block_size_; }
@@ -80,12 +87,16 @@ class QwenModel {
  private:
   struct Layer {
     at::Tensor input_norm, qkv, qkv_bias, o_proj, q_norm, k_norm, post_norm, gate_up, down;
+    at::Tensor qkv_q4, o_proj_q4, gate_up_q4, down_q4;   // use_q4_weights: the records (beside the float32 ones)
     at::Tensor router;                               // MoE: [experts, hidden]
     std::vector<at::Tensor> expert_gate_up, expert_down;
     at::Tensor shared_gate_up, shared_down, shared_gate;   // Qwen3.5-MoE's shared expert and its sigmoid gate
     std::unique_ptr<GatedDeltaNet> delta;            // Qwen3.5 linear-attention layers (no qkv/o_proj then)
   };
   at::Tensor moe(const Layer& l, const at::Tensor& h) const;
+  // x @ W.T (+ bias) with W float32 (`weight`) or the 4-bit records (`records`, when defined).
+  at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& records,
+                    const at::Tensor& bias = at::Tensor());
   at::Tensor attention(size_t li, const at::Tensor& h, const at::Tensor& slot, const at::Tensor& cos,
                        const at::Tensor& sin, const std::vector<AttentionChunk>& views);
   QwenConfig config_;
@@ -95,6 +106,9 @@ class QwenModel {
   int64_t block_size_ = 0;
   int64_t num_parameters_ = 0, decode_weight_bytes_ = 0;
   int64_t num_state_slots_ = 0;
+  int64_t q4_layers_ = 0;
+  bool q4_step_ = false;              // this forward is a decode step that runs the 4-bit products
+  std::vector<uint8_t> q4_scratch_;   // the 4-bit product's quantised activations
   std::vector<int64_t> free_state_slots_;
 };
 

@@ -13,4 +13,7 @@ from ._native import (  # noqa: F401
     QwenEngineCaps,
     QwenEngineOptions,
     backend,
+    q4_kernel_supported,
+    q4_linear,
+    q4_pack,
 )

@@ -10,7 +10,9 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#ifndef POCKETLLM_NO_TORCH_OPS
 #include <torch/library.h>
+#endif
 
 #include <immintrin.h>
 
@@ -121,6 +123,7 @@ void q4_matmul(const float* x, int64_t rows, const at::Tensor& records, float* o
   });
 }
 
+#ifndef POCKETLLM_NO_TORCH_OPS   // the native plane (cpp_engine) calls q4_matmul directly and registers no ops
 namespace {
 
 at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& weights) {
@@ -138,8 +141,10 @@ at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& weights) {
 }
 
 }  // namespace
+#endif  // POCKETLLM_NO_TORCH_OPS
 }  // namespace pocketllm_cpu
 
+#ifndef POCKETLLM_NO_TORCH_OPS
 TORCH_LIBRARY(pocketllm_cpu, m) {
   m.def("q4_linear(Tensor x, Tensor weights) -> Tensor");
 }
@@ -147,3 +152,4 @@ TORCH_LIBRARY(pocketllm_cpu, m) {
 TORCH_LIBRARY_IMPL(pocketllm_cpu, CPU, m) {
   m.impl("q4_linear", &pocketllm_cpu::q4_linear);
 }
+#endif  // POCKETLLM_NO_TORCH_OPS
