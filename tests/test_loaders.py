@@ -60,8 +60,10 @@ def encode_tensor(array: np.ndarray, qtype: Q, rng: np.random.Generator) -> np.n
 
 
 def write_gguf(path: str, arch: str, config: dict, tensors: dict[str, tuple[np.ndarray, Q]],
-               tokenizer: bool = False) -> None:
-    """A GGUF file with llama.cpp metadata keys and the given (name -> (HF-layout array, type)) tensors."""
+               tokenizer: bool = False, merge: bool = False) -> None:
+    """A GGUF file with llama.cpp metadata keys and the given (name -> (HF-layout array, type)) tensors.
+    ``merge``: the tokenizer's last token is the first two merged, with that one merge listed (a byte-level BPE
+    the Torch engine can build)."""
     rng = np.random.default_rng(0)
     writer = gguf_writer(gguf, path, arch, config)
     writer.add_rope_freq_base(config["rope_theta"])
@@ -71,8 +73,15 @@ def write_gguf(path: str, arch: str, config: dict, tensors: dict[str, tuple[np.n
         writer.add_expert_used_count(config["num_experts_per_tok"])
         writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
     if tokenizer:
+        tokens = [chr(0x100 + i) for i in range(config["vocab_size"] - merge)]
         writer.add_tokenizer_model("gpt2")
-        writer.add_token_list([chr(0x100 + i) for i in range(config["vocab_size"])])
+        if merge:
+            tokens.append(tokens[0] + tokens[1])
+            writer.add_token_list(tokens)
+            writer.add_token_types([1] * len(tokens))
+            writer.add_token_merges([f"{tokens[0]} {tokens[1]}"])
+        else:
+            writer.add_token_list(tokens)
         writer.add_eos_token_id(TINY_EOS_ID)
     for name, (array, qtype) in tensors.items():
         data = encode_tensor(array, qtype, rng)

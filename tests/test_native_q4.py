@@ -1,4 +1,4 @@
-"""The native plane's 4-bit weights (issue #30): a GGUF whose layers are Q4_1 keeps its dense layers' linear
+"""The native plane's 4-bit weights: a GGUF whose layers are Q4_1 keeps its dense layers' linear
 weights as the records of the project's AVX-512 VNNI kernel (pocketllm/kernels/cpu/q4_linear.cpp, compiled into
 the native build), as the Torch backend's ``cpu_weight_format="int4"`` does; ``weight_format="float32"`` keeps the
 float32 path."""
@@ -35,31 +35,14 @@ def tiny_q4_1(tmp_path_factory) -> str:
     """A tiny llama GGUF whose every matrix is Q4_1, with a byte-level BPE tokenizer the Torch engine can build
     (one merge, into the last token)."""
     import gguf
-    import numpy as np
-    from conftest import gguf_writer
-    from test_loaders import ARCH_CONFIGS, TINY_EOS_ID, encode_tensor, quant_tensors
+    from test_loaders import ARCH_CONFIGS, quant_tensors, write_gguf
 
     config = ARCH_CONFIGS["llama"]
     path = str(tmp_path_factory.mktemp("q4") / "tiny-q4_1.gguf")
-    writer = gguf_writer(gguf, path, "llama", config)
-    writer.add_rope_freq_base(config["rope_theta"])
-    writer.add_vocab_size(config["vocab_size"])
-    tokens = [chr(0x100 + i) for i in range(config["vocab_size"] - 1)]
-    tokens.append(tokens[0] + tokens[1])
-    writer.add_tokenizer_model("gpt2")
-    writer.add_token_list(tokens)
-    writer.add_token_types([1] * len(tokens))
-    writer.add_token_merges([f"{tokens[0]} {tokens[1]}"])
-    writer.add_eos_token_id(TINY_EOS_ID)
-    rng = np.random.default_rng(0)
-    for name, (array, kind) in quant_tensors(config, "llama").items():
-        kind = gguf.GGMLQuantizationType.Q4_1 if array.ndim == 2 else kind
-        data = encode_tensor(array, kind, rng)
-        writer.add_tensor(name, data, raw_dtype=None if data.dtype != np.uint8 else kind)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    q4_1 = gguf.GGMLQuantizationType.Q4_1
+    tensors = {name: (array, q4_1 if array.ndim == 2 else kind)
+               for name, (array, kind) in quant_tensors(config, "llama").items()}
+    write_gguf(path, "llama", config, tensors, tokenizer=True, merge=True)
     return path
 
 
