@@ -453,6 +453,23 @@ def greedy_in_regime(model: str, regime: str, engine_args: dict, prompts: list[l
     return outputs
 
 
+def shared_prefix_runs(model: str, prompts: list[list[int]], max_tokens: int, **engine_args: Any
+                       ) -> dict[bool, tuple[list[Any], list[Any], list[Any]]]:
+    """For a model that declares prefix caching off: with it asked for and not, greedy outputs (EOS ignored) of
+    the first prompt, then the second, then both batched, each in one engine that must say prefix caching is off."""
+    from pocketllm import LLM, EngineArgs, SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    runs = {}
+    for caching in (True, False):
+        with LLM(EngineArgs(model=model, enable_prefix_caching=caching, max_num_batched_tokens=16,
+                            **engine_args)) as llm:
+            assert llm.engine_caps().prefix_caching is False
+            runs[caching] = (llm.generate([prompts[0]], params), llm.generate([prompts[1]], params),
+                             llm.generate(prompts, params))
+    return runs
+
+
 # Qwen3.5 parity (tests/test_qwen3_5.py, tests/test_qwen3_5_gguf.py): prompts of mixed lengths (70 is past one
 # 64-token chunk of the DeltaNet rule; the 9-token one shares the 70-token one's start), 32 greedy tokens, and the
 # engine regimes under which they must equal transformers'. The Torch engine's Qwen3.5 path, named explicitly:

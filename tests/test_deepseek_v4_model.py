@@ -15,7 +15,7 @@ import os
 
 import pytest
 import torch
-from conftest import assert_logprobs_match, copy_checkpoint, tiny_config, write_checkpoint
+from conftest import assert_logprobs_match, copy_checkpoint, shared_prefix_runs, tiny_config, write_checkpoint
 from safetensors.torch import load_file
 
 from pocketllm import LLM, EngineArgs, SamplingParams
@@ -211,18 +211,10 @@ def test_greedy_matches_transformers(regime, tiny_checkpoint, references):
 def test_shared_prefix_with_prefix_caching_asked_for(tiny_checkpoint, references):
     """The compressors' and the window's per-request state is not in the paged cache, so prefix caching is
     declared off for DeepSeek-V4: asking for it changes nothing, and nothing is 'cached'."""
-    prompts = _shared_prefix_prompts()
-    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
-    results = {}
-    for caching in (True, False):
-        with LLM(EngineArgs(model=tiny_checkpoint(ARCH), enable_prefix_caching=caching, block_size=4,
-                            max_num_batched_tokens=16, **KV)) as llm:
-            assert llm.engine_caps().prefix_caching is False
-            first = llm.generate([prompts[0]], params)
-            second = llm.generate([prompts[1]], params)
-            both = llm.generate(prompts, params)     # batched together as well
-        results[caching] = [o.token_ids for o in first + second + both]
-        assert [o.usage.cached_tokens for o in second + both] == [0, 0, 0]
+    runs = shared_prefix_runs(tiny_checkpoint(ARCH), _shared_prefix_prompts(), NEW_TOKENS, block_size=4, **KV)
+    results = {caching: [o.token_ids for o in first + second + both]
+               for caching, (first, second, both) in runs.items()}
+    assert all([o.usage.cached_tokens for o in second + both] == [0, 0, 0] for _, second, both in runs.values())
     expected = references("shared")
     assert results[True] == results[False] == expected + expected
 

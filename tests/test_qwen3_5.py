@@ -21,6 +21,7 @@ from conftest import (
     greedy_in_regime,
     qwen3_5_prompts,
     qwen3_5_shared_prefix_prompts,
+    shared_prefix_runs,
     write_checkpoint,
 )
 from safetensors.torch import load_file
@@ -122,18 +123,11 @@ def test_greedy_matches_transformers(arch, regime, tiny_checkpoint, qwen3_5_refe
 @pytest.mark.parametrize("arch", TINY_HYBRID_ARCHS)
 def test_shared_prefix_with_prefix_caching_asked_for(arch, tiny_checkpoint, qwen3_5_references):
     """Prefix caching is declared off for hybrids: asking for it changes nothing, and nothing is 'cached'."""
-    prompts = qwen3_5_shared_prefix_prompts()
-    params = SamplingParams(max_tokens=QWEN3_5_NEW_TOKENS, temperature=0.0, ignore_eos=True)
-    results = {}
-    for caching in (True, False):
-        with LLM(EngineArgs(model=tiny_checkpoint(arch), enable_prefix_caching=caching,
-                            max_num_batched_tokens=16, **QWEN3_5_KV)) as llm:
-            assert llm.engine_caps().prefix_caching is False
-            first = llm.generate([prompts[0]], params)
-            second = llm.generate([prompts[1]], params)
-            both = llm.generate(prompts, params)     # batched together as well
-        results[caching] = [o.token_ids for o in first + second + both]
-        assert second[0].usage.cached_tokens == 0
+    runs = shared_prefix_runs(tiny_checkpoint(arch), qwen3_5_shared_prefix_prompts(), QWEN3_5_NEW_TOKENS,
+                              **QWEN3_5_KV)
+    results = {caching: [o.token_ids for o in first + second + both]
+               for caching, (first, second, both) in runs.items()}
+    assert all(second[0].usage.cached_tokens == 0 for _, second, _ in runs.values())
     expected = qwen3_5_references(arch, "shared")
     assert results[True] == results[False] == expected + expected
 
