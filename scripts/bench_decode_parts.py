@@ -4,6 +4,7 @@ at several split counts (one split: no merge).
 
     python scripts/bench_decode_parts.py               # projections and attention at batch 1
     python scripts/bench_decode_parts.py large-batch   # attention settings at batch 256 and 64
+    python scripts/bench_decode_parts.py fp8-cache     # the same at batch 256 for a bfloat16 and a float8 cache
     python scripts/bench_decode_parts.py packed        # QKV projection then attention: two kernels or one
     python scripts/bench_decode_parts.py prefill       # prefill attention settings on a throughput chunk
     python scripts/bench_decode_parts.py small-batch   # batch-1 attention settings inside a layer's chain
@@ -100,34 +101,41 @@ def attention_variants(heads: int, kv_heads: int, dim: int, ctx: int) -> None:
         print("   ", row)
 
 
-def large_batch_variants(heads: int, kv_heads: int, dim: int, batch: int, ctx: int) -> None:
-    """Decode attention at a large batch (one split) over KV tile, warps, stages and the grid's order; the
-    context's pages are spread over the cache as a long-running server leaves them."""
+def large_batch_variants(heads: int, kv_heads: int, dim: int, batch: int, ctx: int,
+                         cache_dtype: torch.dtype = torch.bfloat16, sweep: bool = True) -> None:
+    """Decode attention at a large batch (one split) over KV tile, warps, stages and the grid's order (and, for a
+    float8 cache, float16 or bfloat16 dot products); the context's pages are spread over the cache as a
+    long-running server leaves them."""
     pages = ctx // 16 + 1
-    k_cache = torch.randn(batch * pages, 16, kv_heads, dim, dtype=torch.bfloat16, device="cuda")
-    v_cache = torch.randn_like(k_cache)
+    k_cache = torch.randn(batch * pages, 16, kv_heads, dim, device="cuda").to(cache_dtype)
+    v_cache = torch.randn_like(k_cache, dtype=torch.float32).to(cache_dtype)
     tables = torch.randperm(batch * pages, device="cuda").to(torch.int32).view(batch, pages)
     lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
     q = torch.randn(batch, heads, dim, dtype=torch.bfloat16, device="cuda")
-    nbytes = 2 * batch * ctx * kv_heads * dim * 2
+    nbytes = 2 * batch * ctx * kv_heads * dim * k_cache.element_size()
+    fp8 = k_cache.element_size() == 1
     results = []
-    for block_n in (32, 64, 128):
+    for block_n in ((64, 128, 256) if fp8 else (32, 64, 128)) if sweep else ():
         for warps in (4, 8):
             for stages in (2, 3, 4):
-                for heads_first in (False, True):
-                    def run(b=block_n, w=warps, st=stages, h=heads_first) -> torch.Tensor:
-                        return paged_decode(q, k_cache, v_cache, tables, lens, dim ** -0.5, 1, block_n=b,
-                                            num_warps=w, num_stages=st, heads_first=h)
-                    try:
-                        results.append((us(run), block_n, warps, stages, heads_first))
-                    except Exception as exc:  # e.g. out of shared memory
-                        print(f"  block_n {block_n} warps {warps} stages {stages}: {type(exc).__name__}")
+                for heads_first in (True,) if fp8 else (False, True):
+                    for fp16_dots in (True, False) if fp8 else (False,):
+                        def run(b=block_n, w=warps, st=stages, h=heads_first, f=fp16_dots) -> torch.Tensor:
+                            return paged_decode(q, k_cache, v_cache, tables, lens, dim ** -0.5, 1, block_n=b,
+                                                num_warps=w, num_stages=st, heads_first=h, fp16_dots=f)
+                        try:
+                            results.append((us(run), block_n, warps, stages, heads_first, fp16_dots))
+                        except Exception as exc:  # e.g. out of shared memory
+                            print(f"  block_n {block_n} warps {warps} stages {stages}: {type(exc).__name__}")
     results.sort()
     default = us(lambda: paged_decode(q, k_cache, v_cache, tables, lens, dim ** -0.5, 1))
-    print(f"attention batch {batch} ctx {ctx}, heads {heads}/{kv_heads}: default {default:.1f} µs "
-          f"({nbytes / default / 1e3:,.0f} GB/s); best (µs, GB/s, block_n, warps, stages, heads first):")
-    for t, *rest in results[:6]:
+    print(f"attention batch {batch} ctx {ctx}, heads {heads}/{kv_heads}, {cache_dtype} cache: default "
+          f"{default:.1f} µs ({nbytes / default / 1e3:,.0f} GB/s); best (µs, GB/s, block_n, warps, stages, "
+          "heads first, float16 dots):")
+    for t, *rest in results[:8]:
         print(f"    {t:7.1f} {nbytes / t / 1e3:7,.0f}", *rest)
+    if fp8:
+        print("    best with bfloat16 dots:", next((r for r in results if not r[-1]), None))
 
 
 class PackedLayers:
@@ -297,6 +305,10 @@ def main() -> None:
         return
     if len(sys.argv) > 1 and sys.argv[1] == "packed":
         packed_variants()
+        return
+    if len(sys.argv) > 1 and sys.argv[1] == "fp8-cache":
+        large_batch_variants(16, 8, 128, 256, 800, torch.bfloat16, sweep=False)
+        large_batch_variants(16, 8, 128, 256, 800, torch.float8_e4m3fn)
         return
     if len(sys.argv) > 1 and sys.argv[1] == "large-batch":
         large_batch_variants(16, 8, 128, 256, 800)

@@ -2,6 +2,7 @@
 settings, on the decode shapes of Qwen3-0.6B and Llama-3-8B, and the device's copy bandwidth (the bound).
 
     python scripts/bench_gemv.py [PART/PARTS]     # e.g. 0/2 and 1/2 on two GPUs: each times half the settings
+    python scripts/bench_gemv.py fp8              # float8 weights (per-row scales), Llama-3-8B's layer shapes
 
 Prints, per shape, cuBLAS, the current default setting and the five fastest settings (µs and GB/s), then
 the fused prologues (RMSNorm, SiLU·mul) with the three fastest plain settings of their shape.
@@ -94,7 +95,53 @@ def shape_rows(name: str, n: int, k: int, prologue: str | None, configs: list[On
         print(f"    fused {prologue}: {fmt(t, nbytes)}  {c}")
 
 
+def float8_settings() -> list[OneRowConfig]:
+    """Tiles of 4-32 KiB of float8 weight: narrow ones many programs wide, and up to 32 rows a tile (the
+    activation is read once per tile, so wider tiles read less of it per weight byte)."""
+    out = []
+    for bn, bk, warps, stages in itertools.product((1, 2, 4, 8, 16, 32), (1024, 2048, 4096, 8192), (8, 16), (1,)):
+        if 4096 <= bn * bk <= 32768:
+            out += [OneRowConfig(bn, bk, True, warps, stages)]
+            if bn <= 2:
+                out += [OneRowConfig(bn, bk, False, warps, stages)]
+    return out
+
+
+def float8_rows(name: str, n: int, k: int, configs: list[OneRowConfig]) -> None:
+    """The one-row kernel on a float8 weight of [n, k] over ``configs``, against the engine's candidates."""
+    from pocketllm.kernels.fp8 import quantize_weight
+    from pocketllm.kernels.gemv import one_row_candidates
+
+    pairs = [quantize_weight(torch.randn(n, k, device="cuda")) for _ in range(2 if n * k > 3e7 else 8)]
+    turn = [0]
+
+    def pair():
+        turn[0] += 1
+        return pairs[turn[0] % len(pairs)]
+
+    x = torch.randn(1, k, dtype=torch.bfloat16, device="cuda")
+    nbytes = n * k + 4 * n
+    times = {}
+    candidates = one_row_candidates(k, float8=True)
+    for c in dict.fromkeys(candidates + configs):
+        try:
+            times[c] = us(lambda c=c: skinny_linear(x, pair()[0], c, scale=pair()[1]))
+        except Exception as exc:  # a setting that does not compile (e.g. out of shared memory)
+            print(f"  {name} {c}: {type(exc).__name__}")
+    best = sorted(times, key=times.get)
+    engine = min((c for c in candidates if c in times), key=times.get)
+    print(f"{name:12s} N={n} K={k} float8: engine's best candidate {fmt(times[engine], nbytes)}  {engine}")
+    for c in best[:6]:
+        print(f"    {fmt(times[c], nbytes)}  {c}")
+
+
 def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "fp8":
+        print(f"copy bandwidth: {copy_bandwidth():,.0f} GB/s (4 GiB, read + write)")
+        configs = float8_settings()
+        for name in ("l8 qkv", "l8 o", "l8 gate_up", "l8 down"):
+            float8_rows(name, *SHAPES[name][:2], configs)
+        return
     part, parts = (int(v) for v in (sys.argv[1].split("/") if len(sys.argv) > 1 else ("0", "1")))
     configs = settings()[part::parts]
     print(f"copy bandwidth: {copy_bandwidth():,.0f} GB/s (4 GiB, read + write); {len(configs)} settings")

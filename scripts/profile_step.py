@@ -1,6 +1,6 @@
 """Decode-step time at a given batch and context, wall clock against kernel time (torch profiler).
 
-    python scripts/profile_step.py PRESET BATCH CONTEXT [eager|graphs] [TEMPERATURE]
+    python scripts/profile_step.py PRESET BATCH CONTEXT [eager|graphs] [TEMPERATURE] [QUANTIZATION]
 
 Runs the engine core directly (no engine thread): prefills BATCH random prompts of CONTEXT tokens, then
 times decode steps. Wall minus kernel time is the host time the step does not hide.
@@ -25,8 +25,10 @@ def main() -> None:
     preset, batch, context = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     eager = len(sys.argv) > 4 and sys.argv[4] == "eager"
     temperature = float(sys.argv[5]) if len(sys.argv) > 5 else 0.0
+    quantization = sys.argv[6] if len(sys.argv) > 6 else None
     args = EngineArgs(model=preset, load_format="dummy", max_model_len=context + 128, max_num_seqs=batch,
-                      max_num_batched_tokens=min(16384, max(2048, batch * context)), enforce_eager=eager)
+                      max_num_batched_tokens=min(16384, max(2048, batch * context)), enforce_eager=eager,
+                      quantization=quantization)
     config = preset_config(preset)
     core = EngineCore(args, config, None, frozenset())
     rng = random.Random(0)
@@ -49,9 +51,10 @@ def main() -> None:
         torch.cuda.synchronize()
     kernel = sum(e.self_device_time_total for e in prof.key_averages()) / 20 / 1e6
     print(f"{preset} batch {batch} context {context} {'eager' if eager else 'graphs'} T={temperature}: "
-          f"step wall {wall * 1e3:.3f} ms, kernels {kernel * 1e3:.3f} ms, host exposed {(wall - kernel) * 1e3:.3f} ms,"
+          f"{quantization or ''} step wall {wall * 1e3:.3f} ms, kernels {kernel * 1e3:.3f} ms, "
+          f"host exposed {(wall - kernel) * 1e3:.3f} ms,"
           f" {batch / wall:,.0f} tok/s")
-    print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=14, max_name_column_width=50))
+    print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=20, max_name_column_width=50))
 
 
 if __name__ == "__main__":

@@ -173,11 +173,14 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, lens_ptr, out_pt
                    NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
                    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                    BLOCK_N: tl.constexpr, SPLIT_MIN: tl.constexpr, SPLIT: tl.constexpr, S_PAD: tl.constexpr,
-                   PRECISION: tl.constexpr, HEADS_FIRST: tl.constexpr, PDL: tl.constexpr):
+                   PRECISION: tl.constexpr, HEADS_FIRST: tl.constexpr, FP16_DOTS: tl.constexpr,
+                   PDL: tl.constexpr):
     """Split-KV decode attention of one (sequence, KV head, split). What the step's host copy and earlier steps
     wrote (lengths, block table, the split's first KV tile) is read before waiting on the kernel just before
     this one; after the wait, the query and the new token's key and value row, which that kernel stored (its
-    stale copy in the prefetched tile is replaced)."""
+    stale copy in the prefetched tile is replaced). With ``FP16_DOTS`` (a float8 cache) the dot products take
+    float16 operands: e4m3 codes widen to float16 exactly, two to an instruction, where widening to bfloat16
+    goes through float32; the query is scaled before it is rounded to float16."""
     if PDL:   # dependents may launch now: each waits on this kernel before it reads this kernel's output
         gdc_launch_dependents()
     seq, kvh, split = _program_ids(HEADS_FIRST)
@@ -212,12 +215,15 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, lens_ptr, out_pt
     q = tl.load(q_ptr + seq.to(tl.int64) * stride_qt + heads[:, None] * HEAD_DIM + dims[None, :],
                 mask=row_mask[:, None] & dim_mask[None, :], other=0.0)
     qk_scale = scale * 1.4426950408889634
+    if FP16_DOTS:
+        q = (q.to(tl.float32) * qk_scale).to(tl.float16)
+        qk_scale = 1.0
 
     m_i = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
     acc = tl.zeros([GROUP_PAD, D_PAD], dtype=tl.float32)
     if start < end:   # (an empty context: nothing to attend, zeros out)
-        # float8 caches widen here
+        # float8 caches widen here (to the query's dtype)
         m_i, l_i, acc = _attend_tile(q, k_first.to(q.dtype), v_first.to(q.dtype), tok < end, m_i, l_i, acc,
                                      qk_scale, PRECISION)
     for n0 in range(start + BLOCK_N, end, BLOCK_N):
@@ -377,16 +383,17 @@ class _DecodeLaunch(NamedTuple):
 
 def _decode_launch(batch: int, dtype: torch.dtype, d_pad: int, block_n: int | None = None,
                    num_warps: int | None = None, num_stages: int | None = None,
-                   heads_first: bool | None = None) -> _DecodeLaunch:
+                   heads_first: bool | None = None, kv_bytes: int = 2) -> _DecodeLaunch:
     """The decode kernels' settings, each given one kept. Measured on an H200 at batch 1 (Llama-3-8B heads,
     contexts 256 and 2048): two warps and three stages took 6.5 and 9.5 µs against 9.0 and 10.7 µs with four
     warps and two; larger batches keep four. Heads over 128 keep two stages (three K/V tiles of 256-wide
     heads would not fit smaller GPUs' shared memory). At batch 256 (Qwen3-0.6B heads, context 800, pages
     spread over the cache) three stages and the grid ordered KV heads first took 199 µs against 217 µs with
-    two stages in sequence order (4.2 against 3.9 TB/s of KV reads)."""
+    two stages in sequence order (4.2 against 3.9 TB/s of KV reads). A float8 cache (``kv_bytes`` 1) takes
+    128-token tiles at large batch (186 against 191 µs there)."""
     small = batch <= 16
     return _DecodeLaunch(
-        block_n or (64 if dtype != torch.float32 else 32),
+        block_n or (32 if dtype == torch.float32 else 128 if kv_bytes == 1 and not small else 64),
         num_warps or (SMALL_BATCH_WARPS if small else 4),
         num_stages or (3 if d_pad <= 128 else 2),
         not small if heads_first is None else heads_first)
@@ -410,10 +417,11 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
                  context_lens: torch.Tensor, scale: float, num_splits: int, out: torch.Tensor | None = None,
                  counters: torch.Tensor | None = None, block_n: int | None = None, num_warps: int | None = None,
                  num_stages: int | None = None, heads_first: bool | None = None, split_min: int | None = None,
-                 window: int | None = None) -> torch.Tensor:
+                 window: int | None = None, fp16_dots: bool | None = None) -> torch.Tensor:
     """One query token per sequence: ``q`` [B, H, D] (heads contiguous) → [B, H, D]. A split covers at least
     ``split_min`` context tokens (rounded up to whole KV tiles), so shorter contexts use fewer splits.
-    ``window``: a sliding window (None: full attention).
+    ``window``: a sliding window (None: full attention). ``fp16_dots`` (default: for a float8 cache) runs the dot
+    products on float16 operands.
 
     With ``num_splits`` > 1, ``counters`` (int32, at least B × KV heads, zero; left zero) count the finished
     splits of each (sequence, KV head), so that the last one merges the partial results in the same launch;
@@ -426,7 +434,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         out = torch.empty_like(q)
     assert q.stride(2) == 1 and q.stride(1) == head_dim and out.stride(2) == 1 and out.stride(1) == head_dim
     d_pad = _pow2(head_dim)
-    c = _decode_launch(batch, q.dtype, d_pad, block_n, num_warps, num_stages, heads_first)
+    c = _decode_launch(batch, q.dtype, d_pad, block_n, num_warps, num_stages, heads_first, k_cache.element_size())
     split_min = -(-(split_min or c.block_n) // c.block_n) * c.block_n
     part, lse, counters = _split_buffers(batch, num_heads, num_kv_heads, num_splits, head_dim, counters, out)
     pdl, launch = launch_options(q, batch)
@@ -437,6 +445,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         NUM_KV_HEADS=num_kv_heads, GROUP=group, GROUP_PAD=max(16, _pow2(group)), HEAD_DIM=head_dim,
         D_PAD=d_pad, BLOCK_SIZE=block_size, BLOCK_N=c.block_n, SPLIT_MIN=split_min, SPLIT=num_splits > 1,
         S_PAD=_pow2(num_splits), PRECISION=_dot_precision(q.dtype), HEADS_FIRST=c.heads_first,
+        FP16_DOTS=k_cache.element_size() == 1 if fp16_dots is None else fp16_dots,
         num_warps=c.num_warps, num_stages=c.num_stages, PDL=pdl, **launch)
     return out
 

@@ -258,8 +258,11 @@ def _same_bytes_in_float8(config: OneRowConfig, k: int) -> OneRowConfig:
 
 def fused_candidates(k: int, plain: OneRowConfig, float8: bool = False) -> list[OneRowConfig]:
     """Settings timed for a product with a fused prologue: the plain product's best and the 8-row ones (every
-    program recomputes the prologue over its input, which fewer, wider programs do less often)."""
-    return [plain, *(c for c in one_row_candidates(k, float8) if c.block_n == 8)]
+    program recomputes the prologue over its input, which fewer, wider programs do less often). A float8
+    weight also gets 16- and 32-row tiles: a program reads its input (row, residual, norm weight: six bytes a
+    column) once per tile, against one byte a column for each weight row."""
+    wide = [_one_row(16, 2048, True, 16, k), _one_row(32, 1024, True, 16, k)] if float8 else []
+    return [plain, *(c for c in one_row_candidates(k, float8) if c.block_n == 8), *wide]
 
 
 def one_row_config(k: int) -> OneRowConfig:
@@ -494,7 +497,8 @@ def silu_epilogue_candidates(k: int, float8: bool = False) -> list[OneRowConfig]
     """Settings timed for the product with the SiLU·mul epilogue: 2-8 weight rows a program (each program
     streams twice that, gate and up)."""
     plain = one_row_candidates(k)[1:4]
-    return plain + [_same_bytes_in_float8(c, k) for c in plain] if float8 else plain
+    wide = [_one_row(8, 2048, True, 8, k), _one_row(16, 1024, True, 16, k)]
+    return plain + [_same_bytes_in_float8(c, k) for c in plain] + wide if float8 else plain
 
 
 def silu_epilogue_choice(weight: torch.Tensor, norm: bool, plain: OneRowConfig | None, plain_rows: int,
