@@ -142,6 +142,9 @@ PYBIND11_MODULE(_native, m) {
            py::arg("options") = QwenEngineOptions(), py::call_guard<py::gil_scoped_release>())
       .def("prefill", &QwenEngine::prefill, py::arg("prompt_tokens"), py::call_guard<py::gil_scoped_release>())
       .def("decode_step", &QwenEngine::decode_step, py::call_guard<py::gil_scoped_release>())
+      .def("decode", &QwenEngine::decode, py::arg("max_new_tokens"), py::call_guard<py::gil_scoped_release>())
+      .def("verify", &QwenEngine::verify, py::arg("draft_tokens"), py::call_guard<py::gil_scoped_release>())
+      .def("warmup", &QwenEngine::warmup, py::call_guard<py::gil_scoped_release>())
       .def("generate", &QwenEngine::generate, py::arg("prompt_tokens"), py::arg("max_new_tokens"),
            py::call_guard<py::gil_scoped_release>())
       .def("reset", &QwenEngine::reset, py::call_guard<py::gil_scoped_release>())

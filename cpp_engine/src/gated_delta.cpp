@@ -46,6 +46,11 @@ void GatedDeltaNet::ensure_slots(int64_t n) {
   }
 }
 
+void GatedDeltaNet::copy_slot(int64_t from, int64_t to) {
+  conv_state_[to].copy_(conv_state_[from]);
+  ssm_state_[to].copy_(ssm_state_[from]);
+}
+
 void GatedDeltaNet::conv_chunk(const float* mixed, int64_t stride, const DeltaChunk& ch, float* act) {
   const int64_t C = shape_.conv_dim(), K = shape_.conv_kernel, n = ch.n, Kd = shape_.key_dim();
   const int64_t Hk = shape_.num_k_heads, Dk = shape_.k_head_dim;

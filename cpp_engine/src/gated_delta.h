@@ -39,6 +39,8 @@ class GatedDeltaNet {
 
   // Grow the per-slot states to hold slots [0, n).
   void ensure_slots(int64_t n);
+  // Slot `to`'s conv and recurrent state set to slot `from`'s.
+  void copy_slot(int64_t from, int64_t to);
   // h [T, hidden] (the normed input of every chunk's rows) -> the mixer's output [T, hidden]; states updated.
   at::Tensor forward(const at::Tensor& h, const std::vector<DeltaChunk>& chunks);
 

@@ -4,6 +4,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <chrono>
 #include <fstream>
 #include <map>
 #include <sstream>
@@ -202,6 +203,104 @@ int64_t QwenEngine::decode_step() {
     throw std::runtime_error("the KV cache has no free block for the next token");
   at::Tensor logits = run({&s}, {1});
   return sample_session(logits);
+}
+
+std::vector<int64_t> QwenEngine::decode(int64_t max_new_tokens) {
+  if (max_new_tokens < 1) throw std::invalid_argument("max_new_tokens must be >= 1");
+  std::vector<int64_t> out;
+  while (static_cast<int64_t>(out.size()) < max_new_tokens && session_length() < max_model_len_) {
+    out.push_back(decode_step());
+    if (std::find(eos_.begin(), eos_.end(), out.back()) != eos_.end()) break;
+  }
+  return out;
+}
+
+std::vector<int64_t> QwenEngine::verify(const std::vector<int64_t>& draft) {
+  auto guard = lock();
+  if (!session_) throw std::runtime_error("verify needs a prefill first");
+  Sequence& s = *session_;
+  const int64_t k = static_cast<int64_t>(draft.size());
+  const int64_t length = static_cast<int64_t>(s.tokens.size());
+  for (int64_t t : draft)
+    if (t < 0 || t >= model_.config().vocab_size)
+      throw std::invalid_argument("draft token id " + std::to_string(t) + " is outside the vocabulary");
+  if (length + k >= max_model_len_)
+    throw std::invalid_argument("a draft of " + std::to_string(k) + " tokens after " + std::to_string(length) +
+                                " would pass the engine's context of " + std::to_string(max_model_len_) + " tokens");
+  if (!pool_.grow(s.table, length + k))
+    throw std::runtime_error("the KV cache has too few free blocks for the draft");
+  // The last token returned (not yet computed) and the draft, in one chunk with every position's logits.
+  std::vector<int64_t> tokens{s.tokens.back()};
+  tokens.insert(tokens.end(), draft.begin(), draft.end());
+  const bool hybrid = model_.config().hybrid;
+  int64_t saved = -1;
+  if (hybrid && k > 0) {
+    saved = model_.acquire_state_slot();
+    model_.copy_state_slot(s.state_slot, saved);
+  }
+  Chunk chunk;
+  chunk.start = s.num_computed;
+  chunk.num_tokens = k + 1;
+  chunk.block_table = &s.table;
+  chunk.state_slot = s.state_slot;
+  chunk.all_logits = true;
+  at::Tensor logits;
+  try {
+    logits = model_.forward(tokens, {chunk}).contiguous();
+  } catch (...) {
+    if (saved >= 0) {
+      model_.copy_state_slot(saved, s.state_slot);
+      model_.release_state_slot(saved);
+    }
+    throw;
+  }
+  std::vector<int64_t> out;
+  for (int64_t i = 0; i <= k; ++i) {
+    out.push_back(sample_session(logits.select(0, i).unsqueeze(0)));
+    if (i == k || out.back() != draft[i]) break;
+  }
+  const int64_t kept = static_cast<int64_t>(out.size()) - 1;
+  if (saved >= 0) {
+    if (kept < k) {   // the state went past a rejected token: back to before the chunk, then over the kept tokens
+      model_.copy_state_slot(saved, s.state_slot);
+      chunk.num_tokens = kept + 1;
+      chunk.all_logits = false;
+      model_.forward(std::vector<int64_t>(tokens.begin(), tokens.begin() + kept + 1), {chunk});
+    }
+    model_.release_state_slot(saved);
+  }
+  s.num_computed += kept + 1;
+  pool_.register_full(s.tokens, s.num_computed, s.table, s.hashed, s.last_hash);
+  return out;
+}
+
+double QwenEngine::warmup() {
+  auto guard = lock();
+  const auto started = std::chrono::steady_clock::now();
+  Sequence seq;
+  seq.tokens.assign(static_cast<size_t>(std::min<int64_t>(8, max_model_len_ - 1)), 0);
+  if (!pool_.grow(seq.table, static_cast<int64_t>(seq.tokens.size()) + 1))
+    throw std::runtime_error("the KV cache has too few free blocks to warm up");
+  if (model_.config().hybrid) seq.state_slot = model_.acquire_state_slot();
+  Chunk chunk;
+  chunk.num_tokens = static_cast<int64_t>(seq.tokens.size());
+  chunk.block_table = &seq.table;
+  chunk.state_slot = seq.state_slot;
+  chunk.wants_logits = true;
+  try {
+    model_.forward(seq.tokens, {chunk});
+    chunk.start = chunk.num_tokens;
+    chunk.num_tokens = 1;
+    model_.forward({0}, {chunk});
+  } catch (...) {
+    pool_.release(seq.table);
+    model_.release_state_slot(seq.state_slot);
+    throw;
+  }
+  // Released without registering: the scratch tokens never enter the prefix cache.
+  pool_.release(seq.table);
+  model_.release_state_slot(seq.state_slot);
+  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - started).count();
 }
 
 std::vector<int64_t> QwenEngine::generate(const std::vector<int64_t>& prompt, int64_t max_new_tokens) {

@@ -1,5 +1,5 @@
 // QwenEngine: a loaded Qwen3 or Qwen3.5 model with its KV pool, a single-session token API (prefill, decode_step,
-// generate, reset) and the batched step the batch core schedules onto.
+// decode, verify, generate, warmup, reset) and the batched step the batch core schedules onto.
 #pragma once
 
 #include <cstdint>
@@ -66,7 +66,22 @@ class QwenEngine {
   // Single session: prefill starts a new sequence (reusing cached prefix blocks) and returns its first token.
   int64_t prefill(const std::vector<int64_t>& prompt);
   int64_t decode_step();   // the next token after the last one returned; throws without a session
+  // Up to `max_new_tokens` decode steps; the first EOS token ends them (it is the last token returned), and none
+  // runs past the engine's context.
+  std::vector<int64_t> decode(int64_t max_new_tokens);
+  // Speculative decoding: `draft` proposes the tokens after the last one returned. One forward scores the last
+  // token and the draft; at each position the session's sampler draws a token, and a draft token is kept while it
+  // equals the draw. Returns the kept draft tokens and then the first draw that differed (or the draw after the
+  // whole draft): 1 to draft.size() + 1 tokens, each the token decode_step would have returned with the same
+  // random stream (a draw that equals a fixed proposal is accepted with exactly its probability, and a rejection
+  // leaves the rest of the distribution). KV slots of rejected tokens are overwritten later; a hybrid model's
+  // recurrent state is restored and advanced over the kept tokens only.
+  std::vector<int64_t> verify(const std::vector<int64_t>& draft);
   std::vector<int64_t> generate(const std::vector<int64_t>& prompt, int64_t max_new_tokens);   // no EOS stop
+  // Runs a short prompt and a decode step outside the session (weights paged in, scratch buffers sized), leaving the
+  // session and the sampler's stream as they were and registering nothing in the prefix cache (which loses a block
+  // only when the pool has no free one); returns the milliseconds it took.
+  double warmup();
   void reset();            // ends the session and clears the prefix cache
   int64_t session_length() const;
   int64_t session_cached_tokens() const;   // of the session's prompt, found in the prefix cache

@@ -313,9 +313,9 @@ int64_t QwenModel::use_q4_weights() {
   return converted;
 }
 
-at::Tensor QwenModel::linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& records,
+at::Tensor QwenModel::linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& records, bool q4,
                              const at::Tensor& bias) {
-  if (records.defined() && q4_step_) {
+  if (records.defined() && q4) {
     // On the calling thread: the kernel's parallel_for is one OpenMP region per product (four per layer), and on
     // the shared 2-core VM, with the other core busy, each region waited for a time slice (the default model
     // decoded 2.2-3.7 tok/s with two threads against about 60 with one).
@@ -339,6 +339,11 @@ int64_t QwenModel::acquire_state_slot() {
 
 void QwenModel::release_state_slot(int64_t slot) {
   if (slot >= 0) free_state_slots_.push_back(slot);
+}
+
+void QwenModel::copy_state_slot(int64_t from, int64_t to) {
+  for (Layer& l : layers_)
+    if (l.delta) l.delta->copy_slot(from, to);
 }
 
 // Each token's top-k experts by router softmax (renormalised when norm_topk_prob), their SwiGLU outputs summed
@@ -394,12 +399,12 @@ void QwenModel::allocate_cache(int64_t num_blocks, int64_t block_size) {
 // One full-attention layer over the normed input h [T, hidden]: K/V written to the cache slots `slot`, attention
 // over each chunk's context, Qwen3.5's sigmoid output gate, the output projection.
 at::Tensor QwenModel::attention(size_t li, const at::Tensor& h, const at::Tensor& slot, const at::Tensor& cos,
-                                const at::Tensor& sin, const std::vector<AttentionChunk>& views) {
+                                const at::Tensor& sin, const std::vector<AttentionChunk>& views, bool q4) {
   const QwenConfig& c = config_;
   const Layer& l = layers_[li];
   const int64_t T = h.size(0), H = c.num_heads, KVH = c.num_kv_heads, D = c.head_dim;
   const int64_t QW = c.hybrid ? 2 * H * D : H * D;   // Qwen3.5: per head the query, then its gate
-  at::Tensor qkv = linear(h, l.qkv, l.qkv_q4, l.qkv_bias);
+  at::Tensor qkv = linear(h, l.qkv, l.qkv_q4, q4, l.qkv_bias);
   at::Tensor q, gate;
   if (c.hybrid) {
     at::Tensor query_gate = qkv.narrow(1, 0, QW).view({T, H, 2 * D});
@@ -423,7 +428,7 @@ at::Tensor QwenModel::attention(size_t li, const at::Tensor& h, const at::Tensor
   paged_attention(q.data_ptr<float>(), k_cache_[li].data_ptr<float>(), v_cache_[li].data_ptr<float>(),
                   attn.data_ptr<float>(), views, H, KVH, D, static_cast<float>(1.0 / std::sqrt(double(D))));
   if (gate.defined()) attn = attn * at::sigmoid(gate);
-  return linear(attn.reshape({T, H * D}), l.o_proj, l.o_proj_q4);
+  return linear(attn.reshape({T, H * D}), l.o_proj, l.o_proj_q4, q4);
 }
 
 at::Tensor QwenModel::forward(const std::vector<int64_t>& tokens, const std::vector<Chunk>& chunks) {
@@ -452,14 +457,19 @@ at::Tensor QwenModel::forward(const std::vector<int64_t>& tokens, const std::vec
     if (c.hybrid && ch.state_slot < 0) throw std::logic_error("a chunk of a hybrid model has no state slot");
     delta_chunks[ci] = DeltaChunk{row, ch.num_tokens, ch.state_slot, ch.start == 0};
     row += ch.num_tokens;
-    if (ch.wants_logits) logit_rows.push_back(row - 1);
+    if (ch.all_logits) {
+      for (int64_t r = row - ch.num_tokens; r < row; ++r) logit_rows.push_back(r);
+    } else if (ch.wants_logits) {
+      logit_rows.push_back(row - 1);
+    }
   }
   if (row != T) throw std::logic_error("chunk sizes do not add up to the tokens given");
-  // The 4-bit products for a decode step of up to kQ4Rows sequences (one token each, past its prompt), as the
-  // Torch plane's int4 layers do; prompts go through the float32 weights (8-bit activations at every prompt
-  // position lose the large activations some tokens carry: SmolLM2's answer to a chat went astray).
-  q4_step_ = q4_layers_ > 0 && T <= kQ4Rows;
-  for (const Chunk& ch : chunks) q4_step_ = q4_step_ && ch.num_tokens == 1 && ch.start > 0;
+  // The 4-bit products for a decode step of up to kQ4Rows rows (one token of each sequence past its prompt, or a
+  // verify chunk, whose rows are decode positions), as the Torch plane's int4 layers do; prompts go through the
+  // float32 weights (8-bit activations at every prompt position lose the large activations some tokens carry:
+  // SmolLM2's answer to a chat went astray).
+  bool q4 = q4_layers_ > 0 && T <= kQ4Rows;
+  for (const Chunk& ch : chunks) q4 = q4 && (ch.num_tokens == 1 || ch.all_logits) && ch.start > 0;
   at::Tensor ids = at::tensor(tokens, at::kLong);
   at::Tensor pos = at::tensor(positions, at::kLong);
   at::Tensor slot = at::tensor(slots, at::kLong);
@@ -469,14 +479,14 @@ at::Tensor QwenModel::forward(const std::vector<int64_t>& tokens, const std::vec
   for (size_t li = 0; li < layers_.size(); ++li) {
     const Layer& l = layers_[li];
     at::Tensor h = rms_norm(x, l.input_norm, c.rms_norm_eps);
-    x = x + (l.delta ? l.delta->forward(h, delta_chunks) : attention(li, h, slot, cos, sin, views));
+    x = x + (l.delta ? l.delta->forward(h, delta_chunks) : attention(li, h, slot, cos, sin, views, q4));
     h = rms_norm(x, l.post_norm, c.rms_norm_eps);
     if (l.router.defined()) {
       x = x + moe(l, h);
     } else {
-      at::Tensor gu = linear(h, l.gate_up, l.gate_up_q4);
+      at::Tensor gu = linear(h, l.gate_up, l.gate_up_q4, q4);
       at::Tensor act = at::silu(gu.narrow(1, 0, c.intermediate_size)) * gu.narrow(1, c.intermediate_size, c.intermediate_size);
-      x = x + linear(act, l.down, l.down_q4);
+      x = x + linear(act, l.down, l.down_q4, q4);
     }
   }
   if (logit_rows.empty()) return at::empty({0, c.vocab_size});

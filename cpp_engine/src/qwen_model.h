@@ -53,6 +53,7 @@ struct Chunk {
   int64_t num_tokens = 0;
   const std::vector<int64_t>* block_table = nullptr;
   bool wants_logits = false;   // the last token's logits are returned
+  bool all_logits = false;     // every token's logits are returned (a speculative verify chunk)
   int64_t state_slot = -1;     // hybrid models: the sequence's recurrent-state slot (start 0: reset to zeros)
 };
 
@@ -79,9 +80,11 @@ class QwenModel {
   // Hybrid models: a free recurrent-state slot (grown on demand), and its return.
   int64_t acquire_state_slot();
   void release_state_slot(int64_t slot);
+  void copy_state_slot(int64_t from, int64_t to);   // every linear-attention layer's conv and recurrent state
 
   // Run `tokens` (every chunk's tokens, in chunk order) through the model, writing their K/V into the cache;
-  // returns the logits [chunks wanting logits, vocab] of each such chunk's last token, in chunk order.
+  // returns the logits [rows, vocab] of each chunk's last token where it wants logits, or of all its tokens where
+  // it wants them all, in chunk order.
   at::Tensor forward(const std::vector<int64_t>& tokens, const std::vector<Chunk>& chunks);
 
  private:
@@ -94,11 +97,11 @@ class QwenModel {
     std::unique_ptr<GatedDeltaNet> delta;            // Qwen3.5 linear-attention layers (no qkv/o_proj then)
   };
   at::Tensor moe(const Layer& l, const at::Tensor& h) const;
-  // x @ W.T (+ bias) with W float32 (`weight`) or the 4-bit records (`records`, when defined).
-  at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& records,
+  // x @ W.T (+ bias) with W float32 (`weight`), or with the 4-bit records (`records`) where `q4` and they exist.
+  at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& records, bool q4,
                     const at::Tensor& bias = at::Tensor());
   at::Tensor attention(size_t li, const at::Tensor& h, const at::Tensor& slot, const at::Tensor& cos,
-                       const at::Tensor& sin, const std::vector<AttentionChunk>& views);
+                       const at::Tensor& sin, const std::vector<AttentionChunk>& views, bool q4);
   QwenConfig config_;
   at::Tensor embed_, final_norm_, lm_head_, inv_freq_;
   std::vector<Layer> layers_;
@@ -107,7 +110,6 @@ class QwenModel {
   int64_t num_parameters_ = 0, decode_weight_bytes_ = 0;
   int64_t num_state_slots_ = 0;
   int64_t q4_layers_ = 0;
-  bool q4_step_ = false;              // this forward is a decode step that runs the 4-bit products
   std::vector<uint8_t> q4_scratch_;   // the 4-bit product's quantised activations
   std::vector<int64_t> free_state_slots_;
 };
