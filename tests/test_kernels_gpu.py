@@ -382,13 +382,20 @@ def test_qkv_prepare(dtype, qk_norm, heads, kv_heads, tokens):
 # ------------------------------------------------------------------------------------------- experts
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("tokens,num_experts,top_k", [(1, 8, 2), (5, 64, 8), (300, 16, 4)])
-def test_fused_experts_match_the_expert_loop(dtype, tokens, num_experts, top_k):
-    _need_kernels(dtype, uses_dot=True)
+@pytest.mark.parametrize("tokens,num_experts,top_k,path", [
+    (1, 8, 2, "auto"), (1, 8, 2, "grouped"), (3, 64, 8, "few"), (3, 64, 8, "grouped"), (5, 64, 8, "few"),
+    (5, 64, 8, "auto"), (300, 16, 4, "auto")])
+def test_fused_experts_match_the_expert_loop(dtype, tokens, num_experts, top_k, path):
+    """Both expert paths (one program per routed pair for a few tokens, grouped tiles for more) and the choice
+    between them, against the expert loop and a float64 reference."""
+    _need_kernels(dtype, uses_dot=path != "few")
     if INTERPRET and tokens > 5:
         pytest.skip("slow in the interpreter")
-    from pocketllm.kernels.moe import fused_experts
+    from pocketllm.kernels import moe as moe_kernels
     from pocketllm.layers.moe import FusedMoE
+
+    fused_experts = {"auto": moe_kernels.fused_experts, "grouped": moe_kernels.grouped_experts,
+                     "few": moe_kernels.few_token_experts}[path]
 
     torch.manual_seed(0)
     hidden_size, inter = 128, 96
@@ -409,7 +416,7 @@ def test_fused_experts_match_the_expert_loop(dtype, tokens, num_experts, top_k):
     assert _rel(out, ref) < (1e-4 if dtype == torch.float32 else 2e-2)
 
 
-@pytest.mark.parametrize("tokens", [1, 5])
+@pytest.mark.parametrize("tokens", [1, 4, 5])
 def test_fused_experts_with_deepseek_v4_clamped_swiglu(tokens):
     """``swiglu_limit``: gate clamped from above, up to ±limit, before the product (DeepSeek-V4's experts);
     weights large enough that the clamps bite."""

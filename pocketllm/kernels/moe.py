@@ -6,6 +6,12 @@ expert's weight once for up to ``BLOCK_M`` tokens. All bookkeeping (counts, offs
 expert of every row block) is computed on the device with static shapes — the padded length is bounded by
 ``pairs + experts * (BLOCK_M - 1)`` — so a decode step with MoE layers can be captured in a CUDA graph;
 blocks past the used length carry expert -1 and return at once.
+
+A decode step of a few tokens (``FEW_TOKENS``) skips all of that: there are fewer routed pairs than experts, so no
+expert's weight is shared, and the bookkeeping (a sort, scans, a search: about a dozen small launches a layer)
+cost more than the products. Each pair's program reads its expert id on the device and streams that expert's
+weight rows as the one-row products do (``kernels/gemv.py``): one launch for [gate; up] with SiLU·mul, one for
+the down projection times the routing weight, then a sum over the token's pairs.
 """
 
 from __future__ import annotations
@@ -61,6 +67,89 @@ def _grouped(a: torch.Tensor, weight: torch.Tensor, rows: torch.Tensor, block_ex
     return out
 
 
+# Most tokens of a step whose experts run one program per routed pair (no sort); more go through the grouped tiles.
+FEW_TOKENS = 4
+
+
+@triton.jit
+def _few_gate_up_kernel(x_ptr, w13_ptr, experts_ptr, act_ptr, inter, K, stride_x, stride_we, stride_wn, limit,
+                        TOP_K: tl.constexpr, CLAMP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """``act[p, n] = silu(gate) * up`` over ``BLOCK_N`` rows ``n`` of routed pair ``p``'s expert (token ``p //
+    TOP_K``); gate and up are rounded to the activations' dtype first, as the unfused products are."""
+    p = tl.program_id(0)
+    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = rn < inter
+    rk = tl.arange(0, BLOCK_K)
+    expert = tl.load(experts_ptr + p).to(tl.int64)
+    gate_rows = w13_ptr + expert * stride_we + rn.to(tl.int64)[:, None] * stride_wn
+    up_rows = gate_rows + inter * stride_wn
+    x_row = x_ptr + (p // TOP_K).to(tl.int64) * stride_x
+    gate = tl.zeros([BLOCK_N], dtype=tl.float32)
+    up = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ck = k0 + rk
+        k_mask = ck < K
+        x = tl.load(x_row + ck, mask=k_mask, other=0.0).to(tl.float32)[None, :]
+        mask = n_mask[:, None] & k_mask[None, :]
+        gate += tl.sum(tl.load(gate_rows + ck[None, :], mask=mask, other=0.0).to(tl.float32) * x, 1)
+        up += tl.sum(tl.load(up_rows + ck[None, :], mask=mask, other=0.0).to(tl.float32) * x, 1)
+    dtype = act_ptr.dtype.element_ty
+    gate = gate.to(dtype).to(tl.float32)
+    up = up.to(dtype).to(tl.float32)
+    if CLAMP:   # DeepSeek-V4: the gate clamped from above, up to ±limit
+        gate = tl.minimum(gate, limit)
+        up = tl.minimum(tl.maximum(up, -limit), limit)
+    tl.store(act_ptr + p.to(tl.int64) * inter + rn, (gate / (1.0 + tl.exp(-gate)) * up).to(dtype), mask=n_mask)
+
+
+@triton.jit
+def _few_down_kernel(act_ptr, w2_ptr, experts_ptr, weights_ptr, out_ptr, N, inter, stride_we, stride_wn,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """``out[p, n] = weight[p] * (act[p] @ w2[expert(p)].T)[n]`` in float32 (the product rounded to the
+    activations' dtype first)."""
+    p = tl.program_id(0)
+    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = rn < N
+    rk = tl.arange(0, BLOCK_K)
+    expert = tl.load(experts_ptr + p).to(tl.int64)
+    rows = w2_ptr + expert * stride_we + rn.to(tl.int64)[:, None] * stride_wn
+    act_row = act_ptr + p.to(tl.int64) * inter
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, inter, BLOCK_K):
+        ck = k0 + rk
+        k_mask = ck < inter
+        a = tl.load(act_row + ck, mask=k_mask, other=0.0).to(tl.float32)[None, :]
+        acc += tl.sum(tl.load(rows + ck[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
+                      * a, 1)
+    y = acc.to(act_ptr.dtype.element_ty).to(tl.float32) * tl.load(weights_ptr + p).to(tl.float32)
+    tl.store(out_ptr + p.to(tl.int64) * N + rn, y, mask=n_mask)
+
+
+def few_token_experts(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
+                      experts: torch.Tensor, swiglu_limit: float | None = None) -> torch.Tensor:
+    """What ``fused_experts`` computes, one program per routed pair and weight-row block (three launches, no
+    bookkeeping): for a few tokens, whose pairs share no expert weight worth reading once."""
+    tokens, top_k = experts.shape
+    pairs = tokens * top_k
+    inter, hidden_size = w13.shape[1] // 2, w13.shape[2]
+    hidden = hidden.contiguous()
+    if w13.stride(2) != 1 or w2.stride(2) != 1:
+        raise ValueError("the expert weights need contiguous rows")
+    flat_experts = experts.reshape(-1).contiguous()
+    act = torch.empty(pairs, inter, dtype=hidden.dtype, device=hidden.device)
+    block_k = min(1024, triton.next_power_of_2(hidden_size))
+    _few_gate_up_kernel[(pairs, triton.cdiv(inter, 4))](
+        hidden, w13, flat_experts, act, inter, hidden_size, hidden.stride(0), w13.stride(0), w13.stride(1),
+        float(swiglu_limit or 0.0), TOP_K=top_k, CLAMP=swiglu_limit is not None, BLOCK_N=4, BLOCK_K=block_k,
+        num_warps=4)
+    out = torch.empty(pairs, hidden_size, dtype=torch.float32, device=hidden.device)
+    block_k = min(512, triton.next_power_of_2(inter))
+    _few_down_kernel[(pairs, triton.cdiv(hidden_size, 16))](
+        act, w2, flat_experts, weights.reshape(-1).contiguous(), out, hidden_size, inter, w2.stride(0),
+        w2.stride(1), BLOCK_N=16, BLOCK_K=block_k, num_warps=4)
+    return out.view(tokens, top_k, hidden_size).sum(dim=1).to(hidden.dtype)
+
+
 def _block_layout(experts: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(padded pair order [padded_len] int32, expert of each row block [padded_len / block_m] int32)."""
     flat = experts.flatten().long()
@@ -90,8 +179,17 @@ def fused_experts(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, wei
 
     ``hidden`` [T, H], ``w13`` [E, 2I, H] (gate rows then up rows), ``w2`` [E, H, I], ``weights`` and
     ``experts`` [T, top_k]. Returns [T, H] in ``hidden``'s dtype. ``swiglu_limit`` (DeepSeek-V4): the gate
-    clamped from above and the up projection to ±limit before the product.
+    clamped from above and the up projection to ±limit before the product. Up to ``FEW_TOKENS`` tokens run one
+    program per routed pair (``few_token_experts``), more the grouped tiles (``grouped_experts``).
     """
+    if experts.shape[0] <= FEW_TOKENS:
+        return few_token_experts(hidden, w13, w2, weights, experts, swiglu_limit)
+    return grouped_experts(hidden, w13, w2, weights, experts, swiglu_limit)
+
+
+def grouped_experts(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
+                    experts: torch.Tensor, swiglu_limit: float | None = None) -> torch.Tensor:
+    """What ``fused_experts`` computes, as the two grouped launches over the pairs sorted by expert."""
     from pocketllm.kernels.fused import silu_and_mul
 
     tokens, top_k = experts.shape
