@@ -1,5 +1,6 @@
 """The setuptools hook of the native plane: with POCKETLLM_BUILD_CPP=1, ``pip install --no-build-isolation .``
-builds cpp_engine with CMake against the active environment's torch and installs ``pocketllm_cpp`` top-level.
+builds cpp_engine with CMake against the active environment's torch and installs ``pocketllm_cpp`` top-level,
+with the ``pocketllm_engine`` executable inside it (``pocketllm_cpp.engine_executable()`` gives its path).
 Without it the install is the Python package alone (everything else is configured in pyproject.toml)."""
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ BUILD = os.path.join(SOURCE, "build-python")   # shared with `make native`, so r
 
 
 class CMakeBuild(build_ext):
-    """Builds the ``pocketllm_cpp`` target and places the module (and its package file) in the wheel."""
+    """Builds the ``pocketllm_cpp`` and ``pocketllm_engine`` targets and places the module, its package file and
+    the executable (``pocketllm_cpp/bin/``) in the wheel."""
 
     def build_extension(self, ext: Extension) -> None:
         import torch
@@ -29,7 +31,7 @@ class CMakeBuild(build_ext):
                                    "-DPOCKET_BUILD_PYTHON=ON", f"-DPython3_EXECUTABLE={sys.executable}",
                                    f"-DCMAKE_PREFIX_PATH={torch.utils.cmake_prefix_path}"])
         jobs = os.environ.get("CMAKE_BUILD_PARALLEL_LEVEL", "2")
-        subprocess.check_call(["cmake", "--build", BUILD, "--target", "pocketllm_cpp", "-j", jobs])
+        subprocess.check_call(["cmake", "--build", BUILD, "--target", "pocketllm_cpp", "pocketllm_engine", "-j", jobs])
         built = glob.glob(os.path.join(BUILD, "python", "pocketllm_cpp", "_native*"))
         if not built:
             raise RuntimeError("the CMake build produced no pocketllm_cpp module")
@@ -38,6 +40,9 @@ class CMakeBuild(build_ext):
         shutil.copyfile(built[0], target)
         shutil.copyfile(os.path.join(SOURCE, "python", "pocketllm_cpp", "__init__.py"),
                         os.path.join(os.path.dirname(target), "__init__.py"))
+        bin_dir = os.path.join(os.path.dirname(target), "bin")
+        os.makedirs(bin_dir, exist_ok=True)
+        shutil.copy2(os.path.join(BUILD, "pocketllm_engine"), os.path.join(bin_dir, "pocketllm_engine"))
 
 
 if os.environ.get("POCKETLLM_BUILD_CPP") == "1":
