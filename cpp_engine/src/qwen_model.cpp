@@ -21,6 +21,7 @@
 namespace pocket {
 namespace {
 
+constexpr int64_t kRescored = 64;   // 4-bit LM head: logits recomputed from the float32 rows, as RescoredLMHead
 constexpr int64_t kQ4Rows = 8;   // most rows of a 4-bit product (more: the float32 weights), as INT4_MAX_ROWS
 
 // libtorch's parallel_for (OpenMP) on the calling thread alone while it lives.
@@ -310,7 +311,25 @@ int64_t QwenModel::use_q4_weights() {
     convert(l.down, l.down_q4);
   }
   q4_layers_ += converted;
+  if (converted > 0 && q4_shape_supported(lm_head_.size(0), lm_head_.size(1))) {
+    lm_head_q4_ = q4_pack(lm_head_);
+    decode_weight_bytes_ += lm_head_q4_.numel() - lm_head_.numel() * 4;
+  }
   return converted;
+}
+
+at::Tensor QwenModel::logits(const at::Tensor& h, bool q4) {
+  if (!q4 || !lm_head_q4_.defined()) return at::linear(h, lm_head_);
+  at::Tensor out;
+  {
+    SerialRegion serial;   // as linear(): the 4-bit product on the calling thread
+    out = q4_linear(h, lm_head_q4_, at::Tensor(), q4_scratch_);
+  }
+  const int64_t rows = h.size(0), k = std::min<int64_t>(kRescored, out.size(1));
+  at::Tensor top = std::get<1>(out.topk(k, -1));
+  at::Tensor exact = at::bmm(lm_head_.index_select(0, top.reshape({-1})).view({rows, k, h.size(1)}),
+                             h.unsqueeze(-1)).squeeze(-1);
+  return out.scatter_(1, top, exact);
 }
 
 at::Tensor QwenModel::linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& records, bool q4,
@@ -491,7 +510,7 @@ at::Tensor QwenModel::forward(const std::vector<int64_t>& tokens, const std::vec
   }
   if (logit_rows.empty()) return at::empty({0, c.vocab_size});
   at::Tensor last = x.index_select(0, at::tensor(logit_rows, at::kLong));
-  return at::linear(rms_norm(last, final_norm_, c.rms_norm_eps), lm_head_);
+  return logits(rms_norm(last, final_norm_, c.rms_norm_eps), q4);
 }
 
 }  // namespace pocket

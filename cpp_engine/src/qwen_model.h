@@ -68,8 +68,11 @@ class QwenModel {
 
   // Also hold the dense layers' linear weights (QKV, o_proj, gate/up, down) whose shapes fit as the 4-bit
   // kernel's records (q4_weights.h), which decode steps of up to 8 sequences multiply by; prompts keep the float32
-  // weights, as do the LM head and the embeddings. Only for weights that were 4-bit blocks (GGUF Q4_1), where the
-  // records hold them exactly. Returns the matrices converted.
+  // weights, as do the embeddings. Only for weights that were 4-bit blocks (GGUF Q4_1), where the records hold them
+  // exactly. The LM head gets records too (quantised from its float32 rows, so not exact): a decode step ranks the
+  // vocabulary with them and recomputes the kRescored highest logits from the float32 rows, which keeps the float32
+  // head's argmax whenever its best token is among them (logits outside stay 4-bit). Returns the layer matrices
+  // converted.
   int64_t use_q4_weights();
   bool q4_weights() const { return q4_layers_ > 0; }
 
@@ -104,6 +107,10 @@ class QwenModel {
                        const at::Tensor& sin, const std::vector<AttentionChunk>& views, bool q4);
   QwenConfig config_;
   at::Tensor embed_, final_norm_, lm_head_, inv_freq_;
+  at::Tensor lm_head_q4_;   // use_q4_weights: the LM head's records (beside the float32 rows, which rescore)
+  // The float32 LM head applied to the final-normed rows `h` (decode rows with `q4`: ranked by the records, the
+  // highest kRescored logits of each row recomputed exactly).
+  at::Tensor logits(const at::Tensor& h, bool q4);
   std::vector<Layer> layers_;
   std::vector<at::Tensor> k_cache_, v_cache_;   // [blocks * block_size, kv_heads, head_dim] per layer
   int64_t block_size_ = 0;
