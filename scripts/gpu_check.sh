@@ -66,21 +66,24 @@ for stage in $stages; do
       # Every test file with a gpu-marked test, found by the marker (pytest's collection), not listed by hand.
       # One shard per GPU (POCKETLLM_TEST_SHARD, tests/conftest.py): compiling every kernel variant on one GPU
       # took longer than a call's time limit.
-      files=$($PY -m pytest -m gpu --collect-only -q -p no:cacheprovider tests 2>/dev/null | grep '::' | cut -d: -f1 | sort -u)
+      # (PYTEST_ADDOPTS cleared: a -v there changes the listing this reads)
+      files=$(PYTEST_ADDOPTS= $PY -m pytest -m gpu --collect-only -q -p no:cacheprovider tests 2>/dev/null | grep '::' | cut -d: -f1 | sort -u)
       if [ -z "$files" ]; then echo "no gpu-marked tests were collected" | tee -a "$OUT/bench.log"; exit 1; fi
       echo "gpu test files: $(echo $files)" | tee -a "$OUT/bench.log"
       gpus=$(nvidia-smi -L | wc -l)
       # Kernel compilation is CPU-bound: with pytest-xdist (carried as wheels in build/wheels) each GPU gets
-      # several workers, which compile in parallel.
+      # several workers, which compile in parallel. Each result is a line of its own (-v), so a run cut short by
+      # the timeout still says which tests passed.
       workers=""
       if [ -d build/pydeps/xdist ]; then workers="-n ${TEST_WORKERS_PER_GPU:-6}"; fi
       for ((i = 0; i < gpus; i++)); do
         CUDA_VISIBLE_DEVICES=$i POCKETLLM_TEST_SHARD=$i/$gpus timeout ${TESTS_TIMEOUT:-480} $PY -m pytest -m gpu \
-          $files $workers -q -rfs -p no:cacheprovider ${TEST_K:+-k "$TEST_K"} > "$OUT/tests-$i.log" 2>&1 &
+          $files $workers -v -rfs -p no:cacheprovider ${TEST_K:+-k "$TEST_K"} > "$OUT/tests-$i.log" 2>&1 &
       done
       wait
       for ((i = 0; i < gpus; i++)); do
-        echo "gpu tests shard $i/$gpus: $(tail -1 "$OUT/tests-$i.log")" | tee -a "$OUT/bench.log"
+        echo "gpu tests shard $i/$gpus: $(tail -1 "$OUT/tests-$i.log"); $(grep -c " PASSED" "$OUT/tests-$i.log") passed" \
+          | tee -a "$OUT/bench.log"
         grep -E "^(FAILED|ERROR|SKIPPED)" "$OUT/tests-$i.log" | head -30 | tee -a "$OUT/bench.log"
       done ;;
     gdn)
