@@ -53,13 +53,13 @@ def copy_bandwidth() -> float:
     return 2 * src.numel() * 4 / us(lambda: dst.copy_(src)) / 1e3  # GB/s
 
 
-def rotating(n: int, k: int):
-    """A function returning one of several weight copies in turn, so that small weights are not timed out of
-    L2 when in a model every layer brings its own weight."""
-    weights = [torch.randn(n, k, dtype=torch.bfloat16, device="cuda") for _ in range(2 if n * k > 3e7 else 8)]
+def rotating(n: int, k: int, make=lambda n, k: torch.randn(n, k, dtype=torch.bfloat16, device="cuda")):
+    """A function returning one of several copies of ``make(n, k)`` (a weight) in turn, so that small weights
+    are not timed out of L2 when in a model every layer brings its own weight."""
+    weights = [make(n, k) for _ in range(2 if n * k > 3e7 else 8)]
     turn = [0]
 
-    def weight() -> torch.Tensor:
+    def weight():
         turn[0] += 1
         return weights[turn[0] % len(weights)]
 
@@ -107,25 +107,24 @@ def float8_settings() -> list[OneRowConfig]:
     return out
 
 
+def _float8_product(x: torch.Tensor, weight: tuple[torch.Tensor, torch.Tensor], config: OneRowConfig):
+    codes, scale = weight   # one copy's codes with its own scales
+    return skinny_linear(x, codes, config, scale=scale)
+
+
 def float8_rows(name: str, n: int, k: int, configs: list[OneRowConfig]) -> None:
     """The one-row kernel on a float8 weight of [n, k] over ``configs``, against the engine's candidates."""
     from pocketllm.kernels.fp8 import quantize_weight
     from pocketllm.kernels.gemv import one_row_candidates
 
-    pairs = [quantize_weight(torch.randn(n, k, device="cuda")) for _ in range(2 if n * k > 3e7 else 8)]
-    turn = [0]
-
-    def pair():
-        turn[0] += 1
-        return pairs[turn[0] % len(pairs)]
-
+    pair = rotating(n, k, lambda n, k: quantize_weight(torch.randn(n, k, device="cuda")))   # (codes, scales)
     x = torch.randn(1, k, dtype=torch.bfloat16, device="cuda")
     nbytes = n * k + 4 * n
     times = {}
     candidates = one_row_candidates(k, float8=True)
     for c in dict.fromkeys(candidates + configs):
         try:
-            times[c] = us(lambda c=c: skinny_linear(x, pair()[0], c, scale=pair()[1]))
+            times[c] = us(lambda c=c: _float8_product(x, pair(), c))
         except Exception as exc:  # a setting that does not compile (e.g. out of shared memory)
             print(f"  {name} {c}: {type(exc).__name__}")
     best = sorted(times, key=times.get)

@@ -72,16 +72,22 @@ FEW_TOKENS = 4
 
 
 @triton.jit
+def _pair_rows(w_ptr, experts_ptr, n, stride_we, stride_wn, BLOCK_N: tl.constexpr):
+    """(routed pair, row indices, their mask, row pointers [BLOCK_N, 1]) of a program over row block
+    ``program_id(1)`` of pair ``program_id(0)``'s expert weight (``n`` rows)."""
+    p = tl.program_id(0)
+    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    expert = tl.load(experts_ptr + p).to(tl.int64)
+    return p, rn, rn < n, w_ptr + expert * stride_we + rn.to(tl.int64)[:, None] * stride_wn
+
+
+@triton.jit
 def _few_gate_up_kernel(x_ptr, w13_ptr, experts_ptr, act_ptr, inter, K, stride_x, stride_we, stride_wn, limit,
                         TOP_K: tl.constexpr, CLAMP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """``act[p, n] = silu(gate) * up`` over ``BLOCK_N`` rows ``n`` of routed pair ``p``'s expert (token ``p //
     TOP_K``); gate and up are rounded to the activations' dtype first, as the unfused products are."""
-    p = tl.program_id(0)
-    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = rn < inter
+    p, rn, n_mask, gate_rows = _pair_rows(w13_ptr, experts_ptr, inter, stride_we, stride_wn, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
-    expert = tl.load(experts_ptr + p).to(tl.int64)
-    gate_rows = w13_ptr + expert * stride_we + rn.to(tl.int64)[:, None] * stride_wn
     up_rows = gate_rows + inter * stride_wn
     x_row = x_ptr + (p // TOP_K).to(tl.int64) * stride_x
     gate = tl.zeros([BLOCK_N], dtype=tl.float32)
@@ -107,12 +113,8 @@ def _few_down_kernel(act_ptr, w2_ptr, experts_ptr, weights_ptr, out_ptr, N, inte
                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """``out[p, n] = weight[p] * (act[p] @ w2[expert(p)].T)[n]`` in float32 (the product rounded to the
     activations' dtype first)."""
-    p = tl.program_id(0)
-    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = rn < N
+    p, rn, n_mask, rows = _pair_rows(w2_ptr, experts_ptr, N, stride_we, stride_wn, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
-    expert = tl.load(experts_ptr + p).to(tl.int64)
-    rows = w2_ptr + expert * stride_we + rn.to(tl.int64)[:, None] * stride_wn
     act_row = act_ptr + p.to(tl.int64) * inter
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
     for k0 in range(0, inter, BLOCK_K):
