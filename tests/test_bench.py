@@ -87,6 +87,29 @@ def test_bench_serve(tiny_checkpoint, tmp_path, tokenizer, processes):
     assert result["client_processes"] == processes
 
 
+@pytest.mark.parametrize("tokens_in_the_last_chunk", [3, 0])
+def test_bench_serve_counts_tokens_joined_into_the_finishing_chunk(monkeypatch, tokens_in_the_last_chunk):
+    """A server that fell behind sends all of a request's tokens in its finishing chunk; without a tokenizer
+    that chunk's text is empty and only the usage says tokens came. A stream with no tokens at all fails."""
+    import asyncio
+
+    from pocketllm.bench import serve_load, sse_client
+
+    async def events(url, body, headers):
+        final = {"choices": [{"index": 0, "text": "", "finish_reason": "length"}]}
+        usage = {"choices": [], "usage": {"completion_tokens": tokens_in_the_last_chunk, "prompt_tokens": 2}}
+        for at, payload in ((1.0, final), (1.5, usage)):
+            yield at, json.dumps(payload).encode()
+        yield 2.0, b"[DONE]"
+
+    monkeypatch.setattr(sse_client, "stream_events", events)
+    result = asyncio.run(serve_load._one("http://bench.test", {"prompt": [1, 2], "max_tokens": 3}, {}, 5.0))
+    if tokens_in_the_last_chunk:
+        assert result["error"] is None and result["chunks"] == [1.0] and result["output_tokens"] == 3
+    else:
+        assert result["error"] == "the stream carried no tokens"
+
+
 def test_bench_serve_waits_for_ready_and_stops_on_a_refusal_that_will_not_pass():
     import asyncio
 

@@ -20,8 +20,18 @@ Scheduled = list[tuple[float, dict[str, Any]]]   # (seconds after the start, req
 
 def carries_tokens(choice: dict[str, Any]) -> bool:
     """A streamed choice that brings generated tokens: text, or (a server without a tokenizer streams an empty
-    text for each token) any chunk before the last."""
+    text for each token) any chunk before the last. The last one may bring tokens too, which only the usage
+    can tell: see ``_token_arrivals``."""
     return bool(choice.get("text")) or choice.get("finish_reason") is None
+
+
+def _token_arrivals(chunks: list[float], finished_at: float | None, output_tokens: int | None) -> list[float]:
+    """When the stream's tokens arrived. A server that fell behind joins a request's tokens into fewer chunks,
+    all of them into the finishing one at worst; without a tokenizer that chunk's text is empty, so when no
+    other chunk brought tokens but the usage counts some, they came with the finishing chunk."""
+    if not chunks and finished_at is not None and output_tokens:
+        return [finished_at]
+    return chunks
 
 
 async def _one(url: str, body: dict[str, Any], headers: dict[str, str], timeout: float) -> dict[str, Any]:
@@ -31,9 +41,10 @@ async def _one(url: str, body: dict[str, Any], headers: dict[str, str], timeout:
     chunks: list[float] = []
     error = None
     output_tokens = None
+    finished_at = None
 
     async def read() -> None:
-        nonlocal error, output_tokens
+        nonlocal error, output_tokens, finished_at
         async for arrived, payload in sse_client.stream_events(url, json.dumps(body).encode(), headers):
             if payload == b"[DONE]":
                 continue
@@ -41,13 +52,17 @@ async def _one(url: str, body: dict[str, Any], headers: dict[str, str], timeout:
             if "error" in data:
                 error = data["error"].get("message", "error")
                 continue
-            if any(carries_tokens(c) for c in data.get("choices", [])):
+            choices = data.get("choices", [])
+            if any(carries_tokens(c) for c in choices):
                 chunks.append(arrived)
+            if any(c.get("finish_reason") is not None for c in choices):
+                finished_at = arrived
             if data.get("usage"):
                 output_tokens = data["usage"]["completion_tokens"]
 
     try:
         await asyncio.wait_for(read(), timeout)
+        chunks = _token_arrivals(chunks, finished_at, output_tokens)
         if error is None and not chunks:
             error = "the stream carried no tokens"
     except sse_client.HTTPStatusError as exc:
