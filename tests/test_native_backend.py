@@ -140,8 +140,8 @@ def test_batched_greedy_tokens_equal_the_torch_backend(native, tiny_checkpoint, 
         expected = torch_llm.generate(PROMPTS, _greedy(16, ignore_eos=True))
     with LLM(EngineArgs(model=model, backend="cpp", cpu_kv_cache_gb=0.05)) as cpp_llm:
         outputs = cpp_llm.generate(PROMPTS, _greedy(16, ignore_eos=True))
-        # Qwen3.5's recurrent state cannot resume from cached blocks: the native engine declares no prefix cache.
-        assert cpp_llm.engine_caps().prefix_caching == (arch not in ("qwen3_5_text", "qwen3_5_moe_text"))
+        # Qwen3.5 too: its prefix cache resumes from recurrent states kept at prompts' block boundaries.
+        assert cpp_llm.engine_caps().prefix_caching
     assert [o.token_ids for o in outputs] == [o.token_ids for o in expected]
     assert [o.text for o in outputs] == [o.text for o in expected]
     assert all(o.finish_reason == "length" and o.usage.completion_tokens == 16 for o in outputs)

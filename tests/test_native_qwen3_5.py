@@ -1,8 +1,8 @@
 """Qwen3.5 (dense and MoE) on the native plane (pocketllm_cpp): greedy tokens equal transformers (fp32) under
 batching of mixed prompt lengths, chunked prefill, 32-token decodes and forced preemption (the recompute restarts
-the recurrent state), and log-probabilities equal transformers' within 1e-4; prefix caching is off for these
-hybrids; a multimodal checkpoint's text model (nested text_config, model.language_model.* names, stacked experts,
-skipped vision and MTP tensors) loads the same."""
+the recurrent state), and log-probabilities equal transformers' within 1e-4; the prefix cache resumes from
+recurrent states kept at prompts' block boundaries; a multimodal checkpoint's text model (nested text_config,
+model.language_model.* names, stacked experts, skipped vision and MTP tensors) loads the same."""
 
 from __future__ import annotations
 
@@ -94,15 +94,49 @@ def test_session_generate_and_decode_steps_equal_transformers(native, tiny_check
     assert engine.generate(one, 8) == hf_reference.greedy(tiny_checkpoint(arch), [one], 8)[0]
 
 
-def test_prefix_caching_is_off_and_a_repeat_is_exact(native, tiny_checkpoint, expected):
-    engine = _engine(native, tiny_checkpoint("qwen3_5_text"), prefix_caching=True)
-    assert not engine.options.prefix_caching
-    prompt = _prompts()[2]
-    first = engine.prefill(prompt)
-    assert engine.prefill(prompt) == first and engine.session_cached_tokens == 0
-    tokens, core = _batched(native, engine, [prompt, prompt], 8, slots=2, budget=0)
-    assert tokens[0] == tokens[1] == expected("qwen3_5_text")[2][:8]
-    assert core.stats()["prefix_cache_hits"] == 0
+@pytest.mark.parametrize("arch", TINY_HYBRID_ARCHS)
+def test_prefix_cache_resumes_from_a_kept_state(native, tiny_checkpoint, expected, hf_reference, arch):
+    """A repeated prompt, and a later turn that extends it, resume from the recurrent state kept at the prompt's
+    last block boundary: the cached tokens are counted and the greedy tokens still equal transformers'."""
+    path = tiny_checkpoint(arch)
+    engine = _engine(native, path)
+    assert engine.options.prefix_caching and engine.options.state_snapshots > 0
+    prompt, reference = _prompts()[2], expected(arch)[2]   # 70 tokens: the state at 64 is kept
+    assert engine.generate(prompt, NEW_TOKENS) == reference
+    assert engine.session_cached_tokens == 0 and engine.num_state_snapshots == 1
+    assert engine.generate(prompt, NEW_TOKENS) == reference and engine.session_cached_tokens == 64
+    turn = prompt + reference[:12] + _prompts()[0]   # 87 tokens: resumes at 64, keeps the state at 80
+    assert engine.generate(turn, 8) == hf_reference.greedy(path, [turn], 8)[0]
+    assert engine.session_cached_tokens == 64 and engine.num_state_snapshots == 2
+    # Batched, with prefill chunks that pass the kept points: the second wave resumes both prompts.
+    prompts = [prompt, turn, _prompts()[1]]
+    first, core = _batched(native, engine, prompts, 8, slots=3, budget=16)
+    hits = core.stats()["prefix_cache_hits"]   # the engine's count: two sessions above, then two here
+    assert hits == 4
+    again, core = _batched(native, engine, prompts, 8, slots=3, budget=16)
+    assert again == first and core.stats()["prefix_cache_hits"] == hits + 3
+    assert [first[i] for i in range(3)] == [reference[:8], hf_reference.greedy(path, [turn], 8)[0],
+                                           expected(arch)[1][:8]]
+    engine.reset()   # clears the kept states with the cached blocks
+    assert engine.num_state_snapshots == 0
+    assert engine.generate(prompt, 4) == reference[:4] and engine.session_cached_tokens == 0
+
+
+def test_kept_states_are_bounded_and_can_be_turned_off(native, tiny_checkpoint, expected):
+    path = tiny_checkpoint("qwen3_5_text")
+    engine = _engine(native, path, state_snapshots=1)
+    prompts, reference = _prompts(), expected("qwen3_5_text")
+    assert engine.generate(prompts[2], 4) == reference[2][:4]
+    assert engine.generate(prompts[1], 4) == reference[1][:4]   # its state at 16 replaces the one at 64
+    assert engine.num_state_snapshots == 1
+    assert engine.generate(prompts[2], 4) == reference[2][:4] and engine.session_cached_tokens == 0
+    assert engine.generate(prompts[1], 4) == reference[1][:4] and engine.session_cached_tokens == 0   # evicted
+    off = _engine(native, path, state_snapshots=0, prefix_caching=True)
+    assert not off.options.prefix_caching
+    first = off.prefill(prompts[2])
+    assert off.prefill(prompts[2]) == first and off.session_cached_tokens == 0 and off.num_state_snapshots == 0
+    with pytest.raises(ValueError, match="state_snapshots"):
+        _engine(native, path, state_snapshots=-1)
 
 
 def test_preemption_recomputes_the_recurrent_state(native, tiny_checkpoint, hf_reference):

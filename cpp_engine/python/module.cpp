@@ -132,6 +132,7 @@ PYBIND11_MODULE(_native, m) {
       .def_readwrite("max_model_len", &QwenEngineOptions::max_model_len)
       .def_readwrite("max_slots", &QwenEngineOptions::max_slots)
       .def_readwrite("prefix_caching", &QwenEngineOptions::prefix_caching)
+      .def_readwrite("state_snapshots", &QwenEngineOptions::state_snapshots)
       .def_readwrite("num_threads", &QwenEngineOptions::num_threads)
       .def_readwrite("eos_token_ids", &QwenEngineOptions::eos_token_ids)
       .def_readwrite("sampling", &QwenEngineOptions::sampling)
@@ -161,6 +162,7 @@ PYBIND11_MODULE(_native, m) {
       .def_property_readonly("block_size", [](QwenEngine& e) { return e.pool().block_size(); })
       .def_property_readonly("session_length", &QwenEngine::session_length)
       .def_property_readonly("session_cached_tokens", &QwenEngine::session_cached_tokens)
+      .def_property_readonly("num_state_snapshots", &QwenEngine::num_state_snapshots)
       .def_property_readonly("options", &QwenEngine::options);
 
   py::class_<BatchEvent>(m, "QwenBatchEvent")

@@ -71,30 +71,42 @@ void KvPool::release(std::vector<int64_t>& table) {
 }
 
 int64_t KvPool::match(const std::vector<int64_t>& tokens, int64_t limit, std::vector<int64_t>& table,
-                      int64_t& hashed, uint64_t& last_hash) {
+                      int64_t& hashed, uint64_t& last_hash, const std::function<bool(uint64_t)>& resumable) {
   hashed = 0;
   last_hash = 0;
   if (!prefix_caching_) return 0;
   ++queries_;
+  // The cached chain first, then the longest resumable part of it claimed.
+  std::vector<int64_t> blocks;
+  std::vector<uint64_t> hashes;
+  uint64_t parent = 0;
   const int64_t full = limit / block_size_;
   for (int64_t i = 0; i < full; ++i) {
     const int64_t* block_tokens = tokens.data() + i * block_size_;
-    const uint64_t h = hash_block(last_hash, block_tokens);
+    const uint64_t h = hash_block(parent, block_tokens);
     auto it = cache_.find(h);
-    if (it == cache_.end() || it->second.parent != last_hash ||
+    if (it == cache_.end() || it->second.parent != parent ||
         !std::equal(it->second.tokens.begin(), it->second.tokens.end(), block_tokens))
       break;
-    const int64_t b = it->second.block;
+    blocks.push_back(it->second.block);
+    hashes.push_back(h);
+    parent = h;
+  }
+  int64_t keep = static_cast<int64_t>(blocks.size());
+  if (resumable)
+    while (keep > 0 && !resumable(hashes[keep - 1])) --keep;
+  for (int64_t i = 0; i < keep; ++i) {
+    const int64_t b = blocks[i];
     if (refs_[b]++ == 0 && in_lru_[b]) {
       lru_.erase(lru_pos_[b]);
       in_lru_[b] = 0;
     }
     table.push_back(b);
-    last_hash = h;
-    ++hashed;
   }
-  if (hashed > 0) ++hits_;
-  return hashed * block_size_;
+  hashed = keep;
+  last_hash = keep > 0 ? hashes[keep - 1] : 0;
+  if (keep > 0) ++hits_;
+  return keep * block_size_;
 }
 
 void KvPool::register_full(const std::vector<int64_t>& tokens, int64_t computed, const std::vector<int64_t>& table,

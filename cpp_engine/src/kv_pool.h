@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <list>
 #include <unordered_map>
 #include <vector>
@@ -26,9 +27,11 @@ class KvPool {
   void release(std::vector<int64_t>& table);
 
   // Claim the cached blocks holding the longest whole-block prefix of tokens[0, limit) into the empty `table`;
-  // returns the tokens they cover, with `hashed`/`last_hash` set for later `register_full` calls.
+  // returns the tokens they cover, with `hashed`/`last_hash` set for later `register_full` calls. With
+  // `resumable`, only a prefix whose chained hash it accepts counts (a hybrid model resumes only where a state
+  // snapshot exists).
   int64_t match(const std::vector<int64_t>& tokens, int64_t limit, std::vector<int64_t>& table, int64_t& hashed,
-                uint64_t& last_hash);
+                uint64_t& last_hash, const std::function<bool(uint64_t)>& resumable = nullptr);
   // Make the full blocks of tokens[0, computed) findable by later `match` calls.
   void register_full(const std::vector<int64_t>& tokens, int64_t computed, const std::vector<int64_t>& table,
                      int64_t& hashed, uint64_t& last_hash);

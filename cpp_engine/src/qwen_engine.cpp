@@ -79,10 +79,11 @@ QwenEngine::QwenEngine(const std::string& checkpoint, const QwenEngineOptions& o
     : options_(options),
       model_(load_model(checkpoint, options)),
       pool_(blocks_for(model_.config(), options), options.block_size,
-            options.prefix_caching && !model_.config().hybrid) {
-  // A hybrid model's linear-attention state after a prefix exists only for the sequence that computed it, so a
-  // cached block prefix cannot be resumed: prefix caching is off for it.
-  if (model_.config().hybrid) options_.prefix_caching = false;
+            options.prefix_caching && (!model_.config().hybrid || options.state_snapshots > 0)),
+      snapshots_(options.state_snapshots) {
+  // A hybrid model resumes a cached block prefix only from a kept state: no snapshots, no prefix caching.
+  options_.prefix_caching = pool_.prefix_caching();
+  if (options.state_snapshots < 0) throw std::invalid_argument("state_snapshots must be >= 0");
   validate_sampling(options.sampling);
   if (options.max_slots < 1) throw std::invalid_argument("max_slots must be >= 1");
   if (options.num_threads > 0) at::set_num_threads(static_cast<int>(options.num_threads));
@@ -124,11 +125,36 @@ void QwenEngine::validate_prompt(const std::vector<int64_t>& prompt, int64_t max
 void QwenEngine::start(Sequence& seq) {
   // At least the last prompt token is computed, so that its logits exist.
   const int64_t limit = static_cast<int64_t>(seq.tokens.size()) - 1;
-  seq.num_computed = pool_.match(seq.tokens, limit, seq.table, seq.hashed, seq.last_hash);
+  if (!keeps_states()) {
+    seq.num_computed = pool_.match(seq.tokens, limit, seq.table, seq.hashed, seq.last_hash);
+  } else {
+    seq.num_computed = pool_.match(seq.tokens, limit, seq.table, seq.hashed, seq.last_hash,
+                                   [this](uint64_t h) { return snapshots_.contains(h); });
+    if (seq.num_computed > 0) {
+      if (seq.state_slot < 0) seq.state_slot = model_.acquire_state_slot();
+      model_.copy_state_slot(snapshots_.find(seq.last_hash), seq.state_slot);
+    }
+  }
   seq.num_cached = seq.num_computed;
 }
 
-at::Tensor QwenEngine::run(const std::vector<Sequence*>& seqs, const std::vector<int64_t>& n) {
+std::vector<int64_t> QwenEngine::snapshot_points(const Sequence& seq) const {
+  const int64_t bs = pool_.block_size();
+  const int64_t last = (seq.num_prompt - 1) / bs * bs, end = seq.num_prompt / bs * bs;
+  std::vector<int64_t> points;
+  if (last > 0) points.push_back(last);
+  if (end > last) points.push_back(end);
+  return points;
+}
+
+void QwenEngine::keep_state(const Sequence& seq) {
+  // Only at a registered block boundary: the key is the chained hash of the blocks before it.
+  if (seq.hashed * pool_.block_size() != seq.num_computed || snapshots_.find(seq.last_hash) >= 0) return;
+  const int64_t slot = snapshots_.claim(seq.last_hash, snapshots_.full() ? -1 : model_.acquire_state_slot());
+  model_.copy_state_slot(seq.state_slot, slot);
+}
+
+at::Tensor QwenEngine::forward_chunks(const std::vector<Sequence*>& seqs, const std::vector<int64_t>& n) {
   std::vector<int64_t> tokens;
   std::vector<Chunk> chunks;
   for (size_t i = 0; i < seqs.size(); ++i) {
@@ -150,6 +176,45 @@ at::Tensor QwenEngine::run(const std::vector<Sequence*>& seqs, const std::vector
                         seqs[i]->last_hash);
   }
   return logits.contiguous();
+}
+
+at::Tensor QwenEngine::run(const std::vector<Sequence*>& seqs, const std::vector<int64_t>& n) {
+  if (!keeps_states()) return forward_chunks(seqs, n);
+  std::vector<int64_t> left(n);
+  std::vector<at::Tensor> rows(seqs.size());
+  at::Tensor only;   // the logits when one forward did it all
+  for (int pass = 0;; ++pass) {
+    std::vector<Sequence*> part;
+    std::vector<int64_t> counts;
+    std::vector<size_t> which;
+    for (size_t i = 0; i < seqs.size(); ++i) {
+      if (left[i] <= 0) continue;
+      const int64_t from = seqs[i]->num_computed;
+      int64_t to = from + left[i];
+      for (int64_t p : snapshot_points(*seqs[i]))
+        if (p > from && p < to) to = p;
+      part.push_back(seqs[i]);
+      counts.push_back(to - from);
+      which.push_back(i);
+    }
+    if (part.empty()) break;
+    at::Tensor logits = forward_chunks(part, counts);
+    int64_t row = 0;
+    for (size_t j = 0; j < part.size(); ++j) {
+      Sequence& s = *part[j];
+      left[which[j]] -= counts[j];
+      if (s.num_computed == static_cast<int64_t>(s.tokens.size())) rows[which[j]] = logits.select(0, row++);
+      for (int64_t p : snapshot_points(s))
+        if (s.num_computed == p) keep_state(s);
+    }
+    if (pass == 0 && std::all_of(left.begin(), left.end(), [](int64_t l) { return l <= 0; })) only = logits;
+  }
+  if (only.defined()) return only;
+  std::vector<at::Tensor> kept;
+  for (const at::Tensor& r : rows)
+    if (r.defined()) kept.push_back(r);
+  if (kept.empty()) return at::empty({0, model_.config().vocab_size}, at::kFloat);
+  return at::stack(kept).contiguous();
 }
 
 void QwenEngine::finish(Sequence& seq) {
@@ -320,6 +385,7 @@ void QwenEngine::reset() {
   }
   session_.reset();
   pool_.clear_prefix_cache();
+  for (int64_t slot : snapshots_.clear()) model_.release_state_slot(slot);
 }
 
 int64_t QwenEngine::session_cached_tokens() const { return session_ ? session_->num_cached : 0; }

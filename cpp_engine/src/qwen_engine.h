@@ -12,6 +12,7 @@
 #include "kv_pool.h"
 #include "qwen_model.h"
 #include "sampler.h"
+#include "state_snapshots.h"
 
 namespace pocket {
 
@@ -21,7 +22,11 @@ struct QwenEngineOptions {
   double kv_cache_mb = 512.0;
   int64_t max_model_len = 0;        // 0: the checkpoint's, bounded by the KV cache
   int64_t max_slots = 64;           // most sequences one batched step runs
-  bool prefix_caching = true;      // forced off for Qwen3.5 (its recurrent state is not per block)
+  bool prefix_caching = true;
+  // Hybrid models (Qwen3.5): how many recurrent states after a cached prompt prefix are kept, for the prefix cache
+  // to resume from (0: no prefix caching for them). A prompt's state is kept at its last block boundary (and at
+  // its end when that is one); each costs one state slot.
+  int64_t state_snapshots = 16;
   int64_t num_threads = 0;          // 0: libtorch's default
   std::vector<int64_t> eos_token_ids;   // empty: generation_config.json's, else config.json's
   SamplingOptions sampling;         // the single-session API's sampling (greedy by default)
@@ -85,6 +90,7 @@ class QwenEngine {
   void reset();            // ends the session and clears the prefix cache
   int64_t session_length() const;
   int64_t session_cached_tokens() const;   // of the session's prompt, found in the prefix cache
+  int64_t num_state_snapshots() const { return snapshots_.size(); }
 
   // --- for the batch core (callers hold lock()) -------------------------------------------------
   std::unique_lock<std::mutex> lock() { return std::unique_lock<std::mutex>(mutex_); }
@@ -92,11 +98,19 @@ class QwenEngine {
   void validate_prompt(const std::vector<int64_t>& prompt, int64_t max_new_tokens) const;
   void start(Sequence& seq);   // claims the cached prefix of a fresh sequence
   // Run chunks of `n[i]` tokens of seqs[i] (blocks already grown); returns logits of those reaching their end.
+  // A hybrid model's prompt chunk that passes one of its snapshot points stops there first, in a forward of its
+  // own, and the state there is kept.
   at::Tensor run(const std::vector<Sequence*>& seqs, const std::vector<int64_t>& n);
   void finish(Sequence& seq);  // registers its full blocks and releases them (and its state slot)
 
  private:
   int64_t sample_session(const at::Tensor& logits);
+  bool keeps_states() const { return model_.config().hybrid && pool_.prefix_caching(); }
+  // One forward over the chunks; the sequences' computed counts advanced and their full blocks registered.
+  at::Tensor forward_chunks(const std::vector<Sequence*>& seqs, const std::vector<int64_t>& n);
+  // A prompt's positions whose recurrent state is kept: its last block boundary, and its end when that is one.
+  std::vector<int64_t> snapshot_points(const Sequence& seq) const;
+  void keep_state(const Sequence& seq);   // the state after seq's computed tokens, under their block prefix
 
   QwenEngineOptions options_;
   QwenModel model_;
@@ -106,6 +120,7 @@ class QwenEngine {
   std::string eos_source_;
   std::mutex mutex_;
   std::unique_ptr<Sequence> session_;
+  StateSnapshots snapshots_;
 };
 
 // The config of a checkpoint directory (config.json) or a .gguf file (its metadata), read before any weight; a

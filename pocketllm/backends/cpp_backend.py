@@ -67,7 +67,7 @@ class CppBackend:
         self.caps = EngineCaps(
             max_slots=args.max_num_seqs,
             chunked_prefill=args.enable_chunked_prefill,
-            prefix_caching=bool(args.enable_prefix_caching and engine.options.prefix_caching),   # off: Qwen3.5
+            prefix_caching=bool(args.enable_prefix_caching and engine.options.prefix_caching),
             max_logprobs=MAX_LOGPROBS,
             structured_outputs=False,
             details={
