@@ -87,10 +87,10 @@ class EngineArgs:
 
     model: str | None = _opt(None, "Checkpoint: a .gguf file, an HF safetensors directory, or a preset "
                              "name with load_format=dummy (default: the packaged SmolLM2-135M-Instruct GGUF).")
-    backend: str = _opt("auto", "auto | torch | cpp (the native plane: Qwen3, Qwen3.5 and their MoE variants as "
-                                "safetensors on CPU, docs/native.md). auto: the native plane for a Qwen3.5 "
-                                "safetensors checkpoint on CPU when it is built and no option needs torch, "
-                                "else torch.")
+    backend: str = _opt("auto", "auto | torch | cpp (the native plane on CPU: Qwen3, Qwen3.5 and their MoE "
+                                "variants as safetensors, llama/qwen2/qwen3 GGUF files; docs/native.md). auto: "
+                                "the native plane for a Qwen3.5 safetensors checkpoint on CPU when it is built "
+                                "and no option needs torch, else torch.")
     device: str = _opt("auto", "auto (cuda when available, else cpu) | cpu | cuda.")
     dtype: str = _opt("auto", "Compute dtype: auto (float32 on CPU, bfloat16 on CUDA) | float32 | bfloat16 | "
                               "float16.")

@@ -222,7 +222,7 @@ def test_request_errors_do_not_hurt_the_engine(llm):
 
 
 def test_backend_and_args_validation(model_dir, tiny_checkpoint):
-    with pytest.raises(UnsupportedFeatureError, match="native"):   # the native plane runs Qwen3 only
+    with pytest.raises(UnsupportedFeatureError, match="native"):   # no Llama safetensors on the native plane
         LLM(EngineArgs(model=tiny_checkpoint("llama"), backend="cpp"))
     with pytest.raises(InvalidRequestError):
         EngineArgs(dtype="float8")

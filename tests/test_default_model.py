@@ -139,6 +139,6 @@ def test_cli_chat_holds_a_conversation():
 
 
 def test_cli_reports_errors_cleanly():
-    result = _cli("run", "--prompt", "hi", "--backend", "cpp")
+    result = _cli("run", "--prompt", "hi", "--backend", "cpp", "--dtype", "bfloat16")
     assert result.returncode == 2
     assert "native" in result.stderr and "Traceback" not in result.stderr

@@ -35,7 +35,7 @@ def cpp_llm(native, qwen3):
 @pytest.mark.parametrize("fields", [
     {"device": "cuda"}, {"tensor_parallel_size": 2}, {"dtype": "bfloat16"}, {"cpu_weight_format": "int4"},
     {"kv_cache_dtype": "bfloat16"}, {"load_format": "dummy"},
-    {"speculative_config": {"method": "ngram", "num_speculative_tokens": 2}},
+    {"speculative_config": {"method": "mtp", "num_speculative_tokens": 2}},
 ])
 def test_unsupported_options_are_refused_before_loading(qwen3, fields, monkeypatch):
     monkeypatch.setattr(native_module, "import_native", lambda: pytest.fail("the native module was imported"))
@@ -43,15 +43,48 @@ def test_unsupported_options_are_refused_before_loading(qwen3, fields, monkeypat
         LLM(EngineArgs(model=qwen3, backend="cpp", **fields))
 
 
-def test_unsupported_checkpoints_are_refused(tiny_checkpoint, smollm2_gguf, monkeypatch):
+def test_unsupported_checkpoints_are_refused(tiny_checkpoint, tmp_path, monkeypatch):
     monkeypatch.setattr(native_module, "import_native", lambda: pytest.fail("the native module was imported"))
     for probe in ("is_available", "device_count", "_lazy_init", "init"):   # refused before CUDA is asked about
         monkeypatch.setattr(torch.cuda, probe, lambda *a, p=probe: pytest.fail(f"torch.cuda.{p} was called"))
-    for model in (tiny_checkpoint("llama"), tiny_checkpoint("qwen2"), smollm2_gguf, None):
-        with pytest.raises(UnsupportedFeatureError, match="native plane"):
+    import gguf
+
+    other = str(tmp_path / "other.gguf")   # a GGUF of an architecture the native reader does not run
+    writer = gguf.GGUFWriter(other, "gemma3")
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    for model, what in ((tiny_checkpoint("llama"), "model_type 'llama'"), (tiny_checkpoint("qwen2"), "qwen2"),
+                        (other, "architecture 'gemma3'"), (str(tmp_path), "architecture 'gemma3'"),
+                        (str((tmp_path / "empty").mkdir() or tmp_path / "empty"), "neither")):
+        with pytest.raises(UnsupportedFeatureError, match=f"native plane.*{what}"):
             LLM(EngineArgs(model=model, backend="cpp"))
     with pytest.raises(InvalidRequestError, match="backend_options"):
         LLM(EngineArgs(model=tiny_checkpoint("qwen3"), backend="cpp", backend_options={"knob": 1}))
+
+
+def test_the_default_gguf_runs_natively(native, smollm2_gguf):
+    """backend='cpp' with no model runs the default model's GGUF: float32 tokens equal the Torch backend's, the
+    4-bit layers ("auto") keep the Torch int4 path's first tokens, and prompt lookup changes no token."""
+    prompts = ["Once upon a time", "The capital of France is"]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    expected = {}
+    for weights in ("float32", "auto"):
+        with LLM(EngineArgs(model=smollm2_gguf, backend="torch", cpu_weight_format=weights)) as torch_llm:
+            expected[weights] = [o.token_ids for o in torch_llm.generate(prompts, params)]
+    with LLM(EngineArgs(backend="cpp", cpu_weight_format="float32", cpu_kv_cache_gb=0.05)) as llm:
+        details = llm.engine_caps().details
+        assert details["format"] == "gguf" and details["weight_format"] == "float32"
+        assert details["architecture"] == "LlamaForCausalLM"
+        assert [o.token_ids for o in llm.generate(prompts, params)] == expected["float32"]
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+    with LLM(EngineArgs(model=smollm2_gguf, backend="cpp", cpu_kv_cache_gb=0.05)) as llm:
+        assert llm.engine_caps().details["weight_format"] == "int4"
+        plain = [o.token_ids for o in llm.generate(prompts, params)]
+        assert [t[:16] for t in plain] == [t[:16] for t in expected["auto"]]
+    with LLM(EngineArgs(model=smollm2_gguf, backend="cpp", cpu_kv_cache_gb=0.05, speculative_config=spec)) as llm:
+        assert [o.token_ids for o in llm.generate(prompts, params)] == plain
 
 
 def test_a_missing_module_names_the_build(qwen3, monkeypatch):
@@ -93,7 +126,7 @@ def test_auto_stays_on_torch_without_the_module(tiny_checkpoint, monkeypatch, ca
 @pytest.mark.parametrize("fields", [
     {"dtype": "bfloat16"}, {"device": "cuda"}, {"cpu_weight_format": "int4"}, {"quantization": "fp8"},
     {"kv_cache_dtype": "bfloat16"}, {"async_scheduling": "on"}, {"load_format": "dummy"},
-    {"speculative_config": {"method": "ngram", "num_speculative_tokens": 2}},
+    {"speculative_config": {"method": "mtp", "num_speculative_tokens": 2}},
     {"backend_options": {"knob": 1}},
 ])
 def test_auto_stays_on_torch_for_options_the_native_plane_refuses(built, tiny_checkpoint, fields, caplog):

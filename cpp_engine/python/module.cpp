@@ -64,6 +64,9 @@ py::dict stats_dict(const BatchStats& s) {
   d["prefix_cache_hits"] = s.prefix_hits;
   d["num_preemptions"] = s.preemptions;
   d["num_steps"] = s.steps;
+  d["spec_verify_chunks"] = s.verify_chunks;
+  d["spec_proposed_tokens"] = s.proposed_tokens;
+  d["spec_accepted_tokens"] = s.accepted_tokens;
   return d;
 }
 
@@ -196,7 +199,8 @@ PYBIND11_MODULE(_native, m) {
       .def_readonly("paged_kv", &EngineCaps::paged_kv)
       .def_readonly("prefix_caching", &EngineCaps::prefix_caching)
       .def_readonly("per_request_sampling", &EngineCaps::per_request_sampling)
-      .def_readonly("per_request_top_k", &EngineCaps::per_request_top_k);
+      .def_readonly("per_request_top_k", &EngineCaps::per_request_top_k)
+      .def_readonly("speculative", &EngineCaps::speculative);
 
   // Stepped by its caller (the Python backend's engine thread): no thread of its own.
   py::class_<BatchCore>(m, "QwenBatchCore")
@@ -207,6 +211,11 @@ PYBIND11_MODULE(_native, m) {
       .def("has_work", &BatchCore::has_work)
       .def("active", &BatchCore::active, py::arg("request_id"))
       .def("set_prefill_token_budget", &BatchCore::set_prefill_token_budget, py::arg("tokens"))
+      .def("set_ngram_speculation",
+           [](BatchCore& c, int64_t num_tokens, int64_t min_n, int64_t max_n) {
+             c.set_ngram_speculation(NgramOptions{num_tokens, min_n, max_n});
+           },
+           py::arg("num_speculative_tokens"), py::arg("prompt_lookup_min") = 1, py::arg("prompt_lookup_max") = 4)
       .def("max_batch_size", &BatchCore::max_slots)
       .def("stats", [](BatchCore& c) { return stats_dict(c.stats()); });
 
@@ -244,6 +253,11 @@ PYBIND11_MODULE(_native, m) {
       .def("max_batch_size", [](PyScheduler& s) { return s.get().max_batch_size(); })
       .def("set_prefill_token_budget",
            [](PyScheduler& s, int64_t tokens) { s.get().set_prefill_token_budget(tokens); }, py::arg("tokens"))
+      .def("set_ngram_speculation",
+           [](PyScheduler& s, int64_t num_tokens, int64_t min_n, int64_t max_n) {
+             s.get().set_ngram_speculation(NgramOptions{num_tokens, min_n, max_n});
+           },
+           py::arg("num_speculative_tokens"), py::arg("prompt_lookup_min") = 1, py::arg("prompt_lookup_max") = 4)
       .def("stats", [](PyScheduler& s) {
         BatchStats st;
         {

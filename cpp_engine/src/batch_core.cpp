@@ -31,6 +31,26 @@ void BatchCore::set_prefill_token_budget(int64_t tokens) {
   prefill_budget_ = tokens;
 }
 
+void BatchCore::set_ngram_speculation(const NgramOptions& options) {
+  validate_ngram(options);
+  ngram_ = options;
+}
+
+void BatchCore::propose(Sequence& seq) {
+  const int64_t size = static_cast<int64_t>(seq.tokens.size());
+  // The last token and every kept proposal are followed by one more draw: all of them within the budgets.
+  const int64_t room = std::min(seq.sampling.max_new_tokens - seq.num_generated, engine_.max_model_len() - size) - 1;
+  std::vector<int64_t> draft = ngram_proposal(seq.tokens, ngram_, room);
+  KvPool& pool = engine_.pool();
+  if (draft.empty() || !pool.grow(seq.table, seq.num_computed + 1)) return;
+  int64_t k = static_cast<int64_t>(draft.size());
+  if (!pool.grow(seq.table, seq.num_computed + 1 + k))
+    k = static_cast<int64_t>(seq.table.size()) * pool.block_size() - seq.num_computed - 1;
+  if (k <= 0) return;
+  seq.tokens.insert(seq.tokens.end(), draft.begin(), draft.begin() + k);
+  seq.drafted = k;
+}
+
 BatchEvent BatchCore::event(const Sequence& seq, int64_t token) const {
   BatchEvent e;
   e.request_id = seq.id;
@@ -103,49 +123,97 @@ std::vector<BatchEvent> BatchCore::step() {
     if (static_cast<int64_t>(s->table.size()) * pool.block_size() < s->num_computed + n)
       n = static_cast<int64_t>(s->table.size()) * pool.block_size() - s->num_computed;
     if (n <= 0) continue;   // waits for blocks (validate_prompt keeps one sequence within the cache)
+    if (remaining == 1 && ngram_.num_tokens > 0) {
+      propose(*s);
+      n += s->drafted;
+    }
     batch.push_back(s);
     counts.push_back(n);
   }
   std::vector<BatchEvent> events;
   if (batch.empty()) return events;
-  at::Tensor logits = engine_.run(batch, counts);
+  std::vector<int64_t> saved(batch.size(), -1);   // hybrid models: the state before a verify chunk
+  for (size_t i = 0; i < batch.size(); ++i)
+    if (batch[i]->drafted > 0) saved[i] = engine_.checkpoint_state(*batch[i]);
+  at::Tensor logits;
+  try {
+    logits = engine_.run(batch, counts);
+  } catch (...) {
+    for (int64_t slot : saved) engine_.drop_checkpoint(slot);
+    throw;
+  }
   ++steps_;
   const float* rows = logits.data_ptr<float>();
   const int64_t vocab = logits.size(1);
-  const auto& eos = engine_.eos_token_ids();
   int64_t row = 0;
-  for (Sequence* s : batch) {
-    if (s->num_computed != static_cast<int64_t>(s->tokens.size())) continue;   // a prefill chunk short of the end
-    const float* logits = rows + row * vocab;
-    std::vector<float> processed;
-    if (needs_processing(s->sampling))
-      processed = process_logits(logits, vocab, s->sampling, s->tokens, s->num_prompt);
-    const int64_t token = sample_token(processed.empty() ? logits : processed.data(), vocab, s->sampling, s->rng);
-    ++row;
-    BatchEvent e;
-    s->tokens.push_back(token);
-    ++s->num_generated;
-    const auto& stops = s->sampling.stop_token_ids;
-    const bool stop = std::find(stops.begin(), stops.end(), token) != stops.end() ||
-                      (!s->sampling.ignore_eos && std::find(eos.begin(), eos.end(), token) != eos.end());
-    const int64_t asked = s->sampling.logprobs;
-    TokenLogprobs lp;
-    if (asked >= 0) lp = token_logprobs(logits, vocab, token, asked);
-    if (stop) {
-      e = end(*s, "stop", token, true);
-    } else if (s->num_generated >= s->sampling.max_new_tokens ||
-               static_cast<int64_t>(s->tokens.size()) >= engine_.max_model_len()) {
-      e = end(*s, "length", token, false);
+  for (size_t i = 0; i < batch.size(); ++i) {
+    Sequence* s = batch[i];
+    if (s->drafted == 0) {
+      if (s->num_computed != static_cast<int64_t>(s->tokens.size())) continue;   // a prefill chunk short of the end
+      emit(*s, rows + row++ * vocab, vocab, events);
+      continue;
+    }
+    // A verify chunk: row j scored the token before proposal j; draws are kept while they equal the proposals.
+    const int64_t k = s->drafted;
+    const std::vector<int64_t> draft(s->tokens.end() - k, s->tokens.end());
+    s->tokens.resize(s->tokens.size() - k);
+    s->drafted = 0;
+    const int64_t base = s->num_computed - k - 1;
+    const int64_t first = row;
+    row += k + 1;
+    ++verify_chunks_;
+    proposed_ += k;
+    int64_t kept = 0;
+    bool ended = false;
+    for (int64_t j = 0; j <= k && !ended; ++j) {
+      s->num_computed = base + 1 + j;   // the rows' inputs so far are the sequence's tokens
+      ended = emit(*s, rows + (first + j) * vocab, vocab, events);
+      if (ended || j == k || events.back().token != draft[j]) break;
+      ++kept;
+    }
+    accepted_ += kept;
+    if (ended) {
+      engine_.drop_checkpoint(saved[i]);
+    } else if (saved[i] >= 0 && kept < k) {
+      engine_.rewind_state(*s, saved[i], kept + 1);
     } else {
-      e = event(*s, token);
+      engine_.drop_checkpoint(saved[i]);
     }
-    if (asked >= 0) {
-      e.has_logprobs = true;
-      e.logprobs = std::move(lp);
-    }
-    events.push_back(std::move(e));
   }
   return events;
+}
+
+bool BatchCore::emit(Sequence& seq, const float* logits, int64_t vocab, std::vector<BatchEvent>& events) {
+  Sequence* s = &seq;
+  std::vector<float> processed;
+  if (needs_processing(s->sampling)) processed = process_logits(logits, vocab, s->sampling, s->tokens, s->num_prompt);
+  const int64_t token = sample_token(processed.empty() ? logits : processed.data(), vocab, s->sampling, s->rng);
+  s->tokens.push_back(token);
+  ++s->num_generated;
+  const auto& eos = engine_.eos_token_ids();
+  const auto& stops = s->sampling.stop_token_ids;
+  const bool stop = std::find(stops.begin(), stops.end(), token) != stops.end() ||
+                    (!s->sampling.ignore_eos && std::find(eos.begin(), eos.end(), token) != eos.end());
+  const int64_t asked = s->sampling.logprobs;
+  TokenLogprobs lp;
+  if (asked >= 0) lp = token_logprobs(logits, vocab, token, asked);
+  BatchEvent e;
+  bool ended = true;
+  if (stop) {
+    e = end(*s, "stop", token, true);
+  } else if (s->num_generated >= s->sampling.max_new_tokens ||
+             static_cast<int64_t>(s->tokens.size()) >= engine_.max_model_len()) {
+    e = end(*s, "length", token, false);
+  } else {
+    e = event(*s, token);
+    ended = false;
+  }
+  if (asked >= 0) {
+    e.has_logprobs = true;
+    e.logprobs = std::move(lp);
+  }
+  events.push_back(std::move(e));
+  return ended;
 }
 
 BatchStats BatchCore::stats() {
@@ -159,6 +227,9 @@ BatchStats BatchCore::stats() {
   st.prefix_hits = engine_.pool().prefix_hits();
   st.preemptions = preemptions_;
   st.steps = steps_;
+  st.verify_chunks = verify_chunks_;
+  st.proposed_tokens = proposed_;
+  st.accepted_tokens = accepted_;
   return st;
 }
 

@@ -11,6 +11,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "ngram_lookup.h"
 #include "qwen_engine.h"
 
 namespace pocket {
@@ -31,6 +32,7 @@ struct BatchEvent {
 struct BatchStats {
   int64_t running = 0, waiting = 0, free_blocks = 0, total_blocks = 0, prefix_queries = 0, prefix_hits = 0;
   int64_t preemptions = 0, steps = 0;
+  int64_t verify_chunks = 0, proposed_tokens = 0, accepted_tokens = 0;   // speculation
 };
 
 class BatchCore {
@@ -46,12 +48,22 @@ class BatchCore {
   bool has_work() const { return !running_.empty() || !waiting_.empty(); }
   bool active(const std::string& id) const { return seqs_.count(id) > 0; }
   void set_prefill_token_budget(int64_t tokens);
+  // Speculative decoding by prompt lookup: a decoding sequence whose tail recurs earlier runs the tokens that
+  // followed it as proposals in its chunk; each row's draw is kept while it equals the proposal before it, so the
+  // tokens are those plain decode steps give under the same random stream. num_tokens 0 turns it off.
+  void set_ngram_speculation(const NgramOptions& options);
+  const NgramOptions& ngram_speculation() const { return ngram_; }
   int64_t prefill_token_budget() const { return prefill_budget_; }
   BatchStats stats();
 
  private:
   BatchEvent end(Sequence& seq, const std::string& reason, int64_t token, bool eos);
   BatchEvent event(const Sequence& seq, int64_t token) const;
+  // Sample seq's next token from `logits`, append it and its event (ending the sequence on a stop token, its token
+  // budget or the context); true when it ended (seq is gone then).
+  bool emit(Sequence& seq, const float* logits, int64_t vocab, std::vector<BatchEvent>& events);
+  // Up to `room` proposals appended to a decoding sequence (its blocks grown for them, never by preempting).
+  void propose(Sequence& seq);
   void preempt(Sequence& seq);
 
   QwenEngine& engine_;
@@ -61,6 +73,8 @@ class BatchCore {
   std::deque<Sequence*> waiting_;
   std::vector<Sequence*> running_;
   int64_t preemptions_ = 0, steps_ = 0;
+  NgramOptions ngram_;
+  int64_t verify_chunks_ = 0, proposed_ = 0, accepted_ = 0;
 };
 
 }  // namespace pocket

@@ -61,10 +61,19 @@ void QwenBatchScheduler::set_prefill_token_budget(int64_t tokens) {
   wake_.notify_all();
 }
 
+void QwenBatchScheduler::set_ngram_speculation(const NgramOptions& options) {
+  validate_ngram(options);
+  std::lock_guard<std::mutex> guard(mutex_);
+  ngram_pending_ = options;
+  ngram_tokens_ = options.num_tokens;
+  wake_.notify_all();
+}
+
 EngineCaps QwenBatchScheduler::caps() const {
   EngineCaps c;
   c.max_slots = engine_.options().max_slots;
   c.prefix_caching = engine_.options().prefix_caching;
+  if (ngram_tokens_ > 0) c.speculative.push_back("ngram");
   return c;
 }
 
@@ -116,6 +125,10 @@ void QwenBatchScheduler::loop() {
       if (budget_ >= 0) {
         core_.set_prefill_token_budget(budget_);
         budget_ = -1;
+      }
+      if (ngram_pending_) {
+        core_.set_ngram_speculation(*ngram_pending_);
+        ngram_pending_.reset();
       }
       for (const auto& id : adds) new_requests.emplace_back(id, &requests_.at(id));
     }

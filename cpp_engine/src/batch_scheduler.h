@@ -3,6 +3,7 @@
 // between steps. The engine must outlive the scheduler.
 #pragma once
 
+#include <atomic>
 #include <condition_variable>
 #include <cstdint>
 #include <functional>
@@ -29,6 +30,7 @@ struct EngineCaps {
   int64_t max_slots = 0;
   bool continuous_batching = true, chunked_prefill = true, paged_kv = true, prefix_caching = true;
   bool per_request_sampling = true, per_request_top_k = true;
+  std::vector<std::string> speculative;   // the methods on: "ngram" (prompt lookup) once set
 };
 
 using TokenCallback = std::function<void(const std::string&, int64_t)>;
@@ -46,6 +48,8 @@ class QwenBatchScheduler {
   std::optional<BatchResult> poll(const std::string& id, int64_t timeout_ms);
   bool cancel(const std::string& id);   // true when the request is queued or running
   void set_prefill_token_budget(int64_t tokens);
+  // Prompt-lookup speculation (BatchCore::set_ngram_speculation), from the next step on.
+  void set_ngram_speculation(const NgramOptions& options);
   EngineCaps caps() const;
   int64_t max_batch_size() const { return core_.max_slots(); }
   BatchStats stats();
@@ -71,6 +75,8 @@ class QwenBatchScheduler {
   std::map<std::string, Pending> requests_;
   std::vector<std::string> to_add_, to_cancel_;
   int64_t budget_ = -1;
+  std::optional<NgramOptions> ngram_pending_;
+  std::atomic<int64_t> ngram_tokens_{0};   // read by caps() without the lock
   uint64_t counter_ = 0;
   bool stopping_ = false;
   std::thread thread_;

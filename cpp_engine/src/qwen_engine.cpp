@@ -166,16 +166,38 @@ at::Tensor QwenEngine::forward_chunks(const std::vector<Sequence*>& seqs, const 
     c.block_table = &s.table;
     c.state_slot = s.state_slot;
     c.wants_logits = s.num_computed + n[i] == static_cast<int64_t>(s.tokens.size());
+    c.all_logits = s.drafted > 0;
     tokens.insert(tokens.end(), s.tokens.begin() + c.start, s.tokens.begin() + c.start + c.num_tokens);
     chunks.push_back(c);
   }
   at::Tensor logits = model_.forward(tokens, chunks);
   for (size_t i = 0; i < seqs.size(); ++i) {
-    seqs[i]->num_computed += n[i];
-    pool_.register_full(seqs[i]->tokens, seqs[i]->num_computed, seqs[i]->table, seqs[i]->hashed,
-                        seqs[i]->last_hash);
+    Sequence& s = *seqs[i];
+    s.num_computed += n[i];
+    pool_.register_full(s.tokens, s.num_computed - s.drafted, s.table, s.hashed, s.last_hash);
   }
   return logits.contiguous();
+}
+
+int64_t QwenEngine::checkpoint_state(const Sequence& seq) {
+  if (!model_.config().hybrid || seq.state_slot < 0) return -1;
+  const int64_t saved = model_.acquire_state_slot();
+  model_.copy_state_slot(seq.state_slot, saved);
+  return saved;
+}
+
+void QwenEngine::drop_checkpoint(int64_t saved) { model_.release_state_slot(saved); }
+
+void QwenEngine::rewind_state(Sequence& seq, int64_t saved, int64_t count) {
+  model_.copy_state_slot(saved, seq.state_slot);
+  model_.release_state_slot(saved);
+  Chunk chunk;
+  chunk.start = seq.num_computed - count;
+  chunk.num_tokens = count;
+  chunk.block_table = &seq.table;
+  chunk.state_slot = seq.state_slot;
+  model_.forward(std::vector<int64_t>(seq.tokens.begin() + chunk.start, seq.tokens.begin() + chunk.start + count),
+                 {chunk});
 }
 
 at::Tensor QwenEngine::run(const std::vector<Sequence*>& seqs, const std::vector<int64_t>& n) {
@@ -203,7 +225,12 @@ at::Tensor QwenEngine::run(const std::vector<Sequence*>& seqs, const std::vector
     for (size_t j = 0; j < part.size(); ++j) {
       Sequence& s = *part[j];
       left[which[j]] -= counts[j];
-      if (s.num_computed == static_cast<int64_t>(s.tokens.size())) rows[which[j]] = logits.select(0, row++);
+      if (s.drafted > 0) {
+        rows[which[j]] = logits.narrow(0, row, counts[j]);
+        row += counts[j];
+      } else if (s.num_computed == static_cast<int64_t>(s.tokens.size())) {
+        rows[which[j]] = logits.narrow(0, row++, 1);
+      }
       for (int64_t p : snapshot_points(s))
         if (s.num_computed == p) keep_state(s);
     }
@@ -214,7 +241,7 @@ at::Tensor QwenEngine::run(const std::vector<Sequence*>& seqs, const std::vector
   for (const at::Tensor& r : rows)
     if (r.defined()) kept.push_back(r);
   if (kept.empty()) return at::empty({0, model_.config().vocab_size}, at::kFloat);
-  return at::stack(kept).contiguous();
+  return at::cat(kept).contiguous();
 }
 
 void QwenEngine::finish(Sequence& seq) {

@@ -44,6 +44,7 @@ struct Sequence {
   int64_t num_computed = 0;     // tokens whose KV is in the cache
   int64_t num_cached = 0;       // of the prompt, found in the prefix cache
   int64_t num_generated = 0;    // sampled tokens, an EOS included
+  int64_t drafted = 0;          // trailing tokens that are proposals being verified (every row's logits wanted)
   std::vector<int64_t> table;
   int64_t state_slot = -1;      // hybrid models: the recurrent-state slot while it has computed tokens
   int64_t hashed = 0;
@@ -97,11 +98,18 @@ class QwenEngine {
   KvPool& pool() { return pool_; }
   void validate_prompt(const std::vector<int64_t>& prompt, int64_t max_new_tokens) const;
   void start(Sequence& seq);   // claims the cached prefix of a fresh sequence
-  // Run chunks of `n[i]` tokens of seqs[i] (blocks already grown); returns logits of those reaching their end.
+  // Run chunks of `n[i]` tokens of seqs[i] (blocks already grown); returns logits of those reaching their end
+  // (of every row of a chunk with proposals, `Sequence::drafted`, whose blocks are registered only once verified).
   // A hybrid model's prompt chunk that passes one of its snapshot points stops there first, in a forward of its
   // own, and the state there is kept.
   at::Tensor run(const std::vector<Sequence*>& seqs, const std::vector<int64_t>& n);
   void finish(Sequence& seq);  // registers its full blocks and releases them (and its state slot)
+  // Speculation on a hybrid model: a copy of seq's recurrent state before a verify chunk (-1: not hybrid), and
+  // after it either dropped (every proposal kept) or put back and advanced over the `count` tokens from the
+  // sequence's computed count on (the last token and the kept proposals).
+  int64_t checkpoint_state(const Sequence& seq);
+  void drop_checkpoint(int64_t saved);
+  void rewind_state(Sequence& seq, int64_t saved, int64_t count);
 
  private:
   int64_t sample_session(const at::Tensor& logits);

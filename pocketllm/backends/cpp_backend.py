@@ -3,12 +3,11 @@ the native engine does not do is refused here, before the module loads a weight.
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 from pocketllm.backends.base import EngineCaps
 from pocketllm.backends.cpp_core import NativeCore
-from pocketllm.backends.native import check_args, require_native
+from pocketllm.backends.native import check_args, gguf_file, native_model_path, require_native
 from pocketllm.config import EngineArgs
 from pocketllm.engine.commands import ExportPrefix, ImportPrefix
 from pocketllm.engine.loop import EngineLoop
@@ -37,8 +36,9 @@ class CppBackend:
         check_args(args)
         native = require_native()
         self.args = args
-        self.model_path = os.fspath(args.model)
-        checkpoint = self.checkpoint = load_checkpoint(self.model_path, "safetensors")
+        self.model_path = native_model_path(args)
+        is_gguf = gguf_file(self.model_path) is not None
+        checkpoint = self.checkpoint = load_checkpoint(self.model_path, "gguf" if is_gguf else "safetensors")
         self.tokenizer = checkpoint.tokenizer
         eos_ids, eos_source = resolve_eos(args.backend_options, checkpoint.generation_config, checkpoint.hf_config,
                                           checkpoint.tokenizer)
@@ -46,6 +46,7 @@ class CppBackend:
         options.block_size = args.block_size
         options.prefix_caching = args.enable_prefix_caching
         options.max_slots = args.max_num_seqs
+        options.weight_format = args.cpu_weight_format   # "auto": a Q4_1 GGUF's layers stay 4-bit
         options.eos_token_ids = sorted(eos_ids)
         if args.num_kv_blocks is not None:
             options.num_kv_blocks = args.num_kv_blocks
@@ -53,13 +54,18 @@ class CppBackend:
         if args.max_model_len is not None:
             options.max_model_len = args.max_model_len
         budget = args.max_num_batched_tokens if args.enable_chunked_prefill else 0
+        spec = args.speculative_config   # check_args let only prompt lookup through
 
         def build() -> NativeCore:   # on the engine thread, like the Torch backend's core
             try:
                 engine = native.QwenEngine(self.model_path, options)
             except ValueError as exc:
                 raise UnsupportedFeatureError(f"backend='cpp': {exc}") from None
-            return NativeCore(native, engine, args.max_num_seqs, budget, args.seed)
+            core = NativeCore(native, engine, args.max_num_seqs, budget, args.seed)
+            if spec is not None:
+                core.batch.set_ngram_speculation(spec.num_speculative_tokens, spec.prompt_lookup_min,
+                                                 spec.prompt_lookup_max)
+            return core
 
         self.loop = _NativeLoop(build)
         self.core = self.loop.core
@@ -70,15 +76,17 @@ class CppBackend:
             prefix_caching=bool(args.enable_prefix_caching and engine.options.prefix_caching),
             max_logprobs=MAX_LOGPROBS,
             structured_outputs=False,
+            speculative=(spec.method,) if spec is not None else (),
             details={
                 "backend": "cpp",
                 "native_backend": native.backend,
                 "eos_source": eos_source,
                 "eos_token_ids": sorted(eos_ids),
                 "architecture": engine.architecture or "Qwen3ForCausalLM",
-                "format": "safetensors",
+                "format": "gguf" if is_gguf else "safetensors",
                 "device": "cpu",
                 "dtype": "float32",
+                "weight_format": engine.weight_format,
                 "max_model_len": self.core.max_model_len,
                 "vocab_size": self.core.vocab_size,
                 "block_size": engine.block_size,

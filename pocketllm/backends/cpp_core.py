@@ -114,7 +114,9 @@ class NativeCore:
         events = self.batch.step()
         now = time.monotonic()
         outputs = []
-        for event in events:
+        # A verify chunk gives a request several events; the last one of each request is marked.
+        final = {event.request_id: index for index, event in enumerate(events)}
+        for index, event in enumerate(events):
             request = self.requests.get(event.request_id)
             if request is None:
                 continue
@@ -131,7 +133,8 @@ class NativeCore:
                     request.stop_reason = int(event.token)
                 self.requests.pop(event.request_id, None)
                 self._end(request, _REASONS[event.finish_reason])
-            outputs.append(StepOutput(request, token))
+            outputs.append(StepOutput(request, token, last=final[event.request_id] == index,
+                                      num_outputs=len(request.output_token_ids)))
         return outputs
 
     def stats(self) -> dict[str, float | int]:

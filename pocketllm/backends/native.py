@@ -9,13 +9,18 @@ import os
 from typing import Any
 
 from pocketllm.config import EngineArgs
-from pocketllm.errors import InvalidRequestError, UnsupportedFeatureError
+from pocketllm.errors import CheckpointError, InvalidRequestError, UnsupportedFeatureError
+from pocketllm.loaders.default_model import default_model_path
+from pocketllm.loaders.gguf_file import GGUFFile
 
 logger = logging.getLogger("pocketllm.backend")
 
 # model_type values of config.json (a text_config's for a multimodal checkpoint) that the native engine runs:
 # Qwen3 and Qwen3.5, dense and MoE.
 NATIVE_MODEL_TYPES = ("qwen3", "qwen3_moe", "qwen3_5_text", "qwen3_5_moe_text")
+# general.architecture values of a GGUF file that the native engine reads (dense models: the default model's
+# llama, and qwen2/qwen3).
+NATIVE_GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3")
 # The spec's auto rule: the native plane is picked only for Qwen3.5 safetensors checkpoints, dense and MoE
 # (a multimodal ``qwen3_5``/``qwen3_5_moe`` checkpoint reads as its text_config's model_type).
 AUTO_MODEL_TYPES = ("qwen3_5_text", "qwen3_5_moe_text")
@@ -65,9 +70,41 @@ def safetensors_model_type(model: str | None) -> str | None:
     return str(model_type) if model_type is not None else None
 
 
+def gguf_file(model: str | None) -> str | None:
+    """The GGUF file a model names: the file itself, or the one a directory without safetensors holds (the default
+    model's when ``model`` is None); None for anything else."""
+    if model is None:
+        try:
+            return default_model_path()
+        except CheckpointError:
+            return None
+    if os.path.isdir(model):
+        names = sorted(os.listdir(model))
+        ggufs = [n for n in names if n.lower().endswith(".gguf")]
+        if not ggufs or any(n.endswith(".safetensors") for n in names):
+            return None
+        return os.path.join(model, ggufs[0])
+    return model if model.lower().endswith(".gguf") and os.path.isfile(model) else None
+
+
+def gguf_architecture(path: str) -> str | None:
+    """A GGUF file's general.architecture (None when unreadable)."""
+    try:
+        return str(GGUFFile(path).metadata.get("general.architecture"))
+    except CheckpointError:
+        return None
+
+
+def native_model_path(args: EngineArgs) -> str:
+    """The path the native engine loads: a safetensors directory, or a GGUF file (the default model's when none
+    is named)."""
+    return gguf_file(args.model) or os.fspath(args.model)
+
+
 def refused_options(args: EngineArgs) -> list[str]:
-    """The engine options the native plane cannot honour, each as ``name=value`` (it runs float32 on CPU, in one
-    process, without speculation or weight quantization)."""
+    """The engine options the native plane cannot honour, each as ``name=value`` (it runs on CPU in one process,
+    float32 or a Q4_1 GGUF's 4-bit layers, speculating by prompt lookup only)."""
+    spec = args.speculative_config
     refusals = {
         "device": args.device not in ("auto", "cpu"),
         "dtype": args.dtype not in ("auto", "float32"),
@@ -77,8 +114,8 @@ def refused_options(args: EngineArgs) -> list[str]:
         "kv_cache_dtype": args.kv_cache_dtype != "auto",
         "async_scheduling": args.async_scheduling == "on",
         "tensor_parallel_size": args.tensor_parallel_size > 1,
-        "speculative_config": args.speculative_config is not None,
-        "load_format": args.load_format not in ("auto", "safetensors"),
+        "speculative_config": spec is not None and (spec.method != "ngram" or spec.forced_acceptance),
+        "load_format": args.load_format not in ("auto", "safetensors", "gguf"),
     }
     return [f"{name}={getattr(args, name)!r}" for name, refused in refusals.items() if refused]
 
@@ -90,8 +127,8 @@ def unknown_options(args: EngineArgs) -> list[str]:
 
 def check_args(args: EngineArgs) -> None:
     """For backend='cpp': UnsupportedFeatureError for any engine option or checkpoint the native plane cannot
-    honour, InvalidRequestError for unknown backend_options. Reads config.json only: no module import, no
-    device."""
+    honour, InvalidRequestError for unknown backend_options. Reads config.json or the GGUF metadata only: no
+    module import, no device."""
     unknown = unknown_options(args)
     if unknown:
         raise InvalidRequestError(f"backend_options {unknown} are not understood by the cpp backend "
@@ -99,18 +136,25 @@ def check_args(args: EngineArgs) -> None:
     asked = refused_options(args)
     if asked:
         raise UnsupportedFeatureError(
-            f"backend='cpp' (the native plane) runs float32 on CPU, one process, without speculation; it "
-            f"cannot honour {', '.join(asked)} (use backend='torch')")
-    if args.model is None:
-        raise UnsupportedFeatureError("backend='cpp' (the native plane) needs a Qwen3 or Qwen3.5 (dense or MoE) "
-                                      "safetensors directory as the model (the default model is a GGUF file, which "
-                                      "it does not read)")
+            f"backend='cpp' (the native plane) runs on CPU (float32, or a Q4_1 GGUF's 4-bit layers), one process, "
+            f"speculating by prompt lookup (method 'ngram') only; it cannot honour {', '.join(asked)} "
+            f"(use backend='torch')")
     model_type = safetensors_model_type(args.model)
-    if model_type not in NATIVE_MODEL_TYPES:
-        what = f"model_type {model_type!r}" if model_type else "not a safetensors checkpoint directory"
-        raise UnsupportedFeatureError(f"backend='cpp' (the native plane) runs Qwen3 and Qwen3.5 (dense and MoE) "
-                                      f"safetensors checkpoints ({', '.join(NATIVE_MODEL_TYPES)}); {args.model!r} is "
-                                      f"{what}")
+    if model_type in NATIVE_MODEL_TYPES:
+        return
+    path = gguf_file(args.model)
+    arch = gguf_architecture(path) if path is not None else None
+    if arch in NATIVE_GGUF_ARCHITECTURES:
+        return
+    if model_type:
+        what = f"model_type {model_type!r}"
+    elif arch:
+        what = f"a GGUF file of architecture {arch!r}"
+    else:
+        what = "neither a safetensors checkpoint directory nor a GGUF file"
+    raise UnsupportedFeatureError(f"backend='cpp' (the native plane) runs Qwen3 and Qwen3.5 (dense and MoE) "
+                                  f"safetensors checkpoints ({', '.join(NATIVE_MODEL_TYPES)}) and GGUF files of the "
+                                  f"{', '.join(NATIVE_GGUF_ARCHITECTURES)} architectures; {args.model!r} is {what}")
 
 
 def _cuda_available() -> bool:
