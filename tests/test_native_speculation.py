@@ -13,6 +13,7 @@ from pocketllm.errors import UnsupportedFeatureError
 # Repetitive prompts give the lookup something to find; the last one has no repeat in it.
 PROMPTS = [list(range(300, 310)) * 3, [5, 17, 301, 42, 9] * 4 + [7], [88, 12, 3, 4000, 51]]
 ARCHS = ["qwen3", "qwen3_5_text", "qwen3_5_moe_text"]
+pytestmark = pytest.mark.usefixtures("one_thread")   # the engines set libtorch's (process-wide) thread count
 # Tiny random models rarely repeat themselves; a bias to four tokens makes the (still model-chosen) output a run
 # over them, where lookups find proposals that are sometimes right and sometimes wrong.
 BIAS = [(301, 30.0), (42, 30.0), (9, 30.0), (4000, 30.0)]
