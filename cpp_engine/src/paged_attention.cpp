@@ -10,6 +10,36 @@
 
 namespace pocket {
 
+namespace {
+
+// One query row and head over positions 0 .. length - 1 of its KV head, built for three targets (the widest the CPU
+// runs is picked at load). The dot products are SIMD reductions in an order of the compiler's choosing, the same
+// for every row, so a row's result never depends on its batch.
+__attribute__((target_clones("avx512f", "avx2", "default")))
+void attend_row(const float* qv, const float* k_cache, const float* v_cache, const int64_t* slots, int64_t length,
+                int64_t KVH, int64_t kvh, int64_t D, float scale, float* scores, float* o) {
+  float best = -std::numeric_limits<float>::infinity();
+  for (int64_t p = 0; p < length; ++p) {
+    const float* kv = k_cache + (slots[p] * KVH + kvh) * D;
+    float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+    for (int64_t d = 0; d < D; ++d) dot += qv[d] * kv[d];
+    scores[p] = dot * scale;
+    best = std::max(best, scores[p]);
+  }
+  float total = 0.f;
+  for (int64_t p = 0; p < length; ++p) total += scores[p] = std::exp(scores[p] - best);
+  std::fill(o, o + D, 0.f);
+  for (int64_t p = 0; p < length; ++p) {
+    const float w = scores[p] / total;
+    const float* vv = v_cache + (slots[p] * KVH + kvh) * D;
+#pragma omp simd
+    for (int64_t d = 0; d < D; ++d) o[d] += w * vv[d];
+  }
+}
+
+}  // namespace
+
 void paged_attention(const float* q, const float* k_cache, const float* v_cache, float* out,
                      const std::vector<AttentionChunk>& chunks, int64_t H, int64_t KVH, int64_t D, float scale) {
   struct Item {
@@ -35,26 +65,9 @@ void paged_attention(const float* q, const float* k_cache, const float* v_cache,
       const int64_t h = t % H, kvh = h / G;
       const int64_t row = item.chunk->row0 + item.i;
       const int64_t length = item.chunk->start + item.i + 1;   // causal: positions 0 .. start + i
-      const int64_t* slots = item.chunk->slots;
-      const float* qv = q + (row * H + h) * D;
       scores.resize(length);
-      float best = -std::numeric_limits<float>::infinity();
-      for (int64_t p = 0; p < length; ++p) {
-        const float* kv = k_cache + (slots[p] * KVH + kvh) * D;
-        float dot = 0.f;
-        for (int64_t d = 0; d < D; ++d) dot += qv[d] * kv[d];
-        scores[p] = dot * scale;
-        best = std::max(best, scores[p]);
-      }
-      float total = 0.f;
-      for (int64_t p = 0; p < length; ++p) total += scores[p] = std::exp(scores[p] - best);
-      float* o = out + (row * H + h) * D;
-      std::fill(o, o + D, 0.f);
-      for (int64_t p = 0; p < length; ++p) {
-        const float w = scores[p] / total;
-        const float* vv = v_cache + (slots[p] * KVH + kvh) * D;
-        for (int64_t d = 0; d < D; ++d) o[d] += w * vv[d];
-      }
+      attend_row(q + (row * H + h) * D, k_cache, v_cache, item.chunk->slots, length, KVH, kvh, D, scale,
+                 scores.data(), out + (row * H + h) * D);
     }
   });
 }
