@@ -37,9 +37,11 @@ def _sampling(native, max_new_tokens, **fields):
     return sampling
 
 
-def _run(native, engine, prompts, speculate, slots=4, **fields):
+def _run(native, engine, prompts, speculate, slots=4, budget=None, **fields):
     """Every prompt's events through one batch core: ({index: [event, ...]}, the core's stats)."""
     core = native.QwenBatchCore(engine, slots)
+    if budget is not None:
+        core.set_prefill_token_budget(budget)
     if speculate:
         core.set_ngram_speculation(speculate, 1, 3)
     for i, prompt in enumerate(prompts):
@@ -122,6 +124,26 @@ def test_preemption_under_speculation(native, tiny_checkpoint, arch):
     spec, stats = _run(native, engine, PROMPTS, 4, slots=3, max_new_tokens=24, logit_bias=BIAS)
     assert _tokens(spec) == _tokens(plain)
     assert stats["num_preemptions"] > 0 and stats["spec_accepted_tokens"] > 0
+
+
+@pytest.mark.parametrize("budget", [7, 3])
+def test_chunked_prompts_ending_on_a_block_boundary(native, tiny_checkpoint, budget):
+    """A Qwen3.5 prompt that ends on a block boundary keeps a state at its end, so its prefill stops there; its
+    first output is a plain row (no proposals before the prompt is done), and the kept states and the tokens and
+    log-probabilities are those of plain decoding."""
+    path = tiny_checkpoint("qwen3_5_text")
+    prompts = [[301, 42, 9, 4000] * 2, [301, 42, 9, 4000, 42, 9, 301, 301]]
+    results = []
+    for speculate in (0, 4):
+        engine = _engine(native, path, block_size=4)
+        events, stats = _run(native, engine, prompts, speculate, max_new_tokens=16, logprobs=2, logit_bias=BIAS,
+                             budget=budget)
+        results.append((_tokens(events), [[e.logprob for e in events[i]] for i in events],
+                        engine.num_state_snapshots, stats))
+    (plain, plain_lp, plain_kept, _), (spec, spec_lp, spec_kept, stats) = results
+    assert spec == plain and spec_kept == plain_kept and stats["spec_accepted_tokens"] > 0
+    for mine, theirs in zip(spec_lp, plain_lp):
+        assert mine == pytest.approx(theirs, abs=1e-4)
 
 
 def test_bad_speculation_settings_are_refused(native, arch_engine):

@@ -123,7 +123,9 @@ std::vector<BatchEvent> BatchCore::step() {
     if (static_cast<int64_t>(s->table.size()) * pool.block_size() < s->num_computed + n)
       n = static_cast<int64_t>(s->table.size()) * pool.block_size() - s->num_computed;
     if (n <= 0) continue;   // waits for blocks (validate_prompt keeps one sequence within the cache)
-    if (remaining == 1 && ngram_.num_tokens > 0) {
+    // Past the prompt only: the prompt's last token samples the first output as a plain row (and its chunk may
+    // stop at a kept-state point, which a verify chunk must never do).
+    if (remaining == 1 && s->num_computed >= s->num_prompt && ngram_.num_tokens > 0) {
       propose(*s);
       n += s->drafted;
     }
@@ -139,7 +141,15 @@ std::vector<BatchEvent> BatchCore::step() {
   try {
     logits = engine_.run(batch, counts);
   } catch (...) {
-    for (int64_t slot : saved) engine_.drop_checkpoint(slot);
+    // Nothing of a failed step is kept: proposals come off the sequences, which stand where they stood.
+    for (size_t i = 0; i < batch.size(); ++i) {
+      Sequence* s = batch[i];
+      if (s->drafted == 0) continue;
+      s->tokens.resize(s->tokens.size() - s->drafted);
+      s->num_computed = std::min<int64_t>(s->num_computed, static_cast<int64_t>(s->tokens.size()) - 1);
+      s->drafted = 0;
+      engine_.drop_checkpoint(saved[i]);
+    }
     throw;
   }
   ++steps_;

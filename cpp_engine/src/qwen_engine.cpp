@@ -225,11 +225,12 @@ at::Tensor QwenEngine::run(const std::vector<Sequence*>& seqs, const std::vector
     for (size_t j = 0; j < part.size(); ++j) {
       Sequence& s = *part[j];
       left[which[j]] -= counts[j];
-      if (s.drafted > 0) {
-        rows[which[j]] = logits.narrow(0, row, counts[j]);
-        row += counts[j];
-      } else if (s.num_computed == static_cast<int64_t>(s.tokens.size())) {
-        rows[which[j]] = logits.narrow(0, row++, 1);
+      // A sequence's rows, appended pass by pass (a chunk with proposals gives every row's logits).
+      const int64_t got = s.drafted > 0 ? counts[j] : s.num_computed == static_cast<int64_t>(s.tokens.size());
+      if (got > 0) {
+        at::Tensor part = logits.narrow(0, row, got);
+        rows[which[j]] = rows[which[j]].defined() ? at::cat({rows[which[j]], part}) : part;
+        row += got;
       }
       for (int64_t p : snapshot_points(s))
         if (s.num_computed == p) keep_state(s);

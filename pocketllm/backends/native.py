@@ -78,21 +78,23 @@ def gguf_file(model: str | None) -> str | None:
             return default_model_path()
         except CheckpointError:
             return None
+    # ".gguf" in lower case: the native engine tells a GGUF from a directory by that suffix.
     if os.path.isdir(model):
         names = sorted(os.listdir(model))
-        ggufs = [n for n in names if n.lower().endswith(".gguf")]
+        ggufs = [n for n in names if n.endswith(".gguf") and not n.startswith("mmproj")]
         if not ggufs or any(n.endswith(".safetensors") for n in names):
             return None
         return os.path.join(model, ggufs[0])
-    return model if model.lower().endswith(".gguf") and os.path.isfile(model) else None
+    return model if model.endswith(".gguf") and os.path.isfile(model) else None
 
 
 def gguf_architecture(path: str) -> str | None:
     """A GGUF file's general.architecture (None when unreadable)."""
     try:
-        return str(GGUFFile(path).metadata.get("general.architecture"))
+        arch = GGUFFile(path).metadata.get("general.architecture")
     except CheckpointError:
         return None
+    return str(arch) if arch is not None else None
 
 
 def native_model_path(args: EngineArgs) -> str:
