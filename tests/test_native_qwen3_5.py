@@ -12,6 +12,7 @@ import os
 import pytest
 import torch
 from conftest import TINY_HYBRID_ARCHS
+from native_utils import greedy_sampling, small_engine
 from safetensors.torch import load_file, save_file
 
 NEW_TOKENS = 32
@@ -26,28 +27,12 @@ def _prompts(vocab: int = 49152) -> list[list[int]]:
             for n, length in enumerate(PROMPT_LENGTHS)]
 
 
-def _engine(native, path: str, **fields):
-    options = native.QwenEngineOptions()
-    options.kv_cache_mb = 16.0
-    options.num_threads = 1
-    for name, value in fields.items():
-        setattr(options, name, value)
-    return native.QwenEngine(path, options)
-
-
-def _sampling(native, max_new_tokens: int):
-    sampling = native.QwenBatchSamplingParams()
-    sampling.max_new_tokens = max_new_tokens
-    sampling.ignore_eos = True
-    return sampling
-
-
 def _batched(native, engine, prompts, new_tokens, slots, budget):
     """Greedy tokens of every prompt, run together through a batch core: {index: tokens}, and the core."""
     core = native.QwenBatchCore(engine, slots)
     core.set_prefill_token_budget(budget)
     for i, prompt in enumerate(prompts):
-        core.add(f"r{i}", prompt, _sampling(native, new_tokens))
+        core.add(f"r{i}", prompt, greedy_sampling(native, new_tokens))
     tokens: dict[int, list[int]] = {i: [] for i in range(len(prompts))}
     for _ in range(10000):
         if not core.has_work():
@@ -72,7 +57,7 @@ def expected(tiny_checkpoint, hf_reference):
 
 @pytest.mark.parametrize("arch", TINY_HYBRID_ARCHS)
 def test_batched_chunked_greedy_equals_transformers(native, tiny_checkpoint, expected, arch):
-    engine = _engine(native, tiny_checkpoint(arch))
+    engine = small_engine(native, tiny_checkpoint(arch))
     assert engine.architecture == ("Qwen3_5ForCausalLM" if arch == "qwen3_5_text" else "Qwen3_5MoeForCausalLM")
     # 16-token prefill chunks beside the other rows' decodes: the 70-token prompt spans five steps.
     tokens, _ = _batched(native, engine, _prompts(), NEW_TOKENS, slots=4, budget=16)
@@ -84,7 +69,7 @@ def test_batched_chunked_greedy_equals_transformers(native, tiny_checkpoint, exp
 @pytest.mark.parametrize("arch", TINY_HYBRID_ARCHS)
 def test_session_generate_and_decode_steps_equal_transformers(native, tiny_checkpoint, expected, hf_reference,
                                                               arch):
-    engine = _engine(native, tiny_checkpoint(arch))
+    engine = small_engine(native, tiny_checkpoint(arch))
     prompts, reference = _prompts(), expected(arch)
     assert [engine.generate(p, NEW_TOKENS) for p in prompts] == reference
     # A new session restarts the state of the slot the previous one used.
@@ -99,7 +84,7 @@ def test_prefix_cache_resumes_from_a_kept_state(native, tiny_checkpoint, expecte
     """A repeated prompt, and a later turn that extends it, resume from the recurrent state kept at the prompt's
     last block boundary: the cached tokens are counted and the greedy tokens still equal transformers'."""
     path = tiny_checkpoint(arch)
-    engine = _engine(native, path)
+    engine = small_engine(native, path)
     assert engine.options.prefix_caching and engine.options.state_snapshots > 0
     prompt, reference = _prompts()[2], expected(arch)[2]   # 70 tokens: the state at 64 is kept
     assert engine.generate(prompt, NEW_TOKENS) == reference
@@ -124,24 +109,24 @@ def test_prefix_cache_resumes_from_a_kept_state(native, tiny_checkpoint, expecte
 
 def test_kept_states_are_bounded_and_can_be_turned_off(native, tiny_checkpoint, expected):
     path = tiny_checkpoint("qwen3_5_text")
-    engine = _engine(native, path, state_snapshots=1)
+    engine = small_engine(native, path, state_snapshots=1)
     prompts, reference = _prompts(), expected("qwen3_5_text")
     assert engine.generate(prompts[2], 4) == reference[2][:4]
     assert engine.generate(prompts[1], 4) == reference[1][:4]   # its state at 16 replaces the one at 64
     assert engine.num_state_snapshots == 1
     assert engine.generate(prompts[2], 4) == reference[2][:4] and engine.session_cached_tokens == 0
     assert engine.generate(prompts[1], 4) == reference[1][:4] and engine.session_cached_tokens == 0   # evicted
-    off = _engine(native, path, state_snapshots=0, prefix_caching=True)
+    off = small_engine(native, path, state_snapshots=0, prefix_caching=True)
     assert not off.options.prefix_caching
     first = off.prefill(prompts[2])
     assert off.prefill(prompts[2]) == first and off.session_cached_tokens == 0 and off.num_state_snapshots == 0
     with pytest.raises(ValueError, match="state_snapshots"):
-        _engine(native, path, state_snapshots=-1)
+        small_engine(native, path, state_snapshots=-1)
 
 
 def test_preemption_recomputes_the_recurrent_state(native, tiny_checkpoint, hf_reference):
     path = tiny_checkpoint("qwen3_5_moe_text")
-    engine = _engine(native, path, block_size=4, num_kv_blocks=12)   # 48 positions for three 20-token sequences
+    engine = small_engine(native, path, block_size=4, num_kv_blocks=12)   # 48 positions for three 20-token sequences
     prompts = [p[:8] for p in _prompts()[1:]]
     tokens, core = _batched(native, engine, prompts, 12, slots=3, budget=3)
     assert core.stats()["num_preemptions"] > 0
@@ -176,7 +161,7 @@ def test_multimodal_layout_with_stacked_experts_loads_the_same(native, tiny_chec
     save_file(out, str(tmp_path / "model.safetensors"))
     with open(tmp_path / "config.json", "w", encoding="utf-8") as handle:
         json.dump(config, handle)
-    engine = _engine(native, str(tmp_path))
+    engine = small_engine(native, str(tmp_path))
     assert engine.architecture == "Qwen3_5MoeForConditionalGeneration"
     assert engine.generate(_prompts()[1], NEW_TOKENS) == expected("qwen3_5_moe_text")[1]
 
@@ -187,9 +172,9 @@ def test_logprobs_equal_transformers(native, tiny_checkpoint, hf_reference, arch
     the 70-token prompt's prefill split into 16-token chunks."""
     path = tiny_checkpoint(arch)
     prompt = _prompts()[2]
-    core = native.QwenBatchCore(_engine(native, path), 2)
+    core = native.QwenBatchCore(small_engine(native, path), 2)
     core.set_prefill_token_budget(16)
-    sampling = _sampling(native, 12)
+    sampling = greedy_sampling(native, 12)
     sampling.logprobs = 5
     core.add("l", prompt, sampling)
     events = []

@@ -6,6 +6,7 @@ and log-probabilities; proposals are both kept and rejected."""
 from __future__ import annotations
 
 import pytest
+from native_utils import greedy_sampling, small_engine
 
 from pocketllm import LLM, EngineArgs, SamplingParams
 from pocketllm.errors import UnsupportedFeatureError
@@ -19,24 +20,6 @@ pytestmark = pytest.mark.usefixtures("one_thread")   # the engines set libtorch'
 BIAS = [(301, 30.0), (42, 30.0), (9, 30.0), (4000, 30.0)]
 
 
-def _engine(native, path, **fields):
-    options = native.QwenEngineOptions()
-    options.kv_cache_mb = 16.0
-    options.num_threads = 1
-    for name, value in fields.items():
-        setattr(options, name, value)
-    return native.QwenEngine(path, options)
-
-
-def _sampling(native, max_new_tokens, **fields):
-    sampling = native.QwenBatchSamplingParams()
-    sampling.max_new_tokens = max_new_tokens
-    sampling.ignore_eos = True
-    for name, value in fields.items():
-        setattr(sampling, name, value)
-    return sampling
-
-
 def _run(native, engine, prompts, speculate, slots=4, budget=None, **fields):
     """Every prompt's events through one batch core: ({index: [event, ...]}, the core's stats)."""
     core = native.QwenBatchCore(engine, slots)
@@ -45,7 +28,7 @@ def _run(native, engine, prompts, speculate, slots=4, budget=None, **fields):
     if speculate:
         core.set_ngram_speculation(speculate, 1, 3)
     for i, prompt in enumerate(prompts):
-        core.add(f"r{i}", prompt, _sampling(native, **fields))
+        core.add(f"r{i}", prompt, greedy_sampling(native, **fields))
     events: dict[int, list] = {i: [] for i in range(len(prompts))}
     for _ in range(10000):
         if not core.has_work():
@@ -61,7 +44,7 @@ def _tokens(events):
 
 @pytest.fixture(scope="module", params=ARCHS)
 def arch_engine(native, tiny_checkpoint, request):
-    return request.param, _engine(native, tiny_checkpoint(request.param))
+    return request.param, small_engine(native, tiny_checkpoint(request.param))
 
 
 def test_greedy_tokens_equal_plain_decoding(native, arch_engine):
@@ -118,8 +101,8 @@ def test_stop_tokens_budgets_and_logprobs(native, arch_engine):
 
 @pytest.mark.parametrize("arch", ["qwen3", "qwen3_5_text"])
 def test_preemption_under_speculation(native, tiny_checkpoint, arch):
-    engine = _engine(native, tiny_checkpoint(arch), block_size=4, num_kv_blocks=24)
-    reference = _engine(native, tiny_checkpoint(arch))
+    engine = small_engine(native, tiny_checkpoint(arch), block_size=4, num_kv_blocks=24)
+    reference = small_engine(native, tiny_checkpoint(arch))
     plain, _ = _run(native, reference, PROMPTS, 0, max_new_tokens=24, logit_bias=BIAS)
     spec, stats = _run(native, engine, PROMPTS, 4, slots=3, max_new_tokens=24, logit_bias=BIAS)
     assert _tokens(spec) == _tokens(plain)
@@ -135,7 +118,7 @@ def test_chunked_prompts_ending_on_a_block_boundary(native, tiny_checkpoint, bud
     prompts = [[301, 42, 9, 4000] * 2, [301, 42, 9, 4000, 42, 9, 301, 301]]
     results = []
     for speculate in (0, 4):
-        engine = _engine(native, path, block_size=4)
+        engine = small_engine(native, path, block_size=4)
         events, stats = _run(native, engine, prompts, speculate, max_new_tokens=16, logprobs=2, logit_bias=BIAS,
                              budget=budget)
         results.append((_tokens(events), [[e.logprob for e in events[i]] for i in events],
@@ -165,7 +148,7 @@ def test_the_scheduler_speculates_and_declares_it(native, arch_engine):
         assert list(scheduler.engine_caps().speculative) == ["ngram"]
         with pytest.raises(ValueError, match="prompt_lookup_min"):
             scheduler.set_ngram_speculation(3, 3, 1)
-        ids = [scheduler.submit_request(p, _sampling(native, 20, logit_bias=BIAS)) for p in PROMPTS[:2]]
+        ids = [scheduler.submit_request(p, greedy_sampling(native, 20, logit_bias=BIAS)) for p in PROMPTS[:2]]
         results = [scheduler.poll_result(i, timeout_ms=60000) for i in ids]
         assert [r.tokens for r in results] == _tokens(plain)
         assert scheduler.stats()["spec_accepted_tokens"] > 0

@@ -41,8 +41,8 @@ void BatchCore::propose(Sequence& seq) {
   // The last token and every kept proposal are followed by one more draw: all of them within the budgets.
   const int64_t room = std::min(seq.sampling.max_new_tokens - seq.num_generated, engine_.max_model_len() - size) - 1;
   std::vector<int64_t> draft = ngram_proposal(seq.tokens, ngram_, room);
-  KvPool& pool = engine_.pool();
-  if (draft.empty() || !pool.grow(seq.table, seq.num_computed + 1)) return;
+  KvPool& pool = engine_.pool();   // the caller grew the table for the last token
+  if (draft.empty()) return;
   int64_t k = static_cast<int64_t>(draft.size());
   if (!pool.grow(seq.table, seq.num_computed + 1 + k))
     k = static_cast<int64_t>(seq.table.size()) * pool.block_size() - seq.num_computed - 1;
@@ -175,16 +175,14 @@ std::vector<BatchEvent> BatchCore::step() {
     proposed_ += k;
     int64_t kept = 0;
     bool ended = false;
-    for (int64_t j = 0; j <= k && !ended; ++j) {
+    for (int64_t j = 0; j <= k; ++j) {
       s->num_computed = base + 1 + j;   // the rows' inputs so far are the sequence's tokens
       ended = emit(*s, rows + (first + j) * vocab, vocab, events);
       if (ended || j == k || events.back().token != draft[j]) break;
       ++kept;
     }
     accepted_ += kept;
-    if (ended) {
-      engine_.drop_checkpoint(saved[i]);
-    } else if (saved[i] >= 0 && kept < k) {
+    if (!ended && saved[i] >= 0 && kept < k) {
       engine_.rewind_state(*s, saved[i], kept + 1);
     } else {
       engine_.drop_checkpoint(saved[i]);
@@ -194,28 +192,28 @@ std::vector<BatchEvent> BatchCore::step() {
 }
 
 bool BatchCore::emit(Sequence& seq, const float* logits, int64_t vocab, std::vector<BatchEvent>& events) {
-  Sequence* s = &seq;
   std::vector<float> processed;
-  if (needs_processing(s->sampling)) processed = process_logits(logits, vocab, s->sampling, s->tokens, s->num_prompt);
-  const int64_t token = sample_token(processed.empty() ? logits : processed.data(), vocab, s->sampling, s->rng);
-  s->tokens.push_back(token);
-  ++s->num_generated;
+  if (needs_processing(seq.sampling))
+    processed = process_logits(logits, vocab, seq.sampling, seq.tokens, seq.num_prompt);
+  const int64_t token = sample_token(processed.empty() ? logits : processed.data(), vocab, seq.sampling, seq.rng);
+  seq.tokens.push_back(token);
+  ++seq.num_generated;
   const auto& eos = engine_.eos_token_ids();
-  const auto& stops = s->sampling.stop_token_ids;
+  const auto& stops = seq.sampling.stop_token_ids;
   const bool stop = std::find(stops.begin(), stops.end(), token) != stops.end() ||
-                    (!s->sampling.ignore_eos && std::find(eos.begin(), eos.end(), token) != eos.end());
-  const int64_t asked = s->sampling.logprobs;
+                    (!seq.sampling.ignore_eos && std::find(eos.begin(), eos.end(), token) != eos.end());
+  const int64_t asked = seq.sampling.logprobs;
   TokenLogprobs lp;
   if (asked >= 0) lp = token_logprobs(logits, vocab, token, asked);
   BatchEvent e;
   bool ended = true;
   if (stop) {
-    e = end(*s, "stop", token, true);
-  } else if (s->num_generated >= s->sampling.max_new_tokens ||
-             static_cast<int64_t>(s->tokens.size()) >= engine_.max_model_len()) {
-    e = end(*s, "length", token, false);
+    e = end(seq, "stop", token, true);
+  } else if (seq.num_generated >= seq.sampling.max_new_tokens ||
+             static_cast<int64_t>(seq.tokens.size()) >= engine_.max_model_len()) {
+    e = end(seq, "length", token, false);
   } else {
-    e = event(*s, token);
+    e = event(seq, token);
     ended = false;
   }
   if (asked >= 0) {

@@ -325,12 +325,7 @@ std::vector<int64_t> QwenEngine::verify(const std::vector<int64_t>& draft) {
   // The last token returned (not yet computed) and the draft, in one chunk with every position's logits.
   std::vector<int64_t> tokens{s.tokens.back()};
   tokens.insert(tokens.end(), draft.begin(), draft.end());
-  const bool hybrid = model_.config().hybrid;
-  int64_t saved = -1;
-  if (hybrid && k > 0) {
-    saved = model_.acquire_state_slot();
-    model_.copy_state_slot(s.state_slot, saved);
-  }
+  const int64_t saved = k > 0 ? checkpoint_state(s) : -1;
   Chunk chunk;
   chunk.start = s.num_computed;
   chunk.num_tokens = k + 1;
@@ -353,16 +348,13 @@ std::vector<int64_t> QwenEngine::verify(const std::vector<int64_t>& draft) {
     if (i == k || out.back() != draft[i]) break;
   }
   const int64_t kept = static_cast<int64_t>(out.size()) - 1;
-  if (saved >= 0) {
-    if (kept < k) {   // the state went past a rejected token: back to before the chunk, then over the kept tokens
-      model_.copy_state_slot(saved, s.state_slot);
-      chunk.num_tokens = kept + 1;
-      chunk.all_logits = false;
-      model_.forward(std::vector<int64_t>(tokens.begin(), tokens.begin() + kept + 1), {chunk});
-    }
-    model_.release_state_slot(saved);
-  }
   s.num_computed += kept + 1;
+  // The state went past a rejected token: back to before the chunk, then over the kept tokens.
+  if (saved >= 0 && kept < k) {
+    rewind_state(s, saved, kept + 1);
+  } else {
+    drop_checkpoint(saved);
+  }
   pool_.register_full(s.tokens, s.num_computed, s.table, s.hashed, s.last_hash);
   return out;
 }

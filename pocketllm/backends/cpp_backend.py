@@ -7,7 +7,7 @@ from typing import Any
 
 from pocketllm.backends.base import EngineCaps
 from pocketllm.backends.cpp_core import NativeCore
-from pocketllm.backends.native import check_args, gguf_file, native_model_path, require_native
+from pocketllm.backends.native import check_args, native_model_path, require_native
 from pocketllm.config import EngineArgs
 from pocketllm.engine.commands import ExportPrefix, ImportPrefix
 from pocketllm.engine.loop import EngineLoop
@@ -36,8 +36,8 @@ class CppBackend:
         check_args(args)
         native = require_native()
         self.args = args
-        self.model_path = native_model_path(args)
-        is_gguf = gguf_file(self.model_path) is not None
+        self.model_path = native_model_path(args)   # a GGUF file, or a safetensors directory
+        is_gguf = self.model_path.endswith(".gguf")
         checkpoint = self.checkpoint = load_checkpoint(self.model_path, "gguf" if is_gguf else "safetensors")
         self.tokenizer = checkpoint.tokenizer
         eos_ids, eos_source = resolve_eos(args.backend_options, checkpoint.generation_config, checkpoint.hf_config,
