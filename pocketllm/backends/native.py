@@ -117,7 +117,7 @@ def refused_options(args: EngineArgs) -> list[str]:
         "async_scheduling": args.async_scheduling == "on",
         "tensor_parallel_size": args.tensor_parallel_size > 1,
         "speculative_config": spec is not None and (spec.method != "ngram" or spec.forced_acceptance),
-        "load_format": args.load_format not in ("auto", "safetensors", "gguf"),
+        "load_format": args.load_format != "auto",   # "dummy": random weights the native loader cannot make
     }
     return [f"{name}={getattr(args, name)!r}" for name, refused in refusals.items() if refused]
 
