@@ -93,11 +93,36 @@ def test_bfloat16_linear_and_padded_rows() -> None:
     torch.testing.assert_close(out.float(), F.linear(x.bfloat16(), weight.bfloat16())[:, :33].float())
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rescore_kernel_equals_topk_and_exact_products(dtype: torch.dtype) -> None:
+    """PocketLLM's rescoring kernel replaces the same top logits as torch's topk (a tie at the top included) by
+    float32 products of the float weights, and a row's result does not depend on the rows beside it."""
+    if not cpu_native.available():
+        pytest.skip("PocketLLM's CPU kernels need AVX-512 VNNI and a compiler")
+    torch.manual_seed(5)
+    for vocab, hidden, count in [(4133, 96, 64), (100, 64, 64), (40, 32, 64)]:
+        weight, x = (torch.randn(vocab + 3, hidden) * 0.05).to(dtype), torch.randn(3, hidden)
+        base = torch.randn(3, vocab)
+        base[0, 5] = base[0, 9] = base[0].max() + 1
+        k = min(count, vocab)
+        got = cpu_native.rescore_top(base.clone(), x, weight, k)
+        top = base.topk(k, dim=-1).indices
+        want = base.clone().scatter_(1, top, (x @ weight[:vocab].float().T).gather(1, top))
+        assert torch.equal(got != base, want != base)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        alone = cpu_native.rescore_top(base[1:2].clone(), x[1:2].contiguous(), weight, k)
+        assert torch.equal(alone[0], got[1])
+
+
+@pytest.mark.parametrize("kernels", ["native", "torch"])
 @pytest.mark.parametrize("fbgemm", [True, False])
-def test_lm_head_rescores_its_top_candidates_exactly(fbgemm: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_lm_head_rescores_its_top_candidates_exactly(fbgemm: bool, kernels: str,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     """The top logits (and so the argmax) are the float head's, from an 8-bit head (an int4 one where fbgemm is
-    missing); many rows use it in bfloat16 throughout."""
+    missing), rescored by PocketLLM's kernel or torch's ops; many rows use it in bfloat16 throughout."""
     monkeypatch.setattr(quantized_linear, "int8_available", lambda: fbgemm)
+    if kernels == "torch":
+        monkeypatch.setitem(cpu_native._state, "ok", False)
     torch.manual_seed(4)
     weight, x = torch.randn(304, 64) * 0.1, torch.randn(3, 64)
     head = RescoredLMHead(weight, vocab_size=290)

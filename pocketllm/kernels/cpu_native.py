@@ -2,7 +2,8 @@
 
 ``q4_linear``: a 4-bit x 8-bit product (``pocketllm/layers/q4_linear.py``); ``decode_attention``: a few query rows
 over their cached K/V; ``decode_layers``: every layer of a Llama-family decode step with q4 weights in one call
-(``pocketllm/runner/cpu_decode.py``). They need AVX-512 (F, BW, VL) with VNNI, and a C++ compiler the first time.
+(``pocketllm/runner/cpu_decode.py``); ``rescore_top``: the LM head's exact rescoring of its top logits
+(``RescoredLMHead``). They need AVX-512 (F, BW, VL) with VNNI, and a C++ compiler the first time.
 Where either is missing, ``available()`` is False and callers keep torch's kernels.
 
 The library is built (torch's extension builder, about a minute on two cores) into a directory of the user's
@@ -38,7 +39,8 @@ logger = logging.getLogger("pocketllm.kernels")
 
 _FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni")
 _DIR = Path(__file__).resolve().parent / "cpu"
-_SOURCES = [_DIR / name for name in ("q4_linear.cpp", "decode_attention.cpp", "decode_step.cpp")]
+_SOURCES = [_DIR / name for name in ("q4_linear.cpp", "decode_attention.cpp", "decode_step.cpp",
+                                     "lm_head_rescore.cpp")]
 _HEADER = _DIR / "cpu_kernels.h"
 _NAME = "pocketllm_cpu_kernels"
 _CFLAGS = ("-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni", "-mfma",
@@ -127,6 +129,10 @@ def _build() -> None:
     def _(x: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         return x.new_empty((x.shape[0], weights.shape[0] * 16))   # 16 output channels per record
 
+    @torch.library.register_fake("pocketllm_cpu::rescore_top")
+    def _(logits: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, count: int) -> torch.Tensor:
+        return logits
+
     @torch.library.register_fake("pocketllm_cpu::decode_attention")
     def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor, scale: float,
           starts: torch.Tensor | None = None) -> torch.Tensor:
@@ -148,6 +154,13 @@ def available() -> bool:
                     logger.warning("PocketLLM's CPU kernels are unavailable (%s); torch's kernels run instead", exc)
             _state["ok"] = ok
         return _state["ok"]
+
+
+def rescore_top(logits: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, count: int) -> torch.Tensor:
+    """``logits`` [R, V] (float32, contiguous; changed in place and returned) with each row's ``count`` highest
+    replaced by the exact float32 dot products of ``x`` [R, H] (float32) with those rows of ``weight``
+    [>= V, H] (float32 or bfloat16)."""
+    return torch.ops.pocketllm_cpu.rescore_top(logits, x, weight, count)
 
 
 ATTENTION_DTYPES = (torch.bfloat16, torch.float32)   # the K/V dtypes ``decode_attention`` reads

@@ -221,7 +221,11 @@ class RescoredLMHead(nn.Module):
         if x.dim() != 2 or x.shape[0] > INT4_MAX_ROWS:
             return F.linear(x.to(torch.bfloat16), self.dense)[..., : self.vocab_size].float()
         logits = self.inner(x).float()
-        top = logits.topk(min(self.rescore, self.vocab_size), dim=-1).indices
+        count = min(self.rescore, self.vocab_size)
+        if cpu_native.available() and self.exact.dtype in (torch.float32, torch.bfloat16) \
+                and x.shape[-1] % 16 == 0 and self.exact.stride(-1) == 1:
+            return cpu_native.rescore_top(logits.contiguous(), x.float().contiguous(), self.exact, count)
+        top = logits.topk(count, dim=-1).indices
         rows = self.exact.index_select(0, top.reshape(-1)).view(*top.shape, -1)
         exact = torch.bmm(rows, x.to(rows.dtype).unsqueeze(-1)).squeeze(-1)
         return logits.scatter_(1, top, exact.float())

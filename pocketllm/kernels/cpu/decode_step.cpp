@@ -63,11 +63,22 @@ void silu_mul_rows(const float* gu, int64_t rows, int64_t width, float* out) {
 }
 
 // Rotate-half rotary embedding of `count` heads of `dim` values: out[i] = x[i] cos[i] + x[(i + dim/2) % dim] sin[i].
+// Halves of 16 or more values in vectors of 16 (SmolLM2's 64-value heads: a scalar loop with an index modulo was
+// ~0.4 ms of a five-row step), the rest one value at a time.
 void rotate_heads(const float* x, int64_t count, int64_t dim, const float* cos, const float* sin, float* out) {
   const int64_t half = dim / 2;
   for (int64_t h = 0; h < count; ++h) {
     const float* xh = x + h * dim;
     float* oh = out + h * dim;
+    if (half % 16 == 0) {
+      for (int64_t i = 0; i < dim; i += 16) {
+        const int64_t j = i < half ? i + half : i - half;
+        const __m512 a = _mm512_mul_ps(_mm512_loadu_ps(xh + i), _mm512_loadu_ps(cos + i));
+        const __m512 b = _mm512_mul_ps(_mm512_loadu_ps(xh + j), _mm512_loadu_ps(sin + i));
+        _mm512_storeu_ps(oh + i, _mm512_add_ps(a, b));
+      }
+      continue;
+    }
     for (int64_t i = 0; i < dim; ++i) oh[i] = xh[i] * cos[i] + xh[(i + half) % dim] * sin[i];
   }
 }
