@@ -188,6 +188,38 @@ def test_fast_decode_step_equals_reference_forward(arch: str, kernels: str, tiny
                 torch.testing.assert_close(fast, reference, rtol=1e-4, atol=1e-4)
 
 
+def _prompt_chunk(ids: list[int], table: list[int]) -> ScheduledChunk:
+    """A whole prompt in one chunk that samples."""
+    request = SimpleNamespace(prompt_token_ids=ids, output_token_ids=[], all_token_ids=ids, num_computed_tokens=0,
+                              num_tokens=len(ids), block_table=table, state_slot=-1)
+    return ScheduledChunk(request, len(ids), 0, True)
+
+
+@pytest.mark.parametrize("fmt", ["int4", "float32"])
+def test_decode_rows_beside_a_prompt_run_the_decode_step(fmt: str, tiny_checkpoint) -> None:
+    """A step that holds prompt chunks besides decode rows runs the decode rows on the decode step and the
+    prompts on the reference forward: each row's logits are those of the same chunk in a step of its own kind,
+    bit for bit, whatever the order (the whole step on the reference forward gave the decode rows other
+    rounding, and a request's greedy tokens then depended on when other prompts arrived)."""
+    with LLM(EngineArgs(model=tiny_checkpoint("llama"), device="cpu", num_kv_blocks=64, block_size=4,
+                        cpu_weight_format=fmt)) as llm:
+        runner = llm._client.backend.core.runner
+        torch.manual_seed(3)
+        for layer in runner.attention_layers:
+            layer.k_cache.normal_()
+            layer.v_cache.normal_()
+        first, second = _chunk(list(range(10, 21)), [4, 5, 6]), _chunk(list(range(30, 44)), [9, 2, 7, 12])
+        prompt = _prompt_chunk(list(range(50, 59)), [20, 21, 22])
+        with torch.inference_mode():
+            decode = runner.launch([first, second])
+            alone = runner.launch([prompt])
+            for order in ([first, prompt, second], [prompt, first, second], [first, second, prompt]):
+                mixed = runner.launch(order)
+                rows = {id(chunk): mixed[i] for i, chunk in enumerate(order)}
+                assert torch.equal(rows[id(first)], decode[0]) and torch.equal(rows[id(second)], decode[1])
+                assert torch.equal(rows[id(prompt)], alone[0])
+
+
 @pytest.mark.parametrize("kv", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral", "qwen2_swa"])
 def test_fused_step_equals_the_step_of_torch_ops(arch: str, kv: torch.dtype, tiny_checkpoint) -> None:

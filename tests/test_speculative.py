@@ -223,6 +223,21 @@ def test_default_model_greedy_equal_with_ngram(smollm2_gguf):
     assert stats["spec_accepted_tokens"] < stats["spec_proposed_tokens"]
 
 
+@pytest.mark.usefixtures("one_thread")
+def test_default_model_greedy_equal_with_ngram_at_one_thread(smollm2_gguf):
+    """At one intra-op thread too (a one-core deployment): with and without speculation, batched and alone. The
+    second prompt arrives while the first decodes, and that step's decode rows once ran the reference forward:
+    the first request's greedy tokens then changed at token 31."""
+    params = SamplingParams(max_tokens=40, temperature=0.0)
+    with LLM(EngineArgs(model=smollm2_gguf)) as llm:
+        plain = [o.token_ids for o in llm.generate([COPY_TEXT, CHAT_TEXT], params)]
+        alone = llm.generate([COPY_TEXT], params)[0].token_ids
+    with LLM(EngineArgs(model=smollm2_gguf, speculative_config=NGRAM)) as llm:
+        spec = [o.token_ids for o in llm.generate([COPY_TEXT, CHAT_TEXT], params)]
+    assert plain[0] == alone
+    assert spec == plain
+
+
 def test_default_model_budget_stop_strings_and_eos(smollm2_gguf):
     prompts = [COPY_TEXT, CHAT_TEXT]
     budgets = [SamplingParams(max_tokens=n, temperature=0.0) for n in (1, 2, 7, 13)]

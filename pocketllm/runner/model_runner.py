@@ -182,8 +182,8 @@ class ModelRunner:
             if fp8_cache and self.mtp_head is None:
                 logger.info("CPU decode fast path off: kv_cache_dtype='fp8' runs the reference attention "
                             "(a path for measuring quality, not speed)")
-            self.step_backends = [self.host_step] if step is None else [CpuDecodeBackend(step, self.model),
-                                                                         self.host_step]
+            self.step_backends = [self.host_step] if step is None else [
+                CpuDecodeBackend(step, self.model, self.host_step), self.host_step]
         elif cpu_compile:
             raise InvalidRequestError(f"cpu_compile compiles the CPU decode step; this engine runs on {self.device}",
                                       param="cpu_compile")

@@ -117,16 +117,54 @@ class CudaGraphStep(HostBatchStep):
 
 
 class CpuDecodeBackend(StepBackend):
-    """The CPU decode step (``cpu_decode.py``) for the decode-only steps it handles; the LM head from the
-    model."""
+    """The CPU decode step (``cpu_decode.py``) for the decode rows and verify chunks it handles; the LM head from
+    the model. In a step that also holds prompt chunks, those run on ``rest`` (the host-batch step) and the
+    decode rows here still: a sequence's tokens then come from the same kernels whatever else its steps hold
+    (with the whole step on the reference forward, a prompt arriving beside a decoding request changed that
+    request's rounding and, at times, its greedy tokens)."""
 
-    def __init__(self, step: CpuDecodeStep, model: torch.nn.Module) -> None:
+    def __init__(self, step: CpuDecodeStep, model: torch.nn.Module, rest: StepBackend) -> None:
         self.step = step
         self.model = model
+        self.rest = rest
+
+    def _split(self, chunks: list[ScheduledChunk]) -> tuple[list[ScheduledChunk], list[ScheduledChunk]]:
+        """The chunks the decode step would run on their own, and the others."""
+        mine, others = [], []
+        for chunk in chunks:
+            (mine if self.step.handles([chunk]) else others).append(chunk)
+        return mine, others
 
     def handles(self, chunks: list[ScheduledChunk]) -> bool:
-        return self.step.handles(chunks)
+        if self.step.handles(chunks):
+            return True
+        mine, others = self._split(chunks)
+        return bool(mine) and bool(others) and self.step.handles(mine) and self.rest.handles(others)
 
-    def launch(self, chunks: list[ScheduledChunk], previous_tokens: torch.Tensor | None) -> torch.Tensor | None:
+    def _logits(self, chunks: list[ScheduledChunk]) -> torch.Tensor | None:
         hidden = self.step.forward(chunks)
         return None if hidden is None else self.model.compute_logits(hidden)
+
+    def launch(self, chunks: list[ScheduledChunk], previous_tokens: torch.Tensor | None) -> torch.Tensor | None:
+        if self.step.handles(chunks):
+            return self._logits(chunks)
+        mine, others = self._split(chunks)
+        fast = self._logits(mine)
+        rest = self.rest.launch(others, previous_tokens)
+        if fast is None or rest is None:
+            return fast if rest is None else rest
+        # Back into the step's chunk order: each sampling chunk's rows (a verify chunk's 1 + k), in turn.
+        ours = {id(chunk) for chunk in mine}
+        order: list[int] = []
+        taken = {True: 0, False: 0}
+        offsets = {True: 0, False: fast.shape[0]}
+        for chunk in chunks:
+            if not chunk.samples:
+                continue
+            width = len(chunk.draft) + 1
+            side = id(chunk) in ours
+            order.extend(range(offsets[side] + taken[side], offsets[side] + taken[side] + width))
+            taken[side] += width
+        dtype = torch.promote_types(fast.dtype, rest.dtype)
+        joined = torch.cat([fast.to(dtype), rest.to(dtype)])
+        return joined.index_select(0, torch.tensor(order, dtype=torch.int64, device=joined.device))
