@@ -322,7 +322,6 @@ at::Tensor QwenModel::logits(const at::Tensor& h, bool q4) {
   if (!q4 || !lm_head_q4_.defined()) return at::linear(h, lm_head_);
   at::Tensor out;
   {
-    SerialRegion serial;   // as linear(): the 4-bit product on the calling thread
     out = q4_linear(h, lm_head_q4_, at::Tensor(), q4_scratch_);
   }
   const int64_t rows = h.size(0), k = std::min<int64_t>(kRescored, out.size(1));
@@ -335,10 +334,10 @@ at::Tensor QwenModel::logits(const at::Tensor& h, bool q4) {
 at::Tensor QwenModel::linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& records, bool q4,
                              const at::Tensor& bias) {
   if (records.defined() && q4) {
-    // On the calling thread: the kernel's parallel_for is one OpenMP region per product (four per layer), and on
-    // the shared 2-core VM, with the other core busy, each region waited for a time slice (the default model
-    // decoded 2.2-3.7 tok/s with two threads against about 60 with one).
-    SerialRegion serial;
+    // Over libtorch's intra-op threads (the engine's num_threads), as the Torch plane's int4 layers: on the quiet
+    // 2-core VM the default model decodes ~20% faster than on the calling thread alone. Each product is one
+    // OpenMP region, so where the other cores are busy every region waits for a time slice (2.2-3.7 tok/s
+    // against about 60): num_threads 1 is the setting for such a machine.
     return q4_linear(x, records, bias, q4_scratch_);
   }
   return bias.defined() ? at::linear(x, weight, bias) : at::linear(x, weight);
