@@ -27,4 +27,9 @@ at::Tensor q4_pack(const at::Tensor& weight);
 at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& records, const at::Tensor& bias,
                      std::vector<uint8_t>& scratch);
 
+// Each row of `logits` [T, V] (float32, contiguous): its `count` highest recomputed in place as the float32 dot
+// products of that row of x [T, K] with those rows of `weight` [>= V, K] (float32), by the project's rescoring
+// kernel (pocketllm/kernels/cpu/lm_head_rescore.cpp), as the Torch plane's LM head does. K a multiple of 16.
+void rescore_top(at::Tensor& logits, const at::Tensor& x, const at::Tensor& weight, int64_t count);
+
 }  // namespace pocket

@@ -320,15 +320,9 @@ int64_t QwenModel::use_q4_weights() {
 
 at::Tensor QwenModel::logits(const at::Tensor& h, bool q4) {
   if (!q4 || !lm_head_q4_.defined()) return at::linear(h, lm_head_);
-  at::Tensor out;
-  {
-    out = q4_linear(h, lm_head_q4_, at::Tensor(), q4_scratch_);
-  }
-  const int64_t rows = h.size(0), k = std::min<int64_t>(kRescored, out.size(1));
-  at::Tensor top = std::get<1>(out.topk(k, -1));
-  at::Tensor exact = at::bmm(lm_head_.index_select(0, top.reshape({-1})).view({rows, k, h.size(1)}),
-                             h.unsqueeze(-1)).squeeze(-1);
-  return out.scatter_(1, top, exact);
+  at::Tensor out = q4_linear(h, lm_head_q4_, at::Tensor(), q4_scratch_);
+  rescore_top(out, h, lm_head_, std::min<int64_t>(kRescored, out.size(1)));
+  return out;
 }
 
 at::Tensor QwenModel::linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& records, bool q4,

@@ -27,6 +27,11 @@ void q4_matmul(const float* x, int64_t rows, const at::Tensor& records, float* o
 void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const int64_t* lengths,
             const int64_t* starts, float scale, at::Tensor& out, const int64_t* seqs = nullptr);
 
+// Each of `rows` rows of `logits` [rows, n]: its `count` highest replaced by the float32 dot products of the row's
+// x [rows, h] (h a multiple of 16) with those rows of `weight` (float32, rows `w_stride` apart); lm_head_rescore.cpp.
+void rescore_top_rows(float* logits, int64_t rows, int64_t n, const float* x, int64_t h, const float* weight,
+                      int64_t w_stride, int64_t count);
+
 // e^x for x <= 0 (scores minus their maximum): 2^n * 2^f, 2^f by its Taylor polynomial on [-0.5, 0.5] (relative
 // error ~2e-7); below -87 the result is 0.
 inline __m512 exp_nonpositive(__m512 x) {

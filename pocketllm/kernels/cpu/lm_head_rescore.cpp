@@ -9,7 +9,9 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#ifndef POCKETLLM_NO_TORCH_OPS
 #include <torch/library.h>
+#endif
 
 #include <immintrin.h>
 
@@ -17,6 +19,8 @@
 #include <cstdint>
 #include <utility>
 #include <vector>
+
+#include "cpu_kernels.h"
 
 namespace pocketllm_cpu {
 namespace {
@@ -86,22 +90,28 @@ float dot(const float* x, const T* w, int64_t h) {
 }
 
 template <typename T>
-void rescore_rows(at::Tensor& logits, const at::Tensor& x, const at::Tensor& weight, int64_t count) {
-  const int64_t rows = logits.size(0), n = logits.size(1), h = x.size(1);
-  float* lp = logits.data_ptr<float>();
-  const float* xp = x.data_ptr<float>();
-  const T* wp = weight.data_ptr<T>();
-  const int64_t w_stride = weight.stride(0);
+void rescore_rows(float* logits, int64_t rows, int64_t n, const float* x, int64_t h, const T* weight,
+                  int64_t w_stride, int64_t count) {
   at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> maxima;
     std::vector<std::pair<float, int64_t>> candidates;
     for (int64_t r = begin; r < end; ++r) {
-      float* row = lp + r * n;
+      float* row = logits + r * n;
       const std::vector<int64_t> top = top_indices(row, n, count, maxima, candidates);
-      for (const int64_t i : top) row[i] = dot<T>(xp + r * h, wp + i * w_stride, h);
+      for (const int64_t i : top) row[i] = dot<T>(x + r * h, weight + i * w_stride, h);
     }
   });
 }
+
+}  // namespace
+
+void rescore_top_rows(float* logits, int64_t rows, int64_t n, const float* x, int64_t h, const float* weight,
+                      int64_t w_stride, int64_t count) {
+  rescore_rows<float>(logits, rows, n, x, h, weight, w_stride, count);
+}
+
+#ifndef POCKETLLM_NO_TORCH_OPS   // the native plane (cpp_engine) calls rescore_top_rows directly
+namespace {
 
 at::Tensor rescore_top(at::Tensor logits, const at::Tensor& x, const at::Tensor& weight, int64_t count) {
   TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.is_contiguous(),
@@ -114,17 +124,22 @@ at::Tensor rescore_top(at::Tensor logits, const at::Tensor& x, const at::Tensor&
   TORCH_CHECK(x.size(1) % 16 == 0, "rescore_top: the hidden size must be a multiple of 16");
   TORCH_CHECK(count >= 1 && count <= logits.size(1), "rescore_top: count must be in [1, V]");
   if (logits.size(0) == 0) return logits;
+  const int64_t rows = logits.size(0), n = logits.size(1), h = x.size(1);
   if (weight.scalar_type() == at::kFloat) {
-    rescore_rows<float>(logits, x, weight, count);
+    rescore_rows<float>(logits.data_ptr<float>(), rows, n, x.data_ptr<float>(), h, weight.data_ptr<float>(),
+                        weight.stride(0), count);
   } else {
-    rescore_rows<at::BFloat16>(logits, x, weight, count);
+    rescore_rows<at::BFloat16>(logits.data_ptr<float>(), rows, n, x.data_ptr<float>(), h,
+                               weight.data_ptr<at::BFloat16>(), weight.stride(0), count);
   }
   return logits;
 }
 
 }  // namespace
+#endif  // POCKETLLM_NO_TORCH_OPS
 }  // namespace pocketllm_cpu
 
+#ifndef POCKETLLM_NO_TORCH_OPS
 TORCH_LIBRARY_FRAGMENT(pocketllm_cpu, m) {
   m.def("rescore_top(Tensor(a!) logits, Tensor x, Tensor weight, int count) -> Tensor(a!)");
 }
@@ -132,3 +147,4 @@ TORCH_LIBRARY_FRAGMENT(pocketllm_cpu, m) {
 TORCH_LIBRARY_IMPL(pocketllm_cpu, CPU, m) {
   m.impl("rescore_top", &pocketllm_cpu::rescore_top);
 }
+#endif  // POCKETLLM_NO_TORCH_OPS
