@@ -311,6 +311,20 @@ int64_t QwenModel::use_q4_weights() {
     convert(l.down, l.down_q4);
   }
   q4_layers_ += converted;
+  const QwenConfig& c = config_;
+  q4_shape_ = Q4LayerShape{c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size,
+                           static_cast<float>(c.rms_norm_eps), static_cast<float>(1.0 / std::sqrt(double(c.head_dim)))};
+  q4_layers_fused_.assign(layers_.size(), Q4LayerWeights{});
+  if (!c.hybrid && c.rotary_dim() == c.head_dim && q4_layer_supported(q4_shape_)) {
+    for (size_t i = 0; i < layers_.size(); ++i) {
+      const Layer& l = layers_[i];
+      if (l.router.defined() || !l.qkv_q4.defined() || !l.o_proj_q4.defined() || !l.gate_up_q4.defined() ||
+          !l.down_q4.defined())
+        continue;
+      q4_layers_fused_[i] = Q4LayerWeights{l.input_norm, l.qkv_q4, l.qkv_bias, l.q_norm, l.k_norm,
+                                           l.o_proj_q4, l.post_norm, l.gate_up_q4, l.down_q4};
+    }
+  }
   if (converted > 0 && q4_shape_supported(lm_head_.size(0), lm_head_.size(1))) {
     lm_head_q4_ = q4_pack(lm_head_);
     decode_weight_bytes_ += lm_head_q4_.numel() - lm_head_.numel() * 4;
@@ -487,9 +501,22 @@ at::Tensor QwenModel::forward(const std::vector<int64_t>& tokens, const std::vec
   at::Tensor slot = at::tensor(slots, at::kLong);
   at::Tensor freqs = pos.to(at::kFloat).unsqueeze(1) * inv_freq_.unsqueeze(0);   // [T, D/2]
   at::Tensor cos = freqs.cos().unsqueeze(1), sin = freqs.sin().unsqueeze(1);
-  at::Tensor x = embed_.index_select(0, ids);
+  at::Tensor x = embed_.index_select(0, ids).contiguous();
+  // A decode step's dense 4-bit layers run in q4_decode_layer, with the rotary tables as it reads them.
+  at::Tensor cos_rows, sin_rows;
+  if (q4 && !q4_layers_fused_.empty()) {
+    at::Tensor c2 = cos.squeeze(1), s2 = sin.squeeze(1);
+    cos_rows = at::cat({c2, c2}, 1).contiguous();
+    sin_rows = at::cat({-s2, s2}, 1).contiguous();
+  }
   for (size_t li = 0; li < layers_.size(); ++li) {
     const Layer& l = layers_[li];
+    if (cos_rows.defined() && q4_layers_fused_[li].qkv_q4.defined()) {
+      q4_decode_layer(x.data_ptr<float>(), T, q4_layers_fused_[li], q4_shape_, cos_rows.data_ptr<float>(),
+                      sin_rows.data_ptr<float>(), slots.data(), k_cache_[li], v_cache_[li], views,
+                      q4_layer_scratch_);
+      continue;
+    }
     at::Tensor h = rms_norm(x, l.input_norm, c.rms_norm_eps);
     x = x + (l.delta ? l.delta->forward(h, delta_chunks) : attention(li, h, slot, cos, sin, views, q4));
     h = rms_norm(x, l.post_norm, c.rms_norm_eps);

@@ -13,6 +13,7 @@
 
 #include "gated_delta.h"
 #include "paged_attention.h"
+#include "q4_decode_layer.h"
 #include "safetensors.h"
 
 namespace pocket {
@@ -118,6 +119,11 @@ class QwenModel {
   int64_t num_state_slots_ = 0;
   int64_t q4_layers_ = 0;
   std::vector<uint8_t> q4_scratch_;   // the 4-bit product's quantised activations
+  // use_q4_weights: per layer, its weights for q4_decode_layer where a decode step runs the layer there (dense
+  // layers of a model that is not hybrid, every product in records; else no records in it).
+  std::vector<Q4LayerWeights> q4_layers_fused_;
+  Q4LayerShape q4_shape_;
+  Q4LayerScratch q4_layer_scratch_;
   std::vector<int64_t> free_state_slots_;
 };
 

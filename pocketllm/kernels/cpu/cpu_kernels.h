@@ -1,11 +1,13 @@
 // What the CPU kernels' sources share: the 4-bit product and the decode attention on raw buffers (so that
-// decode_step.cpp runs them without a dispatcher call each), and an exp for non-positive arguments.
+// decode_step.cpp runs them without a dispatcher call each), an exp for non-positive arguments, and the row
+// operations of a decode step (also the native plane's 4-bit decode layers, cpp_engine/src/q4_decode_layer.cpp).
 #pragma once
 
 #include <ATen/ATen.h>
 
 #include <immintrin.h>
 
+#include <cmath>
 #include <cstdint>
 
 namespace pocketllm_cpu {
@@ -47,6 +49,67 @@ inline __m512 exp_nonpositive(__m512 x) {
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
   const __m512 r = _mm512_scalef_ps(p, n);
   return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.f), _CMP_GT_OQ), r);
+}
+
+// Row operations of a decode step (decode_step.cpp, and the native plane's 4-bit decode layers).
+
+// out = x * rsqrt(mean(x^2) + eps) * w, row by row (n a multiple of 16), in torch's order of operations.
+inline void rms_norm_rows(const float* x, int64_t rows, int64_t n, const float* w, float eps, float* out) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* xr = x + r * n;
+    float* o = out + r * n;
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t i = 0; i < n; i += 16) {
+      const __m512 v = _mm512_loadu_ps(xr + i);
+      acc = _mm512_fmadd_ps(v, v, acc);
+    }
+    const float inv = 1.f / std::sqrt(_mm512_reduce_add_ps(acc) / static_cast<float>(n) + eps);
+    const __m512 s = _mm512_set1_ps(inv);
+    for (int64_t i = 0; i < n; i += 16)
+      _mm512_storeu_ps(o + i, _mm512_mul_ps(_mm512_mul_ps(_mm512_loadu_ps(xr + i), s), _mm512_loadu_ps(w + i)));
+  }
+}
+
+// a += b over n floats (n a multiple of 16).
+inline void add_into(float* a, const float* b, int64_t n) {
+  for (int64_t i = 0; i < n; i += 16)
+    _mm512_storeu_ps(a + i, _mm512_add_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i)));
+}
+
+// out[r, i] = silu(gu[r, i]) * gu[r, width + i]; silu(x) = x * sigmoid(x), sigmoid from e^-|x| (width % 16 == 0).
+inline void silu_mul_rows(const float* gu, int64_t rows, int64_t width, float* out) {
+  const __m512 one = _mm512_set1_ps(1.f);
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* g = gu + r * 2 * width;
+    for (int64_t i = 0; i < width; i += 16) {
+      const __m512 x = _mm512_loadu_ps(g + i);
+      const __m512 t = exp_nonpositive(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(x)));
+      const __m512 inv = _mm512_div_ps(one, _mm512_add_ps(one, t));
+      const __m512 sig = _mm512_mask_mul_ps(inv, _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_LT_OQ), inv, t);
+      _mm512_storeu_ps(out + r * width + i, _mm512_mul_ps(_mm512_mul_ps(x, sig), _mm512_loadu_ps(g + width + i)));
+    }
+  }
+}
+
+// Rotate-half rotary embedding of `count` heads of `dim` values: out[i] = x[i] cos[i] + x[(i + dim/2) % dim] sin[i].
+// Halves of 16 or more values in vectors of 16 (SmolLM2's 64-value heads: a scalar loop with an index modulo was
+// ~0.4 ms of a five-row step), the rest one value at a time.
+inline void rotate_heads(const float* x, int64_t count, int64_t dim, const float* cos, const float* sin, float* out) {
+  const int64_t half = dim / 2;
+  for (int64_t h = 0; h < count; ++h) {
+    const float* xh = x + h * dim;
+    float* oh = out + h * dim;
+    if (half % 16 == 0) {
+      for (int64_t i = 0; i < dim; i += 16) {
+        const int64_t j = i < half ? i + half : i - half;
+        const __m512 a = _mm512_mul_ps(_mm512_loadu_ps(xh + i), _mm512_loadu_ps(cos + i));
+        const __m512 b = _mm512_mul_ps(_mm512_loadu_ps(xh + j), _mm512_loadu_ps(sin + i));
+        _mm512_storeu_ps(oh + i, _mm512_add_ps(a, b));
+      }
+      continue;
+    }
+    for (int64_t i = 0; i < dim; ++i) oh[i] = xh[i] * cos[i] + xh[(i + half) % dim] * sin[i];
+  }
 }
 
 }  // namespace pocketllm_cpu

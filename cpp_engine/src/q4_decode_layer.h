@@ -1,0 +1,44 @@
+// One dense decoder layer (Llama, Qwen2, Qwen3) of a 4-bit decode step on raw buffers: the project's row
+// operations (pocketllm/kernels/cpu/cpu_kernels.h) around the 4-bit products and the paged attention, where the
+// generic forward runs about fifteen libtorch ops a layer.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <vector>
+
+#include "paged_attention.h"
+
+namespace pocket {
+
+// A layer's weights as the step reads them: float32 norms and bias (bias, q_norm, k_norm may be undefined) and the
+// 4-bit records of its four products.
+struct Q4LayerWeights {
+  at::Tensor input_norm, qkv_q4, qkv_bias, q_norm, k_norm, o_proj_q4, post_norm, gate_up_q4, down_q4;
+};
+
+struct Q4LayerShape {
+  int64_t hidden = 0, heads = 0, kv_heads = 0, head_dim = 0, intermediate = 0;
+  float eps = 1e-6f, scale = 1.f;
+};
+
+// Buffers of a step, grown as needed and reused from layer to layer.
+struct Q4LayerScratch {
+  std::vector<float> normed, qkv, q, attended, projected, gate_up, activated;
+  std::vector<uint8_t> products;
+};
+
+// Whether the step runs on this shape (every width a multiple of 16).
+bool q4_layer_supported(const Q4LayerShape& shape);
+
+// x [T, hidden] (float32, contiguous), the residual stream, advanced through one layer: RMSNorm, the QKV product
+// (+ bias), per-head q/k RMSNorm where the layer has it, rotary embedding with `cos`/`sin` [T, head_dim] (the
+// sign folded into the first half of sin), the new K/V stored at `slots` of the layer's float32 caches
+// [slots, kv_heads, head_dim], paged attention over `views`, the output product added, RMSNorm, gate/up,
+// SiLU(gate) * up and the down product added.
+void q4_decode_layer(float* x, int64_t T, const Q4LayerWeights& w, const Q4LayerShape& shape, const float* cos,
+                     const float* sin, const int64_t* slots, at::Tensor& k_cache, at::Tensor& v_cache,
+                     const std::vector<AttentionChunk>& views, Q4LayerScratch& scratch);
+
+}  // namespace pocket
