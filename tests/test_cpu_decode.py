@@ -98,7 +98,7 @@ def test_rescore_kernel_equals_topk_and_exact_products(dtype: torch.dtype) -> No
     """PocketLLM's rescoring kernel replaces the same top logits as torch's topk (a tie at the top included) by
     float32 products of the float weights, and a row's result does not depend on the rows beside it."""
     if not cpu_native.available():
-        pytest.skip("PocketLLM's CPU kernels need AVX-512 VNNI and a compiler")
+        pytest.skip("the CPU has no AVX-512 VNNI (or no compiler)")
     torch.manual_seed(5)
     for vocab, hidden, count in [(4133, 96, 64), (100, 64, 64), (40, 32, 64)]:
         weight, x = (torch.randn(vocab + 3, hidden) * 0.05).to(dtype), torch.randn(3, hidden)

@@ -1,4 +1,4 @@
-// The paged attention (paged_attention.h): one task per (query row, head); tasks are spread over libtorch's
+// The paged attention (paged_attention.h). The portable loop: one task per (query row, head); tasks are spread over libtorch's
 // intra-op threads only when they hold enough work, since a parallel region costs more than a short context.
 #include "paged_attention.h"
 
@@ -40,8 +40,12 @@ void attend_row(const float* qv, const float* k_cache, const float* v_cache, con
 
 }  // namespace
 
-void paged_attention(const float* q, const float* k_cache, const float* v_cache, float* out,
+void paged_attention(const float* q, const at::Tensor& k_tensor, const at::Tensor& v_tensor, float* out,
                      const std::vector<AttentionChunk>& chunks, int64_t H, int64_t KVH, int64_t D, float scale) {
+  if (paged_attention_avx512_supported(H, KVH, D))
+    return paged_attention_avx512(q, k_tensor, v_tensor, out, chunks, H, KVH, D, scale);
+  const float* k_cache = k_tensor.data_ptr<float>();
+  const float* v_cache = v_tensor.data_ptr<float>();
   struct Item {
     const AttentionChunk* chunk;
     int64_t i;   // row within the chunk

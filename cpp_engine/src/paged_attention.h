@@ -2,6 +2,8 @@
 // in place through its slot list (no gather), with grouped KV heads.
 #pragma once
 
+#include <ATen/ATen.h>
+
 #include <cstdint>
 #include <vector>
 
@@ -14,8 +16,18 @@ struct AttentionChunk {
   const int64_t* slots = nullptr;
 };
 
-// q, out [rows, H, D]; k_cache, v_cache [slots, KVH, D]; all float32 and contiguous.
-void paged_attention(const float* q, const float* k_cache, const float* v_cache, float* out,
+// q, out [rows, H, D]; k_cache, v_cache [slots, KVH, D]; all float32 and contiguous. On a CPU with the project's
+// AVX-512 kernels and a head shape they take, the project's decode attention (pocketllm/kernels/cpu/
+// decode_attention.cpp, over the slots in place: paged_attention_avx512), else a portable loop; either way a row's
+// result depends on its own query, context and the thread count only, not on the rows beside it.
+void paged_attention(const float* q, const at::Tensor& k_cache, const at::Tensor& v_cache, float* out,
                      const std::vector<AttentionChunk>& chunks, int64_t H, int64_t KVH, int64_t D, float scale);
+
+// The project's kernel (paged_attention_avx512.cpp, built with its AVX-512 flags): whether it takes these heads
+// on this CPU, and the attention through it.
+bool paged_attention_avx512_supported(int64_t H, int64_t KVH, int64_t D);
+void paged_attention_avx512(const float* q, const at::Tensor& k_cache, const at::Tensor& v_cache, float* out,
+                            const std::vector<AttentionChunk>& chunks, int64_t H, int64_t KVH, int64_t D,
+                            float scale);
 
 }  // namespace pocket

@@ -56,7 +56,7 @@ void q4_decode_layer(float* x, int64_t T, const Q4LayerWeights& w, const Q4Layer
     pocketllm_cpu::rotate_heads(row + qw, KVH, D, cos + r * D, sin + r * D, kc + slots[r] * kvw);
     std::copy(row + qw + kvw, row + qkv_n, vc + slots[r] * kvw);
   }
-  paged_attention(q, kc, vc, attended, views, H, KVH, D, s.scale);
+  paged_attention(q, k_cache, v_cache, attended, views, H, KVH, D, s.scale);
   product(attended, T, w.o_proj_q4, projected, scratch.products);
   pocketllm_cpu::add_into(x, projected, T * hidden);
 

@@ -451,7 +451,7 @@ at::Tensor QwenModel::attention(size_t li, const at::Tensor& h, const at::Tensor
   v_cache_[li].index_copy_(0, slot, v);
   at::Tensor attn = at::empty({T, H, D});
   q = q.contiguous();
-  paged_attention(q.data_ptr<float>(), k_cache_[li].data_ptr<float>(), v_cache_[li].data_ptr<float>(),
+  paged_attention(q.data_ptr<float>(), k_cache_[li], v_cache_[li],
                   attn.data_ptr<float>(), views, H, KVH, D, static_cast<float>(1.0 / std::sqrt(double(D))));
   if (gate.defined()) attn = attn * at::sigmoid(gate);
   return linear(attn.reshape({T, H * D}), l.o_proj, l.o_proj_q4, q4);

@@ -29,6 +29,12 @@ void q4_matmul(const float* x, int64_t rows, const at::Tensor& records, float* o
 void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const int64_t* lengths,
             const int64_t* starts, float scale, at::Tensor& out, const int64_t* seqs = nullptr);
 
+// The same over a paged cache: k_cache, v_cache [slots, KVH, D] (bfloat16 or float32, heads side by side), row r
+// over positions 0 .. lengths[r] - 1 of its sequence, position p held in slot slots[r][p]. A row's result is the
+// one attend gives for the same values laid out in order.
+void attend_paged(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const int64_t* lengths,
+                  const int64_t* const* slots, float scale, at::Tensor& out);
+
 // Each of `rows` rows of `logits` [rows, n]: its `count` highest replaced by the float32 dot products of the row's
 // x [rows, h] (h a multiple of 16) with those rows of `weight` (float32, rows `w_stride` apart); lm_head_rescore.cpp.
 void rescore_top_rows(float* logits, int64_t rows, int64_t n, const float* x, int64_t h, const float* weight,

@@ -9,7 +9,9 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#ifndef POCKETLLM_NO_TORCH_OPS
 #include <torch/library.h>
+#endif
 
 #include <immintrin.h>
 
@@ -58,10 +60,12 @@ struct Partial {   // one range of positions of one (row, KV head): per query he
 
 // Positions [p0, p1) of one (row, KV head) for its G query heads; D = 16 * DV. Prefetches `prefetch_bytes` of each
 // position from k and v (a whole row's heads from the first head, when they are adjacent; none when 0).
-template <typename T, int DV, int G>
+template <typename T, int DV, int G, bool Paged>
 void attend_range(const float* q, int64_t q_step, const T* k, const T* v, int64_t k_step, int64_t v_step, int64_t p0, int64_t p1,
-                  float scale, std::vector<float>& scores, Partial part, size_t prefetch_bytes) {
+                  float scale, std::vector<float>& scores, Partial part, size_t prefetch_bytes, const int64_t* slots) {
   constexpr int D = 16 * DV;
+  // Position p's row of k and v: p itself, or (a paged cache) its slot.
+  auto row_of = [slots](int64_t p) { if constexpr (Paged) return slots[p]; else return p; };
   const int64_t n = p1 - p0;
   scores.resize(static_cast<size_t>(G * n));
   __m512 qv[G][DV];
@@ -78,10 +82,10 @@ void attend_range(const float* q, int64_t q_step, const T* k, const T* v, int64_
       // Short strided streams that the hardware prefetchers pick up late: ask for the keys two blocks ahead,
       // and for this block's values, which the last pass reads.
       if (prefetch_bytes > 0) {
-        prefetch_row(k + (p0 + std::min(i + 16 + e, n - 1)) * k_step, prefetch_bytes);
-        prefetch_row(v + (p0 + i + e) * v_step, prefetch_bytes);
+        prefetch_row(k + row_of(p0 + std::min(i + 16 + e, n - 1)) * k_step, prefetch_bytes);
+        prefetch_row(v + row_of(p0 + i + e) * v_step, prefetch_bytes);
       }
-      const T* kp = k + (p0 + i + e) * k_step;
+      const T* kp = k + row_of(p0 + i + e) * k_step;
       __m512 kv[DV];
       for (int c = 0; c < DV; ++c) kv[c] = load16(kp + 16 * c);
       for (int g = 0; g < G; ++g) {
@@ -97,7 +101,7 @@ void attend_range(const float* q, int64_t q_step, const T* k, const T* v, int64_
   }
   for (int g = 0; g < G; ++g) best[g] = _mm512_reduce_max_ps(top[g]);
   for (; i < n; ++i) {
-    const T* kp = k + (p0 + i) * k_step;
+    const T* kp = k + row_of(p0 + i) * k_step;
     __m512 kv[DV];
     for (int c = 0; c < DV; ++c) kv[c] = load16(kp + 16 * c);
     for (int g = 0; g < G; ++g) {
@@ -131,7 +135,7 @@ void attend_range(const float* q, int64_t q_step, const T* k, const T* v, int64_
   for (int g = 0; g < G; ++g)
     for (int c = 0; c < DV; ++c) ov[g][c] = _mm512_setzero_ps();
   for (int64_t i = 0; i < n; ++i) {
-    const T* vp = v + (p0 + i) * v_step;
+    const T* vp = v + row_of(p0 + i) * v_step;
     __m512 vv[DV];
     for (int c = 0; c < DV; ++c) vv[c] = load16(vp + 16 * c);
     for (int g = 0; g < G; ++g) {
@@ -145,9 +149,11 @@ void attend_range(const float* q, int64_t q_step, const T* k, const T* v, int64_
 
 template <typename T, int DV, int G>
 void attend_all(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const int64_t* lengths,
-                const int64_t* starts, float scale, at::Tensor& out, const int64_t* seqs) {
+                const int64_t* starts, float scale, at::Tensor& out, const int64_t* seqs, const int64_t* const* slots) {
   constexpr int D = 16 * DV;
-  const int64_t rows = q.size(0), heads = q.size(1), longest = k.size(1);
+  const int64_t rows = q.size(0), heads = q.size(1);
+  if (rows == 0) return;
+  const int64_t longest = *std::max_element(lengths, lengths + rows);
   // A task is a range of one row's positions over all its KV heads, so that the positions' K/V rows are read in
   // order (a task per head read 128 of every 384 bytes of SmolLM2's rows: 4.3 against 3.7 ms for 8 rows of 256
   // positions over 30 layers on two cores). Ranges: enough tasks for every thread twice, none shorter than 32
@@ -181,12 +187,18 @@ void attend_all(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, c
           for (int g = 0; g < G; ++g) part.sum[g] = 0.f, part.max[g] = -std::numeric_limits<float>::infinity();
           continue;
         }
-        const int64_t seq = seqs != nullptr ? seqs[r] : r;
+        const int64_t seq = slots != nullptr ? 0 : seqs != nullptr ? seqs[r] : r;
         const T* kh = kp + seq * k.stride(0) + h * k.stride(2);
         const T* vh = vp + seq * v.stride(0) + h * v.stride(2);
         const size_t prefetch = packed ? (h == 0 ? heads * D * sizeof(T) : 0) : D * sizeof(T);
-        attend_range<T, DV, G>(qp + r * q.stride(0) + h * q.stride(1), q.stride(2), kh, vh, k.stride(1), v.stride(1),
-                               p0, p1, scale, scores, part, prefetch);
+        const float* qh = qp + r * q.stride(0) + h * q.stride(1);
+        if (slots != nullptr) {
+          attend_range<T, DV, G, true>(qh, q.stride(2), kh, vh, k.stride(1), v.stride(1), p0, p1, scale, scores, part,
+                                       prefetch, slots[r]);
+        } else {
+          attend_range<T, DV, G, false>(qh, q.stride(2), kh, vh, k.stride(1), v.stride(1), p0, p1, scale, scores,
+                                        part, prefetch, nullptr);
+        }
       }
     }
   });
@@ -212,27 +224,28 @@ void attend_all(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, c
 
 template <typename T, int DV>
 void by_group(int64_t group, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const int64_t* lengths,
-              const int64_t* starts, float scale, at::Tensor& out, const int64_t* seqs) {
+              const int64_t* starts, float scale, at::Tensor& out, const int64_t* seqs, const int64_t* const* slots) {
   switch (group) {
-    case 1: return attend_all<T, DV, 1>(q, k, v, lengths, starts, scale, out, seqs);
-    case 2: return attend_all<T, DV, 2>(q, k, v, lengths, starts, scale, out, seqs);
-    case 3: return attend_all<T, DV, 3>(q, k, v, lengths, starts, scale, out, seqs);
-    case 4: return attend_all<T, DV, 4>(q, k, v, lengths, starts, scale, out, seqs);
-    case 5: return attend_all<T, DV, 5>(q, k, v, lengths, starts, scale, out, seqs);
-    case 6: return attend_all<T, DV, 6>(q, k, v, lengths, starts, scale, out, seqs);
-    case 7: return attend_all<T, DV, 7>(q, k, v, lengths, starts, scale, out, seqs);
-    default: return attend_all<T, DV, 8>(q, k, v, lengths, starts, scale, out, seqs);
+    case 1: return attend_all<T, DV, 1>(q, k, v, lengths, starts, scale, out, seqs, slots);
+    case 2: return attend_all<T, DV, 2>(q, k, v, lengths, starts, scale, out, seqs, slots);
+    case 3: return attend_all<T, DV, 3>(q, k, v, lengths, starts, scale, out, seqs, slots);
+    case 4: return attend_all<T, DV, 4>(q, k, v, lengths, starts, scale, out, seqs, slots);
+    case 5: return attend_all<T, DV, 5>(q, k, v, lengths, starts, scale, out, seqs, slots);
+    case 6: return attend_all<T, DV, 6>(q, k, v, lengths, starts, scale, out, seqs, slots);
+    case 7: return attend_all<T, DV, 7>(q, k, v, lengths, starts, scale, out, seqs, slots);
+    default: return attend_all<T, DV, 8>(q, k, v, lengths, starts, scale, out, seqs, slots);
   }
 }
 
 template <typename T>
 void by_dim(int64_t dim, int64_t group, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-            const int64_t* lengths, const int64_t* starts, float scale, at::Tensor& out, const int64_t* seqs) {
+            const int64_t* lengths, const int64_t* starts, float scale, at::Tensor& out, const int64_t* seqs,
+            const int64_t* const* slots) {
   switch (dim) {
-    case 16: return by_group<T, 1>(group, q, k, v, lengths, starts, scale, out, seqs);
-    case 32: return by_group<T, 2>(group, q, k, v, lengths, starts, scale, out, seqs);
-    case 64: return by_group<T, 4>(group, q, k, v, lengths, starts, scale, out, seqs);
-    default: return by_group<T, 8>(group, q, k, v, lengths, starts, scale, out, seqs);
+    case 16: return by_group<T, 1>(group, q, k, v, lengths, starts, scale, out, seqs, slots);
+    case 32: return by_group<T, 2>(group, q, k, v, lengths, starts, scale, out, seqs, slots);
+    case 64: return by_group<T, 4>(group, q, k, v, lengths, starts, scale, out, seqs, slots);
+    default: return by_group<T, 8>(group, q, k, v, lengths, starts, scale, out, seqs, slots);
   }
 }
 
@@ -242,12 +255,25 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const
             const int64_t* starts, float scale, at::Tensor& out, const int64_t* seqs) {
   const int64_t dim = q.size(3), group = q.size(2);
   if (k.scalar_type() == at::kBFloat16) {
-    by_dim<at::BFloat16>(dim, group, q, k, v, lengths, starts, scale, out, seqs);
+    by_dim<at::BFloat16>(dim, group, q, k, v, lengths, starts, scale, out, seqs, nullptr);
   } else {
-    by_dim<float>(dim, group, q, k, v, lengths, starts, scale, out, seqs);
+    by_dim<float>(dim, group, q, k, v, lengths, starts, scale, out, seqs, nullptr);
   }
 }
 
+void attend_paged(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const int64_t* lengths,
+                  const int64_t* const* slots, float scale, at::Tensor& out) {
+  const int64_t dim = q.size(3), group = q.size(2);
+  // One "sequence" of every slot: position p of row r is slot slots[r][p].
+  const at::Tensor k = k_cache.unsqueeze(0), v = v_cache.unsqueeze(0);
+  if (k.scalar_type() == at::kBFloat16) {
+    by_dim<at::BFloat16>(dim, group, q, k, v, lengths, nullptr, scale, out, nullptr, slots);
+  } else {
+    by_dim<float>(dim, group, q, k, v, lengths, nullptr, scale, out, nullptr, slots);
+  }
+}
+
+#ifndef POCKETLLM_NO_TORCH_OPS   // the native plane (cpp_engine) calls attend_paged directly and registers no ops
 namespace {
 
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& lengths,
@@ -285,8 +311,10 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
 }
 
 }  // namespace
+#endif  // POCKETLLM_NO_TORCH_OPS
 }  // namespace pocketllm_cpu
 
+#ifndef POCKETLLM_NO_TORCH_OPS
 TORCH_LIBRARY_FRAGMENT(pocketllm_cpu, m) {
   m.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor lengths, float scale, Tensor? starts=None) -> Tensor");
 }
@@ -294,3 +322,4 @@ TORCH_LIBRARY_FRAGMENT(pocketllm_cpu, m) {
 TORCH_LIBRARY_IMPL(pocketllm_cpu, CPU, m) {
   m.impl("decode_attention", &pocketllm_cpu::decode_attention);
 }
+#endif  // POCKETLLM_NO_TORCH_OPS
