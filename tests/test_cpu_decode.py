@@ -195,6 +195,13 @@ def _prompt_chunk(ids: list[int], table: list[int]) -> ScheduledChunk:
     return ScheduledChunk(request, len(ids), 0, True)
 
 
+def _verify_chunk(ids: list[int], draft: list[int], table: list[int]) -> ScheduledChunk:
+    """A verify chunk: the last of ``ids`` (the rest cached) and the proposals ``draft``."""
+    request = SimpleNamespace(prompt_token_ids=ids[:1], output_token_ids=ids[1:], all_token_ids=ids,
+                              num_computed_tokens=len(ids) - 1, num_tokens=len(ids), block_table=table, state_slot=-1)
+    return ScheduledChunk(request, 1 + len(draft), len(ids) - 1, True, tuple(draft))
+
+
 @pytest.mark.parametrize("fmt", ["int4", "float32"])
 def test_decode_rows_beside_a_prompt_run_the_decode_step(fmt: str, tiny_checkpoint) -> None:
     """A step that holds prompt chunks besides decode rows runs the decode rows on the decode step and the
@@ -210,14 +217,34 @@ def test_decode_rows_beside_a_prompt_run_the_decode_step(fmt: str, tiny_checkpoi
             layer.v_cache.normal_()
         first, second = _chunk(list(range(10, 21)), [4, 5, 6]), _chunk(list(range(30, 44)), [9, 2, 7, 12])
         prompt = _prompt_chunk(list(range(50, 59)), [20, 21, 22])
+        step = runner.cpu_decode
+        fast_calls = []
+        forward = step.forward
+        step.forward = lambda chunks: fast_calls.append(list(chunks)) or forward(chunks)
         with torch.inference_mode():
             decode = runner.launch([first, second])
             alone = runner.launch([prompt])
             for order in ([first, prompt, second], [prompt, first, second], [first, second, prompt]):
+                fast_calls.clear()
                 mixed = runner.launch(order)
+                assert fast_calls == [[first, second]]   # the decode rows ran on the decode step
                 rows = {id(chunk): mixed[i] for i, chunk in enumerate(order)}
                 assert torch.equal(rows[id(first)], decode[0]) and torch.equal(rows[id(second)], decode[1])
                 assert torch.equal(rows[id(prompt)], alone[0])
+            if step.fused is None:   # verify chunks run on the decode step with the 4-bit kernels only
+                return
+            # A verify chunk's rows (the last token and two proposals) keep their place beside a prompt too. Its
+            # decode step holds other rows than before, and the 8-bit LM head quantises a step's rows with one
+            # scale: there only the rescored (exact) logits are the same, so the 16 highest are compared.
+            verify = _verify_chunk(list(range(80, 90)), [91, 92], [30, 31, 32])
+            scored = runner.launch([verify])
+            fast_calls.clear()
+            mixed = runner.launch([prompt, verify, first])
+            assert fast_calls == [[verify, first]]
+            assert torch.equal(mixed[0], alone[0])
+            for got, want in zip(mixed[1:], [*scored, decode[0]]):
+                top = want.topk(16).indices
+                assert torch.equal(got.topk(16).indices, top) and torch.equal(got[top], want[top])
 
 
 @pytest.mark.parametrize("kv", [torch.bfloat16, torch.float32])

@@ -113,8 +113,9 @@ def test_4_bit_decode_layers_follow_the_float32_path(native, tmp_path, arch):
     path = _q4_1_gguf(tmp_path, arch)
     params = SamplingParams(max_tokens=8, temperature=0.0, logprobs=5, ignore_eos=True)
     runs = {}
-    for fmt in ("auto", "float32"):
+    for fmt, held in (("auto", "int4"), ("float32", "float32")):
         with LLM(EngineArgs(model=path, backend="cpp", cpu_weight_format=fmt)) as llm:
+            assert llm.engine_caps().details["weight_format"] == held
             runs[fmt] = llm.generate([PROMPTS[0], PROMPTS[2]], params)
     errors = []
     for q4, dense in zip(runs["auto"], runs["float32"]):

@@ -1,5 +1,6 @@
-// The paged attention (paged_attention.h). The portable loop: one task per (query row, head); tasks are spread over libtorch's
-// intra-op threads only when they hold enough work, since a parallel region costs more than a short context.
+// The paged attention (paged_attention.h), built without AVX-512 flags: the dispatch to the project's kernel and the
+// portable loop. The loop: one task per (query row, head); tasks are spread over libtorch's intra-op threads only
+// when they hold enough work, since a parallel region costs more than a short context.
 #include "paged_attention.h"
 
 #include <ATen/Parallel.h>
@@ -7,8 +8,23 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <stdexcept>
+
+#include "q4_weights.h"
 
 namespace pocket {
+
+namespace {
+
+constexpr int64_t kKernelRows = 32;   // rows per call of the kernel: its per-call buffers grow with rows x length
+
+}  // namespace
+
+bool paged_attention_avx512_supported(int64_t H, int64_t KVH, int64_t D) {
+  static const bool cpu = q4_kernel_supported();   // the same instructions as the 4-bit kernel
+  const int64_t G = KVH > 0 && H % KVH == 0 ? H / KVH : 0;
+  return cpu && (D == 16 || D == 32 || D == 64 || D == 128) && G >= 1 && G <= 8;
+}
 
 namespace {
 
@@ -42,8 +58,27 @@ void attend_row(const float* qv, const float* k_cache, const float* v_cache, con
 
 void paged_attention(const float* q, const at::Tensor& k_tensor, const at::Tensor& v_tensor, float* out,
                      const std::vector<AttentionChunk>& chunks, int64_t H, int64_t KVH, int64_t D, float scale) {
-  if (paged_attention_avx512_supported(H, KVH, D))
-    return paged_attention_avx512(q, k_tensor, v_tensor, out, chunks, H, KVH, D, scale);
+  if (paged_attention_avx512_supported(H, KVH, D)) {
+    // Each row's length and slots; the kernel's result for a row depends on neither the other rows nor the grouping.
+    std::vector<int64_t> lengths;
+    std::vector<const int64_t*> slots;
+    const int64_t first = chunks.empty() ? 0 : chunks.front().row0;
+    for (const AttentionChunk& c : chunks) {
+      if (c.row0 != first + static_cast<int64_t>(lengths.size()))
+        throw std::logic_error("paged_attention: chunks' rows must follow each other");
+      for (int64_t i = 0; i < c.n; ++i) {
+        lengths.push_back(c.start + i + 1);   // causal: positions 0 .. start + i
+        slots.push_back(c.slots);
+      }
+    }
+    const int64_t rows = static_cast<int64_t>(lengths.size());
+    for (int64_t r = 0; r < rows; r += kKernelRows) {
+      const int64_t n = std::min(kKernelRows, rows - r);
+      paged_attention_avx512(q + (first + r) * H * D, k_tensor, v_tensor, out + (first + r) * H * D,
+                             lengths.data() + r, slots.data() + r, n, H, KVH, D, scale);
+    }
+    return;
+  }
   const float* k_cache = k_tensor.data_ptr<float>();
   const float* v_cache = v_tensor.data_ptr<float>();
   struct Item {

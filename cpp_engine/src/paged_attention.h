@@ -23,11 +23,12 @@ struct AttentionChunk {
 void paged_attention(const float* q, const at::Tensor& k_cache, const at::Tensor& v_cache, float* out,
                      const std::vector<AttentionChunk>& chunks, int64_t H, int64_t KVH, int64_t D, float scale);
 
-// The project's kernel (paged_attention_avx512.cpp, built with its AVX-512 flags): whether it takes these heads
-// on this CPU, and the attention through it.
+// The project's kernel: whether it takes these heads on this CPU (paged_attention.cpp, built without AVX-512
+// flags), and `rows` query rows through it (paged_attention_avx512.cpp, built with them): row r of q and out
+// ([rows, H, D]) over positions 0 .. lengths[r] - 1 held in slots slots[r][p].
 bool paged_attention_avx512_supported(int64_t H, int64_t KVH, int64_t D);
 void paged_attention_avx512(const float* q, const at::Tensor& k_cache, const at::Tensor& v_cache, float* out,
-                            const std::vector<AttentionChunk>& chunks, int64_t H, int64_t KVH, int64_t D,
-                            float scale);
+                            const int64_t* lengths, const int64_t* const* slots, int64_t rows, int64_t H,
+                            int64_t KVH, int64_t D, float scale);
 
 }  // namespace pocket

@@ -1,27 +1,9 @@
 // The 4-bit decode layer (q4_decode_layer.h); compiled with the AVX-512 flags of the project's kernels.
 #include "q4_decode_layer.h"
 
-#include <algorithm>
-
 #include "cpu_kernels.h"
 
 namespace pocket {
-
-namespace {
-
-template <typename V>
-typename V::value_type* room(V& buffer, int64_t n) {
-  if (static_cast<int64_t>(buffer.size()) < n) buffer.resize(static_cast<size_t>(n));
-  return buffer.data();
-}
-
-// out [T, N] = x [T, K] @ W.T for the weight `records` hold.
-void product(const float* x, int64_t T, const at::Tensor& records, float* out, std::vector<uint8_t>& scratch) {
-  const int64_t k = records.size(1) * pocketllm_cpu::kBlock;
-  pocketllm_cpu::q4_matmul(x, T, records, out, room(scratch, pocketllm_cpu::q4_scratch_bytes(T, k)));
-}
-
-}  // namespace
 
 bool q4_layer_supported(const Q4LayerShape& s) {
   return s.hidden % 16 == 0 && s.head_dim % 16 == 0 && s.intermediate % 16 == 0 && s.heads % s.kv_heads == 0;
@@ -33,14 +15,17 @@ void q4_decode_layer(float* x, int64_t T, const Q4LayerWeights& w, const Q4Layer
   using pocketllm_cpu::rms_norm_rows;
   const int64_t H = s.heads, KVH = s.kv_heads, D = s.head_dim, hidden = s.hidden, inter = s.intermediate;
   const int64_t qw = H * D, kvw = KVH * D, qkv_n = qw + 2 * kvw;
-  float* normed = room(scratch.normed, T * std::max(hidden, qkv_n));
-  float* qkv = room(scratch.qkv, T * qkv_n);
-  float* q = room(scratch.q, T * qw);
-  float* attended = room(scratch.attended, T * qw);
-  float* projected = room(scratch.projected, T * hidden);
+  float* normed = scratch.normed.data();
+  float* qkv = scratch.qkv.data();
+  float* q = scratch.q.data();
+  float* attended = scratch.attended.data();
+  float* projected = scratch.projected.data();
+  float* gate_up = scratch.gate_up.data();
+  float* activated = scratch.activated.data();
+  uint8_t* products = scratch.products.data();
 
   rms_norm_rows(x, T, hidden, w.input_norm.data_ptr<float>(), s.eps, normed);
-  product(normed, T, w.qkv_q4, qkv, scratch.products);
+  pocketllm_cpu::q4_matmul(normed, T, w.qkv_q4, qkv, products);
   if (w.qkv_bias.defined()) {
     for (int64_t r = 0; r < T; ++r) pocketllm_cpu::add_into(qkv + r * qkv_n, w.qkv_bias.data_ptr<float>(), qkv_n);
   }
@@ -57,15 +42,13 @@ void q4_decode_layer(float* x, int64_t T, const Q4LayerWeights& w, const Q4Layer
     std::copy(row + qw + kvw, row + qkv_n, vc + slots[r] * kvw);
   }
   paged_attention(q, k_cache, v_cache, attended, views, H, KVH, D, s.scale);
-  product(attended, T, w.o_proj_q4, projected, scratch.products);
+  pocketllm_cpu::q4_matmul(attended, T, w.o_proj_q4, projected, products);
   pocketllm_cpu::add_into(x, projected, T * hidden);
 
-  float* gate_up = room(scratch.gate_up, T * 2 * inter);
-  float* activated = room(scratch.activated, T * inter);
   rms_norm_rows(x, T, hidden, w.post_norm.data_ptr<float>(), s.eps, normed);
-  product(normed, T, w.gate_up_q4, gate_up, scratch.products);
+  pocketllm_cpu::q4_matmul(normed, T, w.gate_up_q4, gate_up, products);
   pocketllm_cpu::silu_mul_rows(gate_up, T, inter, activated);
-  product(activated, T, w.down_q4, projected, scratch.products);
+  pocketllm_cpu::q4_matmul(activated, T, w.down_q4, projected, products);
   pocketllm_cpu::add_into(x, projected, T * hidden);
 }
 

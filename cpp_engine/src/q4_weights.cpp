@@ -52,9 +52,11 @@ at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& records, const at::T
 
 void rescore_top(at::Tensor& logits, const at::Tensor& x, const at::Tensor& weight, int64_t count) {
   const at::Tensor xc = x.to(at::kFloat).contiguous();
-  if (!logits.is_contiguous() || logits.scalar_type() != at::kFloat || xc.size(1) % 16 != 0 ||
-      weight.scalar_type() != at::kFloat || weight.stride(1) != 1 || xc.size(0) != logits.size(0))
-    throw std::logic_error("rescore_top: unsupported shapes or dtypes");
+  if (logits.dim() != 2 || !logits.is_contiguous() || logits.scalar_type() != at::kFloat || xc.dim() != 2 ||
+      xc.size(1) % 16 != 0 || xc.size(0) != logits.size(0) || weight.dim() != 2 ||
+      weight.scalar_type() != at::kFloat || weight.stride(1) != 1 || weight.size(1) != xc.size(1) ||
+      weight.size(0) < logits.size(1) || count < 1 || count > logits.size(1))
+    throw std::logic_error("rescore_top: unsupported shapes, dtypes or count");
   pocketllm_cpu::rescore_top_rows(logits.data_ptr<float>(), logits.size(0), logits.size(1), xc.data_ptr<float>(),
                                   xc.size(1), weight.data_ptr<float>(), weight.stride(0), count);
 }

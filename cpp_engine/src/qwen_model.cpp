@@ -295,7 +295,7 @@ QwenModel::QwenModel(TensorMap w, const QwenConfig& config) : config_(config) {
 }
 
 int64_t QwenModel::use_q4_weights() {
-  SerialRegion serial;   // small ATen ops per matrix: threads cost more than they give here (see linear)
+  SerialRegion serial;   // small ATen ops per matrix at load: threads cost more than they give here
   int64_t converted = 0;
   auto convert = [&](at::Tensor& weight, at::Tensor& records) {
     if (!weight.defined() || !q4_shape_supported(weight.size(0), weight.size(1))) return;
@@ -323,6 +323,7 @@ int64_t QwenModel::use_q4_weights() {
         continue;
       q4_layers_fused_[i] = Q4LayerWeights{l.input_norm, l.qkv_q4, l.qkv_bias, l.q_norm, l.k_norm,
                                            l.o_proj_q4, l.post_norm, l.gate_up_q4, l.down_q4};
+      q4_fused_any_ = true;
     }
   }
   if (converted > 0 && q4_shape_supported(lm_head_.size(0), lm_head_.size(1))) {
@@ -504,7 +505,8 @@ at::Tensor QwenModel::forward(const std::vector<int64_t>& tokens, const std::vec
   at::Tensor x = embed_.index_select(0, ids).contiguous();
   // A decode step's dense 4-bit layers run in q4_decode_layer, with the rotary tables as it reads them.
   at::Tensor cos_rows, sin_rows;
-  if (q4 && !q4_layers_fused_.empty()) {
+  if (q4 && q4_fused_any_) {
+    q4_layer_scratch_.reserve(T, q4_shape_);
     at::Tensor c2 = cos.squeeze(1), s2 = sin.squeeze(1);
     cos_rows = at::cat({c2, c2}, 1).contiguous();
     sin_rows = at::cat({-s2, s2}, 1).contiguous();

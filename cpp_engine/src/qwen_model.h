@@ -123,6 +123,7 @@ class QwenModel {
   // layers of a model that is not hybrid, every product in records; else no records in it).
   std::vector<Q4LayerWeights> q4_layers_fused_;
   Q4LayerShape q4_shape_;
+  bool q4_fused_any_ = false;
   Q4LayerScratch q4_layer_scratch_;
   std::vector<int64_t> free_state_slots_;
 };

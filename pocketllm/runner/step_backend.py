@@ -1,9 +1,10 @@
 """How the model runner runs one step: step backends, kept in an ordered list by the model runner; the first that
 handles a step's chunks runs it and returns the logits of its sampling rows.
 
-``CpuDecodeBackend`` (CPU decode-only steps of a model that exports a decode plan, ``cpu_decode.py``) comes
-first where it is set up. Last comes one ``HostBatchStep``, which handles every step: ``CudaGraphStep`` (the
-Triton kernel metadata and the decode CUDA graphs of ``cuda_graphs.py``) on CUDA with Triton, else
+``CpuDecodeBackend`` (the decode rows and verify chunks of CPU steps of a model that exports a decode plan,
+``cpu_decode.py``; a step's prompt chunks go to the host-batch step beside them) comes first where it is set up.
+Last comes one ``HostBatchStep``, which handles every step: ``CudaGraphStep`` (the Triton kernel metadata and the
+decode CUDA graphs of ``cuda_graphs.py``) on CUDA with Triton, else
 ``ReferenceStep`` (the PyTorch reference forward). A host-batch step gathers the chunks into one ``HostBatch``,
 which rank 0 of a tensor-parallel group sends to the other ranks before it runs the step; a worker runs what
 it receives through the same step's ``run``.

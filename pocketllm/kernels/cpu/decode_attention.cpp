@@ -6,6 +6,8 @@
 // float32.
 // Work is split over (row, a range of positions), so that one row still keeps both cores busy; each range keeps,
 // per head, its softmax maximum, sum and unnormalised output, and a last pass merges the ranges of a head.
+// attend_paged (the native plane's) reads a paged cache [slots, KVH, D] instead: row r's position p at slot
+// slots[r][p], with the same arithmetic (no sliding-window starts there).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
