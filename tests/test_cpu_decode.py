@@ -149,11 +149,15 @@ def _without_cpu_decode(runner) -> None:
     assert runner.cpu_decode is None
 
 
+def _request(ids: list[int], table: list[int], prompt: int, computed: int) -> SimpleNamespace:
+    """A request of tokens ``ids`` (the first ``prompt`` its prompt), ``computed`` of them cached."""
+    return SimpleNamespace(prompt_token_ids=ids[:prompt], output_token_ids=ids[prompt:], all_token_ids=ids,
+                           num_computed_tokens=computed, num_tokens=len(ids), block_table=table, state_slot=-1)
+
+
 def _chunk(ids: list[int], table: list[int]) -> SimpleNamespace:
     """A decode chunk: the last of ``ids`` is the new token, the rest are cached."""
-    request = SimpleNamespace(prompt_token_ids=ids[:1], output_token_ids=ids[1:], all_token_ids=ids,
-                              num_computed_tokens=len(ids) - 1, num_tokens=len(ids), block_table=table, state_slot=-1)
-    return ScheduledChunk(request, 1, len(ids) - 1, True)
+    return ScheduledChunk(_request(ids, table, 1, len(ids) - 1), 1, len(ids) - 1, True)
 
 
 @pytest.mark.parametrize("kernels", ["native", "torch"])
@@ -190,16 +194,12 @@ def test_fast_decode_step_equals_reference_forward(arch: str, kernels: str, tiny
 
 def _prompt_chunk(ids: list[int], table: list[int]) -> ScheduledChunk:
     """A whole prompt in one chunk that samples."""
-    request = SimpleNamespace(prompt_token_ids=ids, output_token_ids=[], all_token_ids=ids, num_computed_tokens=0,
-                              num_tokens=len(ids), block_table=table, state_slot=-1)
-    return ScheduledChunk(request, len(ids), 0, True)
+    return ScheduledChunk(_request(ids, table, len(ids), 0), len(ids), 0, True)
 
 
 def _verify_chunk(ids: list[int], draft: list[int], table: list[int]) -> ScheduledChunk:
     """A verify chunk: the last of ``ids`` (the rest cached) and the proposals ``draft``."""
-    request = SimpleNamespace(prompt_token_ids=ids[:1], output_token_ids=ids[1:], all_token_ids=ids,
-                              num_computed_tokens=len(ids) - 1, num_tokens=len(ids), block_table=table, state_slot=-1)
-    return ScheduledChunk(request, 1 + len(draft), len(ids) - 1, True, tuple(draft))
+    return ScheduledChunk(_request(ids, table, 1, len(ids) - 1), 1 + len(draft), len(ids) - 1, True, tuple(draft))
 
 
 @pytest.mark.parametrize("fmt", ["int4", "float32"])

@@ -216,15 +216,17 @@ class RescoredLMHead(nn.Module):
         else:
             self.inner = CpuLinear(self.exact, None, "int4", keep=vocab_size, dense=False)
         self.dense = self.exact.to(torch.bfloat16)
+        # PocketLLM's rescoring kernel where it runs and takes these weights: float32 products (of bfloat16
+        # weights too, where torch's bmm in ``forward`` rounds to them).
+        self.native = (cpu_native.available() and self.exact.dtype in (torch.float32, torch.bfloat16)
+                       and self.exact.shape[-1] % 16 == 0 and self.exact.stride(-1) == 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() != 2 or x.shape[0] > INT4_MAX_ROWS:
             return F.linear(x.to(torch.bfloat16), self.dense)[..., : self.vocab_size].float()
         logits = self.inner(x).float()
         count = min(self.rescore, self.vocab_size)
-        if (cpu_native.available() and self.exact.dtype in (torch.float32, torch.bfloat16)
-                and x.shape[-1] % 16 == 0 and self.exact.stride(-1) == 1):
-            # PocketLLM's kernel: float32 products (of bfloat16 weights too, where torch's bmm below rounds to them)
+        if self.native:
             return cpu_native.rescore_top(logits.contiguous(), x.float().contiguous(), self.exact, count)
         top = logits.topk(count, dim=-1).indices
         rows = self.exact.index_select(0, top.reshape(-1)).view(*top.shape, -1)

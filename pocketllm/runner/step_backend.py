@@ -154,18 +154,12 @@ class CpuDecodeBackend(StepBackend):
         rest = self.rest.launch(others, previous_tokens)
         if fast is None or rest is None:
             return fast if rest is None else rest
-        # Back into the step's chunk order: each sampling chunk's rows (a verify chunk's 1 + k), in turn.
+        # Back into the step's chunk order: each sampling chunk's rows (a verify chunk's 1 + k), in turn, taken
+        # from the fast rows or from the rest's (which follow them in ``joined``).
         ours = {id(chunk) for chunk in mine}
-        order: list[int] = []
-        taken = {True: 0, False: 0}
-        offsets = {True: 0, False: fast.shape[0]}
-        for chunk in chunks:
-            if not chunk.samples:
-                continue
-            width = len(chunk.draft) + 1
-            side = id(chunk) in ours
-            order.extend(range(offsets[side] + taken[side], offsets[side] + taken[side] + width))
-            taken[side] += width
+        fast_rows, rest_rows = iter(range(fast.shape[0])), iter(range(fast.shape[0], fast.shape[0] + rest.shape[0]))
+        order = [next(fast_rows if id(chunk) in ours else rest_rows)
+                 for chunk in chunks if chunk.samples for _ in range(len(chunk.draft) + 1)]
         dtype = torch.promote_types(fast.dtype, rest.dtype)
         joined = torch.cat([fast.to(dtype), rest.to(dtype)])
         return joined.index_select(0, torch.tensor(order, dtype=torch.int64, device=joined.device))
