@@ -41,11 +41,17 @@ def test_flattened_rows_and_contexts() -> None:
     assert flat.is_plain_decode and not host.is_plain_decode and host.max_query_len == 4
 
 
-def test_recurrent_state_is_not_flattened() -> None:
-    request = _request(list(range(10, 17)), [3, 4, 5], state_slot=2)
-    host = gather_host_batch([ScheduledChunk(request, 3, 6, True, (5, 6))], block_size=4)
-    with pytest.raises(ValueError, match="recurrent-state"):
-        host.flattened()
+def test_recurrent_state_rows_form_chains() -> None:
+    """Hybrid models: a verify chunk's rows form one chain from the sequence's state slot, writing its checkpoint
+    slots and then the sequence's slot; a decode row is a chain of its own."""
+    verify = _request(list(range(10, 17)), [3, 4, 5], state_slot=2)
+    verify.state_checkpoints = 9
+    chunks = [ScheduledChunk(verify, 3, 6, True, (5, 6)), ScheduledChunk(_request(list(range(20, 25)), [8, 9], 4), 1, 4,
+                                                                         True)]
+    flat = gather_host_batch(chunks, block_size=4).flattened()
+    assert flat.state_slots == [9, 10, 2, 4]
+    assert flat.state_chain == [2, -1, -1, 4]
+    assert flat.state_checkpoints == [-1] * 4 and flat.is_plain_decode
 
 
 @pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2_swa"])   # mistral, qwen2_swa: windows of 16

@@ -154,6 +154,39 @@ def test_decode_kernel_steps_like_the_recurrence():
     assert _rel(layer.ssm_state, ref_layer.ssm_state) < TOL[dtype]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_kernel_runs_chains_of_positions(dtype):
+    """Rows that are consecutive positions of one sequence (a verify chunk run as decode rows) give what decode
+    steps of one row each give, and leave the state after each position in that row's slot."""
+    _need_kernels()
+    layer = _layer(2, 4, 16, 32, dtype=dtype, slots=10)
+    ref_layer = _layer(2, 4, 16, 32, dtype=dtype, slots=10)
+    # a decode row (slot 1); a verify chunk of four positions (slot 2, checkpoints 5-7); a graph padding row
+    # (context 0, slot 9); a fresh two-token chain without checkpoints (slot 3)
+    ctx = [7, 10, 11, 12, 13, 0, 1, 2]
+    writes = [1, 5, 6, 7, 2, 9, 3, 3]
+    chain = [1, 2, -1, -1, -1, 9, 3, -1]
+    reads = [1, 2, 2, 2, 2, 9, 3, 3]        # the reference runs each row in its sequence's slot
+    mixed, z, b, a = _inputs(layer, len(ctx), dtype)
+    meta = _meta([1] * len(ctx), ctx, writes)
+    from pocketllm.kernels.gated_delta import gated_delta_decode
+
+    out = gated_delta_decode(mixed, a, b, layer.conv1d.weight, layer.A_log, layer.dt_bias, layer.conv_state,
+                             layer.ssm_state, meta.state_slots, meta.context_lens_gpu, layer.num_k_heads,
+                             layer.num_v_heads, layer.head_k_dim, layer.head_v_dim, z=z, norm_weight=layer.norm.weight,
+                             eps=layer.norm.eps, chain=torch.tensor(chain, dtype=torch.int32, device=DEVICE))
+    # (compiled apart, the chained kernel may round differently from the one-row kernel in the last place)
+    for row in range(len(ctx)):
+        one = _meta([1], [ctx[row]], [reads[row]])
+        expected = _decode_kernel(ref_layer, mixed[row:row + 1], z[row:row + 1], b[row:row + 1], a[row:row + 1], one)
+        assert _rel(out[row:row + 1], expected) < TOL[dtype] / 10, row
+        if writes[row] != reads[row]:
+            ref_layer.conv_state[writes[row]] = ref_layer.conv_state[reads[row]]
+            ref_layer.ssm_state[writes[row]] = ref_layer.ssm_state[reads[row]]
+    assert torch.equal(layer.conv_state, ref_layer.conv_state)      # a shift: exact
+    assert _rel(layer.ssm_state, ref_layer.ssm_state) < TOL[dtype] / 10
+
+
 def test_decode_kernel_replays_in_a_cuda_graph():
     """Captured once, replayed with new slots, lengths and inputs written into the static buffers."""
     if not torch.cuda.is_available():

@@ -12,6 +12,12 @@ must be read by all of them before any writes it back, and a grid has no barrier
 is at most 1 (a one-token prompt, or a CUDA-graph padding row with length 0) start from zero conv and ssm
 state. Nothing reads the host: the step can be captured in a CUDA graph.
 
+Chains (``chain``): consecutive rows may be consecutive positions of one sequence (a speculative verify chunk run
+as decode rows). ``chain[r]`` is the slot row ``r`` reads its states from when it starts a chain, or -1 when it
+continues the row before it; ``slots[r]`` is where the states after row ``r`` go (a verify chunk's checkpoint
+slots, then the sequence's own). The program of a chain's first row runs the chain's rows in order, keeping the
+state in registers between them; the programs of the other rows return at once.
+
 Physical bound (Qwen3.5-9B shapes: 32 value heads, Dk = Dv = 128, hidden 4096, bf16 weights): the state is
 read and written once per step, 2 * 32 * 128 * 128 * 4 B = 4 MiB per sequence per layer, while the layer's
 weights (in_proj 12352 x 4096 and out_proj 4096 x 4096, bf16) are about 135 MB, read once per step whatever
@@ -27,8 +33,37 @@ import triton.language as tl
 
 
 @triton.jit
-def _conv_step_kernel(x_ptr, stride_x, w_ptr, conv_ptr, stride_cs, stride_ck, slot_ptr, ctx_ptr, out_ptr,
-                      conv_dim, key_heads, dk, dv, q_scale, KSIZE: tl.constexpr, BLOCK: tl.constexpr):
+def _conv_row(x_ptr, stride_x, w_row, conv_ptr, stride_cs, stride_ck, out_ptr, row, source, target, keep, cols, mask,
+              conv_dim, is_q, is_qk, q_scale, KSIZE: tl.constexpr):
+    """Row ``row``'s conv update: window from slot ``source`` (zeros unless ``keep``), new window to ``target``."""
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    old = conv_ptr + source * stride_cs + cols
+    new = conv_ptr + target * stride_cs + cols
+    # The window is [old_0 .. old_{K-2}, x]; the new state is [old_1 .. old_{K-2}, x]. Each old row is loaded
+    # before the store that may overwrite it (same program, same layout).
+    cur = tl.load(old, mask=mask, other=0.0)
+    cur = tl.where(keep, cur, 0.0).to(x.dtype)
+    acc = cur.to(tl.float32) * tl.load(w_row, mask=mask, other=0.0).to(tl.float32)
+    for j in tl.static_range(1, KSIZE - 1):
+        nxt = tl.load(old + j * stride_ck, mask=mask, other=0.0)
+        nxt = tl.where(keep, nxt, 0.0).to(x.dtype)
+        tl.store(new + (j - 1) * stride_ck, nxt.to(conv_ptr.dtype.element_ty), mask=mask)
+        acc += nxt.to(tl.float32) * tl.load(w_row + j, mask=mask, other=0.0).to(tl.float32)
+    tl.store(new + (KSIZE - 2) * stride_ck, x.to(conv_ptr.dtype.element_ty), mask=mask)
+    acc += x.to(tl.float32) * tl.load(w_row + (KSIZE - 1), mask=mask, other=0.0).to(tl.float32)
+    # the reference rounds the conv output and the SiLU output to the model dtype
+    y = acc.to(x.dtype).to(tl.float32)
+    y = (y / (1.0 + tl.exp(-y))).to(x.dtype).to(tl.float32)
+    if is_qk:
+        y = y * tl.rsqrt(tl.sum(y * y, 0) + 1e-6)
+        y = tl.where(is_q, y * q_scale, y)
+    tl.store(out_ptr + row * conv_dim + cols, y, mask=mask)
+
+
+@triton.jit
+def _conv_step_kernel(x_ptr, stride_x, w_ptr, conv_ptr, stride_cs, stride_ck, slot_ptr, chain_ptr, ctx_ptr, out_ptr,
+                      rows, conv_dim, key_heads, dk, dv, q_scale, KSIZE: tl.constexpr, BLOCK: tl.constexpr,
+                      CHAINED: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     part = tl.program_id(1)
     is_v = part >= 2 * key_heads
@@ -39,30 +74,24 @@ def _conv_step_kernel(x_ptr, stride_x, w_ptr, conv_ptr, stride_cs, stride_ck, sl
     offs = tl.arange(0, BLOCK)
     mask = offs < width
     cols = start + offs
-    slot = tl.load(slot_ptr + row).to(tl.int64)
-    keep = tl.load(ctx_ptr + row) > 1
-    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
-    state = conv_ptr + slot * stride_cs + cols
     w_row = w_ptr + cols * KSIZE
-    # The window is [old_0 .. old_{K-2}, x]; the new state is [old_1 .. old_{K-2}, x]. Each old row is loaded
-    # before the store that overwrites it (same program, same layout).
-    cur = tl.load(state, mask=mask, other=0.0)
-    cur = tl.where(keep, cur, 0.0).to(x.dtype)
-    acc = cur.to(tl.float32) * tl.load(w_row, mask=mask, other=0.0).to(tl.float32)
-    for j in tl.static_range(1, KSIZE - 1):
-        nxt = tl.load(state + j * stride_ck, mask=mask, other=0.0)
-        nxt = tl.where(keep, nxt, 0.0).to(x.dtype)
-        tl.store(state + (j - 1) * stride_ck, nxt.to(conv_ptr.dtype.element_ty), mask=mask)
-        acc += nxt.to(tl.float32) * tl.load(w_row + j, mask=mask, other=0.0).to(tl.float32)
-    tl.store(state + (KSIZE - 2) * stride_ck, x.to(conv_ptr.dtype.element_ty), mask=mask)
-    acc += x.to(tl.float32) * tl.load(w_row + (KSIZE - 1), mask=mask, other=0.0).to(tl.float32)
-    # the reference rounds the conv output and the SiLU output to the model dtype
-    y = acc.to(x.dtype).to(tl.float32)
-    y = (y / (1.0 + tl.exp(-y))).to(x.dtype).to(tl.float32)
-    if is_qk:
-        y = y * tl.rsqrt(tl.sum(y * y, 0) + 1e-6)
-        y = tl.where(is_q, y * q_scale, y)
-    tl.store(out_ptr + row * conv_dim + cols, y, mask=mask)
+    keep = tl.load(ctx_ptr + row) > 1
+    target = tl.load(slot_ptr + row).to(tl.int64)
+    if CHAINED:
+        source = tl.load(chain_ptr + row).to(tl.int64)
+        go = source >= 0
+        while go:
+            _conv_row(x_ptr, stride_x, w_row, conv_ptr, stride_cs, stride_ck, out_ptr, row, source, target, keep,
+                      cols, mask, conv_dim, is_q, is_qk, q_scale, KSIZE)
+            tl.debug_barrier()   # the next row of the chain reads the window just written
+            row += 1
+            go = tl.load(chain_ptr + row, mask=row < rows, other=0) < 0
+            source = target
+            target = tl.load(slot_ptr + row, mask=go, other=0).to(tl.int64)
+            keep = source >= 0
+    else:
+        _conv_row(x_ptr, stride_x, w_row, conv_ptr, stride_cs, stride_ck, out_ptr, row, target, target, keep, cols,
+                  mask, conv_dim, is_q, is_qk, q_scale, KSIZE)
 
 
 @triton.jit
@@ -75,21 +104,11 @@ def _softplus(x):
 
 
 @triton.jit
-def _delta_rule_kernel(qkv_ptr, a_ptr, b_ptr, stride_ab, a_log_ptr, dt_bias_ptr, ssm_ptr, stride_ss, stride_sh,
-                       slot_ptr, ctx_ptr, z_ptr, stride_z, norm_w_ptr, out_ptr, stride_o, eps,
-                       conv_dim, key_heads, groups,
-                       DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                       FUSE_NORM: tl.constexpr, ROUND_PRODUCT: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1)
-    vb = tl.program_id(2)
-    kh = h // groups
-    kk = tl.arange(0, BK)
-    vv = vb * BV + tl.arange(0, BV)
-    k_mask = kk < DK
-    v_mask = vv < DV
-    slot = tl.load(slot_ptr + row).to(tl.int64)
-    keep = tl.load(ctx_ptr + row) > 1
+def _delta_row(s, qkv_ptr, a_ptr, b_ptr, stride_ab, a_log, dt_bias, z_ptr, stride_z, norm_w_ptr, out_ptr, stride_o,
+               eps, row, h, kh, kk, vv, k_mask, v_mask, conv_dim, key_heads, DK: tl.constexpr, DV: tl.constexpr,
+               FUSE_NORM: tl.constexpr, ROUND_PRODUCT: tl.constexpr):
+    """Row ``row``'s delta-rule update of the state tile ``s`` and its output (normalised and gated when
+    ``FUSE_NORM``); returns the new tile."""
     src = qkv_ptr + row * conv_dim
     q = tl.load(src + kh * DK + kk, mask=k_mask, other=0.0)
     k = tl.load(src + key_heads * DK + kh * DK + kk, mask=k_mask, other=0.0)
@@ -97,18 +116,12 @@ def _delta_rule_kernel(qkv_ptr, a_ptr, b_ptr, stride_ab, a_log_ptr, dt_bias_ptr,
     a = tl.load(a_ptr + row * stride_ab + h).to(tl.float32)
     b = tl.load(b_ptr + row * stride_ab + h).to(tl.float32)
     beta = 1.0 / (1.0 + tl.exp(-b))
-    g = -tl.exp(tl.load(a_log_ptr + h).to(tl.float32)) * _softplus(a + tl.load(dt_bias_ptr + h).to(tl.float32))
-
-    tile = ssm_ptr + slot * stride_ss + h * stride_sh + kk[:, None] * DV + vv[None, :]
-    tile_mask = k_mask[:, None] & v_mask[None, :]
-    s = tl.load(tile, mask=tile_mask, other=0.0)
-    s = tl.where(keep, s, 0.0)
+    g = -tl.exp(a_log) * _softplus(a + dt_bias)
     s = s * tl.exp(g)
     predicted = tl.sum(s * k[:, None], 0)
     delta = beta * (v - predicted)
     s = s + k[:, None] * delta[None, :]
     o = tl.sum(s * q[:, None], 0)
-    tl.store(tile, s, mask=tile_mask)
 
     dst = out_ptr + row * stride_o + h * DV + vv
     if FUSE_NORM:
@@ -124,6 +137,50 @@ def _delta_rule_kernel(qkv_ptr, a_ptr, b_ptr, stride_ab, a_log_ptr, dt_bias_ptr,
         tl.store(dst, (normed * (z / (1.0 + tl.exp(-z)))).to(out_ptr.dtype.element_ty), mask=v_mask)
     else:
         tl.store(dst, o.to(out_ptr.dtype.element_ty), mask=v_mask)
+    return s
+
+
+@triton.jit
+def _delta_rule_kernel(qkv_ptr, a_ptr, b_ptr, stride_ab, a_log_ptr, dt_bias_ptr, ssm_ptr, stride_ss, stride_sh,
+                       slot_ptr, chain_ptr, ctx_ptr, z_ptr, stride_z, norm_w_ptr, out_ptr, stride_o, eps,
+                       rows, conv_dim, key_heads, groups,
+                       DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                       FUSE_NORM: tl.constexpr, ROUND_PRODUCT: tl.constexpr, CHAINED: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    vb = tl.program_id(2)
+    kh = h // groups
+    kk = tl.arange(0, BK)
+    vv = vb * BV + tl.arange(0, BV)
+    k_mask = kk < DK
+    v_mask = vv < DV
+    tile_mask = k_mask[:, None] & v_mask[None, :]
+    tile = ssm_ptr + h * stride_sh + kk[:, None] * DV + vv[None, :]
+    keep = tl.load(ctx_ptr + row) > 1
+    a_log = tl.load(a_log_ptr + h).to(tl.float32)
+    dt_bias = tl.load(dt_bias_ptr + h).to(tl.float32)
+    target = tl.load(slot_ptr + row).to(tl.int64)
+    if CHAINED:
+        source = tl.load(chain_ptr + row).to(tl.int64)
+        if source >= 0:   # (a row that continues a chain is run by the chain's first row)
+            s = tl.load(tile + source * stride_ss, mask=tile_mask, other=0.0)
+            s = tl.where(keep, s, 0.0)
+            go = source >= 0
+            while go:
+                s = _delta_row(s, qkv_ptr, a_ptr, b_ptr, stride_ab, a_log, dt_bias, z_ptr, stride_z, norm_w_ptr,
+                               out_ptr, stride_o, eps, row, h, kh, kk, vv, k_mask, v_mask, conv_dim, key_heads, DK,
+                               DV, FUSE_NORM, ROUND_PRODUCT)
+                tl.store(tile + target * stride_ss, s, mask=tile_mask)
+                row += 1   # the next row continues this chain from the state held here
+                go = tl.load(chain_ptr + row, mask=row < rows, other=0) < 0
+                target = tl.load(slot_ptr + row, mask=go, other=0).to(tl.int64)
+    else:
+        s = tl.load(tile + target * stride_ss, mask=tile_mask, other=0.0)
+        s = tl.where(keep, s, 0.0)
+        s = _delta_row(s, qkv_ptr, a_ptr, b_ptr, stride_ab, a_log, dt_bias, z_ptr, stride_z, norm_w_ptr, out_ptr,
+                       stride_o, eps, row, h, kh, kk, vv, k_mask, v_mask, conv_dim, key_heads, DK, DV, FUSE_NORM,
+                       ROUND_PRODUCT)
+        tl.store(tile + target * stride_ss, s, mask=tile_mask)
 
 
 def _pow2(n: int) -> int:
@@ -135,9 +192,12 @@ def gated_delta_decode(mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor, co
                        slots: torch.Tensor, context_lens: torch.Tensor, num_k_heads: int, num_v_heads: int,
                        head_k_dim: int, head_v_dim: int, z: torch.Tensor | None = None,
                        norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
-                       block_v: int | None = None, num_warps: int | None = None) -> torch.Tensor:
+                       block_v: int | None = None, num_warps: int | None = None,
+                       chain: torch.Tensor | None = None) -> torch.Tensor:
     """One decode token per row: ``mixed`` [B, conv_dim] (pre-conv q|k|v), ``a``/``b`` [B, Hv] (row-strided
     views are fine), states updated in place at ``slots`` [B]; ``context_lens`` [B] (<= 1: fresh row).
+    ``chain`` [B] (optional): rows as chains of one sequence's positions (the module docstring); the states
+    after each row go to its slot in ``slots``.
 
     Returns [B, Hv * Dv] in ``mixed``'s dtype: ``norm(o) * silu(z)`` when ``z`` and ``norm_weight`` are given and
     ``block_v`` covers the whole head (the default), else the rule's output ``o`` (normalise it yourself).
@@ -156,10 +216,13 @@ def gated_delta_decode(mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor, co
     if rows == 0:
         return out
     qkv = torch.empty(rows, conv_dim, dtype=torch.float32, device=mixed.device)
+    chained = chain is not None
+    chain_arg = chain if chained else slots
     _conv_step_kernel[(rows, 2 * num_k_heads + num_v_heads)](
         mixed, mixed.stride(0), conv_weight, conv_state, conv_state.stride(0), conv_state.stride(1), slots,
-        context_lens, qkv, conv_dim, num_k_heads, head_k_dim, head_v_dim, head_k_dim ** -0.5,
-        KSIZE=ksize, BLOCK=_pow2(max(head_k_dim, head_v_dim)), num_warps=1 if max(head_k_dim, head_v_dim) <= 256 else 4)
+        chain_arg, context_lens, qkv, rows, conv_dim, num_k_heads, head_k_dim, head_v_dim, head_k_dim ** -0.5,
+        KSIZE=ksize, BLOCK=_pow2(max(head_k_dim, head_v_dim)), CHAINED=chained,
+        num_warps=1 if max(head_k_dim, head_v_dim) <= 256 else 4)
     bk, bv = _pow2(head_k_dim), _pow2(block_v)
     if num_warps is None:
         num_warps = 8 if bk * bv >= 128 * 128 else 4 if bk * bv >= 128 * 32 else 1
@@ -174,7 +237,7 @@ def gated_delta_decode(mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor, co
         raise ValueError("a and b must share a row stride, contiguous within a row")
     _delta_rule_kernel[(rows, num_v_heads, triton.cdiv(head_v_dim, bv))](
         qkv, a, b, a.stride(0), a_log, dt_bias, ssm_state, ssm_state.stride(0), ssm_state.stride(1), slots,
-        context_lens, z_arg, stride_z, w_arg, out, out.stride(0), eps, conv_dim, num_k_heads,
+        chain_arg, context_lens, z_arg, stride_z, w_arg, out, out.stride(0), eps, rows, conv_dim, num_k_heads,
         num_v_heads // num_k_heads, DK=head_k_dim, DV=head_v_dim, BK=bk, BV=bv, FUSE_NORM=fuse_norm,
-        ROUND_PRODUCT=round_product, num_warps=num_warps)
+        ROUND_PRODUCT=round_product, CHAINED=chained, num_warps=num_warps)
     return out

@@ -245,8 +245,10 @@ class GatedDeltaNet(nn.Module):
             core = gated_delta_decode(mixed, a, b, self.conv1d.weight, self.A_log, self.dt_bias, self.conv_state,
                                       self.ssm_state, meta.state_slots, meta.context_lens_gpu, self.num_k_heads,
                                       self.num_v_heads, self.head_k_dim, self.head_v_dim, z=z,
-                                      norm_weight=self.norm.weight, eps=self.norm.eps)
+                                      norm_weight=self.norm.weight, eps=self.norm.eps, chain=meta.state_chain)
             return self.out_proj(core)
+        if meta.state_chain is not None:
+            raise RuntimeError("rows in state chains need the Triton decode step")
         beta = b.float().sigmoid()
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
         if meta.is_decode_only:

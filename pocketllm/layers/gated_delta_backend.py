@@ -56,3 +56,9 @@ def gated_delta_backend(hidden: torch.Tensor, meta: AttentionMetadata) -> GatedD
     if not meta.is_decode_only and choice.decode != "torch":
         choice = choice._replace(decode="torch")
     return choice
+
+
+def decode_runs_chains(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether decode steps on the kernel path run the Triton step, which also runs rows in state chains
+    (``AttentionMetadata.state_chain``: a verify chunk's positions as decode rows of a CUDA graph)."""
+    return _choose(device, dtype, True).decode == "triton"

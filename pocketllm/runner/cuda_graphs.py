@@ -16,7 +16,9 @@ catch-up chunk, beside decode rows) replays the same graphs with each token as a
 (``HostBatch.flattened``): its context ends at its own position, and its sequence's block table is repeated.
 Such rows read keys and values other rows store in the step, which the packed decode launch (each row storing
 its own inside attention) would race on: below ``PACKED_DECODE_MAX_ROWS`` rows those steps replay a second set
-of graphs captured without it.
+of graphs captured without it. On hybrid models a sequence's rows run its recurrent state as a chain
+(``AttentionMetadata.state_chain``): with speculation every graph is captured with chains (a decode row is a
+chain of one), and a verify chunk's rows leave the state after each position in its checkpoint slots.
 Graph inputs live in one static device buffer whose layout is fixed at capture time. A graph ends with the
 LM head (the final norm in its kernel where that measured faster), writing the logits into one static buffer
 shared by every graph; the step's sampling reads them before the next step's graph is queued.
@@ -41,6 +43,9 @@ logger = logging.getLogger("pocketllm.runner")
 
 # A chunk of up to this many tokens may run as decode rows (``HostBatch.flattened``) in a speculative step.
 FLAT_MAX_QUERY = 16
+# The graphs' static inputs: token ids, positions, KV slots, context lengths, state slots, state chains (each a
+# segment of the bucket's rows), then the block tables.
+_SEGMENTS = 6
 
 
 def graph_buckets(max_num_seqs: int) -> list[int]:
@@ -116,6 +121,7 @@ class CudaStepRunner:
         self.graph_meta: dict[tuple[int, int], AttentionMetadata] = {}
         self.max_graph_bs = 0
         self.graph_width = 0
+        self.chained = False   # hybrid models with speculation: graphs run recurrent states in chains
         self.static: torch.Tensor | None = None
         self.pool = None
 
@@ -235,19 +241,22 @@ class CudaStepRunner:
         count stay set, for one-row steps run eagerly. ``flat_rows``: also the graphs of flattened steps (those
         of buckets of 2 to ``PACKED_DECODE_MAX_ROWS`` rows captured again, without the packed decode launch)."""
         from pocketllm.kernels.attention import decode_split_options
+        from pocketllm.layers.gated_delta_backend import decode_runs_chains
 
         started = time.perf_counter()
-        flat_rows = flat_rows and self.state_padding_slot is None   # (a state slot runs its tokens in order)
+        hybrid = self.state_padding_slot is not None
+        if hybrid and flat_rows:   # a state slot runs its sequence's tokens in order: chains, where they run
+            flat_rows = self.chained = decode_runs_chains(self.device, self.model.lm_head.weight.dtype)
         self.graph_width = -(-max_model_len // self.block_size)
         maxb, seg = max_num_seqs, _align(max_num_seqs)
         self.segment = seg
-        self.static = torch.zeros(5 * seg + maxb * self.graph_width, dtype=torch.int32, device=self.device)
-        ids, pos, slots, ctx, state = (self.static[k * seg:k * seg + maxb] for k in range(5))
-        tables = self.static[5 * seg:].view(maxb, self.graph_width)
+        self.static = torch.zeros(_SEGMENTS * seg + maxb * self.graph_width, dtype=torch.int32, device=self.device)
+        ids, pos, slots, ctx, state, chain = (self.static[k * seg:k * seg + maxb] for k in range(_SEGMENTS))
+        tables = self.static[_SEGMENTS * seg:].view(maxb, self.graph_width)
         slots.fill_(-1)
-        hybrid = self.state_padding_slot is not None
         if hybrid:
             state.fill_(self.state_padding_slot)
+            chain.fill_(self.state_padding_slot)
         self.pool = torch.cuda.graph_pool_handle()
         counters = self._counters(maxb)   # the graphs' metadata keeps this buffer alive
         self.graph_logits = torch.empty(maxb, self.model.lm_head.vocab_size, dtype=self.model.lm_head.weight.dtype,
@@ -257,12 +266,12 @@ class CudaStepRunner:
             for splits in reversed(decode_split_options(bs, self.num_kv_heads)):
                 if bs == 1 and settled:
                     one_row_settings[min(settled, key=lambda s: abs(s - splits))]()
-                self._capture_one(bs, splits, (ids, pos, slots, ctx, state, tables), counters)
+                self._capture_one(bs, splits, (ids, pos, slots, ctx, state, chain, tables), counters)
                 if flat_rows and bs > PACKED_DECODE_MAX_ROWS:
                     self.flat_graphs[bs, splits] = self.graphs[bs, splits]
                 elif flat_rows and bs > 1:
                     self.flat_graphs[bs, splits], _ = self._decode_graph(
-                        bs, splits, (ids, pos, slots, ctx, state, tables), counters, self.graph_logits[:bs],
+                        bs, splits, (ids, pos, slots, ctx, state, chain, tables), counters, self.graph_logits[:bs],
                         self.pool, rows_share_context=True)
         if settled:
             one_row_settings[settled[-1]]()
@@ -276,7 +285,7 @@ class CudaStepRunner:
 
     def _capture_one(self, bs: int, splits: int, inputs: tuple[torch.Tensor, ...], counters: torch.Tensor) -> None:
         """Capture the decode graph of bucket ``bs`` with ``splits`` context splits over the static ``inputs``
-        (token ids, positions, slots, context lengths, state slots, block tables)."""
+        (token ids, positions, slots, context lengths, state slots, state chains, block tables)."""
         graph, meta = self._decode_graph(bs, splits, inputs, counters, self.graph_logits[:bs], self.pool)
         self.graphs[bs, splits] = graph
         self.graph_meta[bs, splits] = meta
@@ -287,7 +296,7 @@ class CudaStepRunner:
         """A graph of the decode step of ``bs`` rows over the static ``inputs`` (as ``_capture_one``) writing
         ``logits``, captured into ``pool`` (None: a pool of its own) after one eager run, and its metadata
         (``rows_share_context``: rows of a flattened step)."""
-        ids, pos, slots, ctx, state, tables = inputs
+        ids, pos, slots, ctx, state, chain, tables = inputs
         hybrid = self.state_padding_slot is not None
         meta = AttentionMetadata(
             slot_mapping=slots[:bs], block_tables=tables[:bs], query_start=list(range(bs + 1)),
@@ -295,7 +304,7 @@ class CudaStepRunner:
             query_start_gpu=None, max_query_len=1, num_splits=splits, decode_tile=self._tile(bs, splits),
             split_counters=counters, state_slots=state[:bs] if hybrid else None,
             state_slots_host=[self.state_padding_slot] * bs if hybrid else None,
-            rows_share_context=rows_share_context)
+            rows_share_context=rows_share_context, state_chain=chain[:bs] if self.chained else None)
         self.model.logits_unnormed(*self.model.unnormed(ids[:bs], pos[:bs], meta), logits)  # compile, warm up
         torch.cuda.synchronize(self.device)
         graph = torch.cuda.CUDAGraph()
@@ -312,18 +321,19 @@ class CudaStepRunner:
         they hold."""
         blocks = -(-context // self.block_size)
         seg, width = 16, _align(blocks)
-        inputs = torch.zeros(5 * seg + width, dtype=torch.int32, device=self.device)
-        ids, pos, slots, ctx, state = (inputs[k * seg:k * seg + 1] for k in range(5))
+        inputs = torch.zeros(_SEGMENTS * seg + width, dtype=torch.int32, device=self.device)
+        ids, pos, slots, ctx, state, chain = (inputs[k * seg:k * seg + 1] for k in range(_SEGMENTS))
         pos.fill_(context - 1)
         slots.fill_(-1)
         ctx.fill_(context)
-        torch.arange(blocks, out=inputs[5 * seg:5 * seg + blocks])
+        torch.arange(blocks, out=inputs[_SEGMENTS * seg:_SEGMENTS * seg + blocks])
         if self.state_padding_slot is not None:
             state.fill_(self.state_padding_slot)
+            chain.fill_(self.state_padding_slot)
         logits = torch.empty(1, self.model.lm_head.vocab_size, dtype=self.model.lm_head.weight.dtype,
                              device=self.device)
-        graph, _ = self._decode_graph(1, self._splits(1, [context]), (ids, pos, slots, ctx, state,
-                                                                      inputs[5 * seg:].view(1, width)),
+        graph, _ = self._decode_graph(1, self._splits(1, [context]), (ids, pos, slots, ctx, state, chain,
+                                                                      inputs[_SEGMENTS * seg:].view(1, width)),
                                       self._counters(1), logits, None)
         staged = inputs.cpu().pin_memory()
 
@@ -350,8 +360,8 @@ class CudaStepRunner:
         n = host.num_seqs
         bs = next(b for b in self.buckets if b >= n)
         maxb, seg, width = self.max_graph_bs, self.segment, self.graph_width
-        size = 5 * seg + bs * width
-        i, buf = self.ring.take(5 * seg + maxb * width)
+        size = _SEGMENTS * seg + bs * width
+        i, buf = self.ring.take(_SEGMENTS * seg + maxb * width)
         buf[0:n] = host.input_ids
         buf[seg:seg + n] = host.positions
         buf[2 * seg:2 * seg + n] = host.slots
@@ -359,10 +369,12 @@ class CudaStepRunner:
         padding_slot = self.state_padding_slot if self.state_padding_slot is not None else 0
         if self.state_padding_slot is not None:
             buf[4 * seg:4 * seg + n] = host.state_slots
+            if self.chained:   # (plain decode rows: each a chain of its own)
+                buf[5 * seg:5 * seg + n] = host.state_chain or host.state_slots
         if bs > n:
-            for k, pad in enumerate((0, 0, -1, 0, padding_slot)):
+            for k, pad in enumerate((0, 0, -1, 0, padding_slot, padding_slot)):
                 buf[k * seg + n:k * seg + bs] = pad
-        tables = buf[5 * seg:5 * seg + maxb * width].reshape(maxb, width)
+        tables = buf[_SEGMENTS * seg:_SEGMENTS * seg + maxb * width].reshape(maxb, width)
         for row, table in enumerate(host.tables):
             tables[row, :len(table)] = table
         self.ring.send(i, size, self.static)

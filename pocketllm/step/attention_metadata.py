@@ -42,6 +42,10 @@ class AttentionMetadata:
     # Speculative decoding on a hybrid model: per sequence, the first slot of the checkpoints its verify chunk
     # writes (the state after each of its positions but the last), -1 for other sequences; None: no verify chunk.
     state_checkpoints_host: list[int] | None = None
+    # Decode rows on the kernel path whose recurrent states run in chains (CUDA graphs of hybrid models): per row,
+    # the slot it reads its states from when it starts a chain, -1 when it continues the row before it (one
+    # sequence's positions, ``HostBatch.flattened``); ``state_slots`` then says where each row's states go.
+    state_chain: torch.Tensor | None = None         # [num_seqs] int32
 
     @property
     def uses_kernels(self) -> bool:

@@ -26,6 +26,9 @@ class HostBatch:
     state_slots: list[int]      # hybrid models: each sequence's recurrent-state slot (-1 elsewhere)
     # hybrid models, verify chunks: the first slot of the sequence's state checkpoints (-1 elsewhere)
     state_checkpoints: list[int] = field(default_factory=list)
+    # hybrid models, flattened steps: per row, the slot it reads its states from when it starts a chain of one
+    # sequence's positions, -1 when it continues the row before it (``AttentionMetadata.state_chain``)
+    state_chain: list[int] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -48,19 +51,31 @@ class HostBatch:
         """The same tokens, each a sequence of its own: one query row attending its sequence's context up to and
         including its own position, through its sequence's block table. A step of short chunks (verify chunks,
         a draft's catch-up) then has the shape of a decode step. Rows of one sequence read keys and values that
-        other rows of the same step store (``AttentionMetadata.rows_share_context``). For models without
-        recurrent state only: a state slot advances one sequence's tokens in order."""
-        if any(slot >= 0 for slot in self.state_slots):
-            raise ValueError("a batch with recurrent-state slots cannot be flattened into decode rows")
+        other rows of the same step store (``AttentionMetadata.rows_share_context``). Hybrid models: a
+        sequence's rows form a state chain (``state_chain``) that starts from its state slot; each row's states
+        go to the next of its verify chunk's checkpoint slots, the last row's to the sequence's slot."""
         contexts: list[int] = []
         tables: list[list[int]] = []
+        state_slots: list[int] = []
+        chain: list[int] = []
+        hybrid = any(slot >= 0 for slot in self.state_slots)
         for i, (start, end) in enumerate(zip(self.query_start, self.query_start[1:])):
-            first = self.context_lens[i] - (end - start) + 1
+            length = end - start
+            first = self.context_lens[i] - length + 1
             contexts.extend(range(first, self.context_lens[i] + 1))
-            tables.extend([self.tables[i]] * (end - start))
+            tables.extend([self.tables[i]] * length)
+            if hybrid:
+                slot = self.state_slots[i]
+                checkpoints = self.state_checkpoints[i] if self.state_checkpoints else -1
+                state_slots.extend(range(checkpoints, checkpoints + length - 1) if checkpoints >= 0
+                                   else [slot] * (length - 1))
+                state_slots.append(slot)
+                chain.extend([slot] + [-1] * (length - 1))
         count = self.num_tokens
+        if not hybrid:
+            state_slots = [-1] * count
         return HostBatch(self.input_ids, self.positions, self.slots, list(range(count + 1)), contexts,
-                         self.sample_index, tables, self.pending, [-1] * count, [-1] * count)
+                         self.sample_index, tables, self.pending, state_slots, [-1] * count, chain)
 
 
 def token_slice(request, start: int, end: int) -> list[int]:
