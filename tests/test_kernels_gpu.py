@@ -416,6 +416,52 @@ def test_fused_experts_match_the_expert_loop(dtype, tokens, num_experts, top_k, 
     assert _rel(out, ref) < (1e-4 if dtype == torch.float32 else 2e-2)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens,num_experts,top_k,renormalize", [
+    (1, 256, 8, True), (3, 64, 8, True), (2, 60, 3, False), (7, 8, 2, True)])
+def test_routing_in_one_launch_matches_the_router(dtype, tokens, num_experts, top_k, renormalize):
+    """``route_top_k``: the experts ``FusedMoE.route`` picks, in its order, with its weights (experts of equal
+    probability, which bfloat16 logits often have, in either order)."""
+    _need_kernels(dtype)
+    from pocketllm.kernels.moe import route_top_k
+    from pocketllm.layers.moe import FusedMoE
+
+    torch.manual_seed(tokens + num_experts)
+    moe = FusedMoE(num_experts, top_k, 16, 8, renormalize=renormalize)
+    logits = (torch.randn(tokens, num_experts) * 2).to(device=DEVICE, dtype=dtype)
+    weights, experts = route_top_k(logits, top_k, renormalize)
+    ref_weights, ref_experts = moe.route(logits.cpu())
+    assert experts.dtype == torch.int64 and weights.dtype == dtype
+    probs = torch.softmax(logits.cpu().float(), dim=-1)
+    assert torch.equal(probs.gather(1, experts.cpu()), probs.gather(1, ref_experts))
+    assert all(len(set(row)) == top_k for row in experts.tolist())
+    torch.testing.assert_close(weights.cpu(), ref_weights, rtol=1e-5 if dtype == torch.float32 else 1e-2, atol=1e-6)
+
+
+@pytest.mark.parametrize("tokens", [1, 6])
+def test_shared_expert_term_joins_the_routed_sum(tokens):
+    """``fused_experts(..., shared=(gate, output))`` equals the routed sum plus ``sigmoid(gate) * output``, rounded
+    as the unfused layer rounds (bfloat16: the sigmoid, the product and the sum)."""
+    _need_kernels(torch.bfloat16, uses_dot=tokens > 4)
+    if INTERPRET and tokens > 5:
+        pytest.skip("slow in the interpreter")
+    from pocketllm.kernels.moe import fused_experts
+    from pocketllm.layers.moe import FusedMoE
+
+    torch.manual_seed(1)
+    dtype, hidden_size = torch.bfloat16, 64
+    moe = FusedMoE(16, 4, hidden_size, 32, renormalize=True).to(DEVICE)
+    moe.w13.data = (torch.randn_like(moe.w13) * 0.1).to(dtype)
+    moe.w2.data = (torch.randn_like(moe.w2) * 0.1).to(dtype)
+    hidden = torch.randn(tokens, hidden_size, device=DEVICE).to(dtype)
+    weights, experts = moe.route(torch.randn(tokens, 16, device=DEVICE).to(dtype))
+    gate = torch.randn(tokens, 1, device=DEVICE).to(dtype)
+    output = torch.randn(tokens, hidden_size, device=DEVICE).to(dtype)
+    routed = fused_experts(hidden, moe.w13, moe.w2, weights, experts)
+    out = fused_experts(hidden, moe.w13, moe.w2, weights, experts, shared=(gate, output))
+    torch.testing.assert_close(out, routed + torch.sigmoid(gate) * output, rtol=1e-2, atol=1e-2)
+
+
 @pytest.mark.parametrize("tokens", [1, 4, 5])
 def test_fused_experts_with_deepseek_v4_clamped_swiglu(tokens):
     """``swiglu_limit``: gate clamped from above, up to ±limit, before the product (DeepSeek-V4's experts);

@@ -20,6 +20,105 @@ import torch
 import triton
 import triton.language as tl
 
+from pocketllm.kernels.pdl import gdc_launch_dependents, gdc_wait, launch_options
+
+# A gated shared expert beside the routed ones (Qwen3.5-MoE): (gate logit [T, 1], its output [T, H]); the layer's
+# output is the routed sum plus ``sigmoid(gate) * output``.
+SharedTerm = tuple[torch.Tensor, torch.Tensor]
+
+
+@triton.jit
+def _route_kernel(logits_ptr, weights_ptr, experts_ptr, num_experts, stride_l, TOP_K: tl.constexpr,
+                  RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    """One token: softmax of its router logits in float32, its ``TOP_K`` largest probabilities in descending
+    order (the lower expert index first among equal ones), optionally renormalised to sum to one."""
+    if PDL:   # dependents may launch now: each waits on this kernel before it reads this kernel's output
+        gdc_launch_dependents()
+        gdc_wait()
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK_E)
+    valid = offs < num_experts
+    x = tl.load(logits_ptr + t * stride_l + offs, mask=valid, other=-float("inf")).to(tl.float32)
+    e = tl.exp(x - tl.max(x, 0))
+    e = tl.where(valid, e, 0.0)
+    probs = e / tl.sum(e, 0)
+    probs = tl.where(valid, probs, -1.0)
+    ks = tl.arange(0, BLOCK_K)
+    chosen = tl.zeros([BLOCK_K], dtype=tl.float32)
+    index = tl.zeros([BLOCK_K], dtype=tl.int64)
+    for j in tl.static_range(TOP_K):
+        best = tl.max(probs, 0)
+        at = tl.min(tl.where(probs == best, offs, BLOCK_E), 0)
+        chosen = tl.where(ks == j, best, chosen)
+        index = tl.where(ks == j, at.to(tl.int64), index)
+        probs = tl.where(offs == at, -1.0, probs)
+    if RENORMALIZE:
+        chosen = chosen / tl.sum(chosen, 0)
+    tl.store(weights_ptr + t * TOP_K + ks, chosen.to(weights_ptr.dtype.element_ty), mask=ks < TOP_K)
+    tl.store(experts_ptr + t * TOP_K + ks, index, mask=ks < TOP_K)
+
+
+def route_top_k(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights [T, top_k] in the logits' dtype, experts [T, top_k] int64): ``FusedMoE.route`` in one launch."""
+    tokens, num_experts = router_logits.shape
+    weights = torch.empty(tokens, top_k, dtype=router_logits.dtype, device=router_logits.device)
+    experts = torch.empty(tokens, top_k, dtype=torch.int64, device=router_logits.device)
+    if tokens == 0:
+        return weights, experts
+    if router_logits.stride(1) != 1 or not 0 < top_k <= num_experts:
+        raise ValueError(f"route_top_k needs contiguous logit rows and 0 < top_k <= {num_experts}")
+    pdl, launch = launch_options(router_logits, tokens)
+    block = triton.next_power_of_2(num_experts)
+    _route_kernel[(tokens,)](router_logits, weights, experts, num_experts, router_logits.stride(0), TOP_K=top_k,
+                             RENORMALIZE=renormalize, BLOCK_E=block, BLOCK_K=triton.next_power_of_2(top_k), PDL=pdl,
+                             num_warps=4 if block >= 512 else 2,
+                             **launch)
+    return weights, experts
+
+
+@triton.jit
+def _pair_sum_kernel(pairs_ptr, out_ptr, gate_ptr, shared_ptr, N, stride_gate, stride_shared, TOP_K: tl.constexpr,
+                     SHARED: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    """``out[t] = sum_j pairs[t * TOP_K + j]`` rounded to the output dtype, then with ``SHARED`` plus
+    ``sigmoid(gate[t]) * shared[t]``, rounded where the unfused layer rounds (sigmoid, product, sum)."""
+    if PDL:   # dependents may launch now: each waits on this kernel before it reads this kernel's output
+        gdc_launch_dependents()
+        gdc_wait()
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < N
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        acc += tl.load(pairs_ptr + (t * TOP_K + j) * N + cols, mask=mask, other=0.0).to(tl.float32)
+    dtype = out_ptr.dtype.element_ty
+    y = acc.to(dtype)
+    if SHARED:
+        g = tl.load(gate_ptr + t * stride_gate).to(tl.float32)
+        scale = (1.0 / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)
+        shared = tl.load(shared_ptr + t * stride_shared + cols, mask=mask, other=0.0).to(tl.float32)
+        y = (y.to(tl.float32) + (scale * shared).to(dtype).to(tl.float32)).to(dtype)
+    tl.store(out_ptr + t * N + cols, y, mask=mask)
+
+
+def sum_pairs(pairs: torch.Tensor, top_k: int, dtype: torch.dtype, shared: SharedTerm | None = None) -> torch.Tensor:
+    """[T, H] in ``dtype``: each token's ``top_k`` consecutive rows of ``pairs`` [T * top_k, H] summed, plus the
+    gated shared expert's output when ``shared`` is given."""
+    rows, n = pairs.shape
+    tokens = rows // top_k
+    out = torch.empty(tokens, n, dtype=dtype, device=pairs.device)
+    if tokens == 0:
+        return out
+    gate, shared_out = shared if shared is not None else (out, out)
+    if pairs.stride(0) != n or shared_out.stride(-1) != 1 or gate.dim() != 2:
+        raise ValueError("sum_pairs needs contiguous pair rows and shared-expert rows")
+    pdl, launch = launch_options(pairs, tokens)
+    block = min(1024, triton.next_power_of_2(n))
+    _pair_sum_kernel[(tokens, triton.cdiv(n, block))](
+        pairs, out, gate, shared_out, n, gate.stride(0), shared_out.stride(0), TOP_K=top_k, SHARED=shared is not None,
+        BLOCK=block, PDL=pdl, num_warps=4, **launch)
+    return out
+
+
 
 @triton.jit
 def _grouped_kernel(a_ptr, b_ptr, out_ptr, rows_ptr, block_expert_ptr, scale_ptr, num_pairs, N, K,
@@ -128,7 +227,8 @@ def _few_down_kernel(act_ptr, w2_ptr, experts_ptr, weights_ptr, out_ptr, N, inte
 
 
 def few_token_experts(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
-                      experts: torch.Tensor, swiglu_limit: float | None = None) -> torch.Tensor:
+                      experts: torch.Tensor, swiglu_limit: float | None = None,
+                      shared: SharedTerm | None = None) -> torch.Tensor:
     """What ``fused_experts`` computes, one program per routed pair and weight-row block (three launches, no
     bookkeeping): for a few tokens, whose pairs share no expert weight worth reading once."""
     tokens, top_k = experts.shape
@@ -149,7 +249,7 @@ def few_token_experts(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     _few_down_kernel[(pairs, triton.cdiv(hidden_size, 16))](
         act, w2, flat_experts, weights.reshape(-1).contiguous(), out, hidden_size, inter, w2.stride(0),
         w2.stride(1), BLOCK_N=16, BLOCK_K=block_k, num_warps=4)
-    return out.view(tokens, top_k, hidden_size).sum(dim=1).to(hidden.dtype)
+    return sum_pairs(out, top_k, hidden.dtype, shared)
 
 
 def _block_layout(experts: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -176,21 +276,24 @@ def _block_layout(experts: torch.Tensor, num_experts: int, block_m: int) -> tupl
 
 
 def fused_experts(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
-                  experts: torch.Tensor, swiglu_limit: float | None = None) -> torch.Tensor:
+                  experts: torch.Tensor, swiglu_limit: float | None = None,
+                  shared: SharedTerm | None = None) -> torch.Tensor:
     """SwiGLU experts: ``sum_j weights[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t))`` with ``e = experts[t, j]``.
 
     ``hidden`` [T, H], ``w13`` [E, 2I, H] (gate rows then up rows), ``w2`` [E, H, I], ``weights`` and
     ``experts`` [T, top_k]. Returns [T, H] in ``hidden``'s dtype. ``swiglu_limit`` (DeepSeek-V4): the gate
-    clamped from above and the up projection to ±limit before the product. Up to ``FEW_TOKENS`` tokens run one
+    clamped from above and the up projection to ±limit before the product. ``shared``: a gated shared expert's
+    term added in the same launch as the sum over a token's pairs. Up to ``FEW_TOKENS`` tokens run one
     program per routed pair (``few_token_experts``), more the grouped tiles (``grouped_experts``).
     """
     if experts.shape[0] <= FEW_TOKENS:
-        return few_token_experts(hidden, w13, w2, weights, experts, swiglu_limit)
-    return grouped_experts(hidden, w13, w2, weights, experts, swiglu_limit)
+        return few_token_experts(hidden, w13, w2, weights, experts, swiglu_limit, shared)
+    return grouped_experts(hidden, w13, w2, weights, experts, swiglu_limit, shared)
 
 
 def grouped_experts(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
-                    experts: torch.Tensor, swiglu_limit: float | None = None) -> torch.Tensor:
+                    experts: torch.Tensor, swiglu_limit: float | None = None,
+                    shared: SharedTerm | None = None) -> torch.Tensor:
     """What ``fused_experts`` computes, as the two grouped launches over the pairs sorted by expert."""
     from pocketllm.kernels.fused import silu_and_mul
 
@@ -208,4 +311,4 @@ def grouped_experts(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, w
         act = torch.nn.functional.silu(gate.clamp(max=swiglu_limit)) * up.clamp(-swiglu_limit, swiglu_limit)
     scale = weights.flatten().contiguous()
     down = _grouped(act, w2, rows, block_expert, pairs, 1, scale, block_m)
-    return down.view(tokens, top_k, -1).sum(dim=1)
+    return sum_pairs(down, top_k, hidden.dtype, shared)

@@ -59,14 +59,26 @@ class FusedMoE(nn.Module):
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return weights.to(router_logits.dtype), experts
 
-    def forward(self, hidden: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
-        weights, experts = self.route(router_logits)
+    def forward(self, hidden: torch.Tensor, router_logits: torch.Tensor,
+                shared: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """The routed experts' output; with ``shared`` (gate logit [T, 1], a shared expert's whole output
+        [T, H]) plus ``sigmoid(gate) * output`` (on the kernel path on one rank, in the experts' last launch)."""
         if hidden.is_cuda and kernels_available(hidden.device):
-            # Two grouped launches, nothing read back to the host (kernels/moe.py): CUDA-graph safe.
-            from pocketllm.kernels.moe import fused_experts
+            # Routing in one launch, the experts in a few, nothing read back to the host (kernels/moe.py):
+            # CUDA-graph safe.
+            from pocketllm.kernels.moe import fused_experts, route_top_k
 
-            return all_reduce(fused_experts(hidden, self.w13, self.w2, weights, experts))
-        return all_reduce(self._loop_experts(hidden, weights, experts))
+            weights, experts = route_top_k(router_logits, self.top_k, self.renormalize)
+            if self.tp_size == 1:
+                return fused_experts(hidden, self.w13, self.w2, weights, experts, shared=shared)
+            routed = all_reduce(fused_experts(hidden, self.w13, self.w2, weights, experts))
+        else:
+            weights, experts = self.route(router_logits)
+            routed = all_reduce(self._loop_experts(hidden, weights, experts))
+        if shared is None:
+            return routed
+        gate, output = shared
+        return routed + torch.sigmoid(gate) * output
 
     def _loop_experts(self, hidden: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """The PyTorch reference: one pass per expert that received tokens (reads the counts on the host)."""

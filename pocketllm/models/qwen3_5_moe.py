@@ -25,9 +25,7 @@ class SharedExpertMoeBlock(nn.Module):
         self.shared_expert_gate = ReplicatedLinear(config.hidden_size, 1)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        routed = self.experts(hidden, self.gate(hidden))
-        shared = torch.sigmoid(self.shared_expert_gate(hidden)) * self.shared_expert(hidden)
-        return routed + shared
+        return self.experts(hidden, self.gate(hidden), (self.shared_expert_gate(hidden), self.shared_expert(hidden)))
 
 
 class Qwen3_5MoeForCausalLM(Qwen3_5ForCausalLM):
