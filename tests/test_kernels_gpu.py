@@ -379,6 +379,49 @@ def test_qkv_prepare(dtype, qk_norm, heads, kv_heads, tokens):
     assert torch.equal(flat_v[slots[keep].long()], rv[keep])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim,rotary_dim", [(32, 8), (16, 16)])
+def test_gated_attention_input_and_gate_match_the_reference(dtype, head_dim, rotary_dim):
+    """Qwen3.5's gated attention: ``gated_qkv_prepare`` (offset q/k norms, partial rotary, the KV store) and
+    ``sigmoid_gate`` against the reference path (``AttentionBackend.forward_gated``'s pieces)."""
+    _need_kernels(dtype)
+    from pocketllm.kernels.fused import gated_qkv_prepare, sigmoid_gate
+    from pocketllm.layers.norm import OffsetRMSNorm
+    from pocketllm.layers.rotary import RotaryEmbedding
+
+    torch.manual_seed(head_dim + rotary_dim)
+    tokens, heads, kv_heads = 5, 4, 2
+    q_norm, k_norm = OffsetRMSNorm(head_dim), OffsetRMSNorm(head_dim)
+    for norm in (q_norm, k_norm):
+        norm.weight.data = torch.randn(head_dim) * 0.3
+    q_norm, k_norm = q_norm.to(DEVICE, dtype), k_norm.to(DEVICE, dtype)
+    rope = RotaryEmbedding(head_dim, rotary_dim, 64, 10000.0).to(DEVICE)
+    qkv = torch.randn(tokens, heads * 2 * head_dim + 2 * kv_heads * head_dim).to(DEVICE, dtype)
+    positions = torch.tensor([3, 9, 17, 40, 63], dtype=torch.int32, device=DEVICE)
+    slots = torch.tensor([0, 5, -1, 7, 2], dtype=torch.int32, device=DEVICE)
+    k_cache = torch.zeros(8, kv_heads, head_dim, dtype=dtype, device=DEVICE)
+    v_cache = torch.zeros_like(k_cache)
+    q = gated_qkv_prepare(qkv, positions, rope.cos_cache, rope.sin_cache, q_norm.weight, k_norm.weight, q_norm.eps,
+                          True, heads, kv_heads, head_dim, rotary_dim, k_cache, v_cache, slots)
+
+    query_gate, k, v = qkv.split([2 * heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    query_gate = query_gate.reshape(tokens, heads, 2 * head_dim)
+    ref_q, ref_k = rope(positions.long(), q_norm(query_gate[..., :head_dim].contiguous()),
+                        k_norm(k.reshape(tokens, kv_heads, head_dim)))
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert _rel(q, ref_q) < tol
+    kept = [i for i, slot in enumerate(slots.tolist()) if slot >= 0]
+    rows = slots[kept].long()
+    assert _rel(k_cache[rows], ref_k[kept]) < tol
+    assert torch.equal(v_cache[rows], v.reshape(tokens, kv_heads, head_dim)[kept])
+    assert int((k_cache.abs().sum((1, 2)) > 0).sum()) == len(kept)       # the -1 slot stored nothing
+
+    out = torch.randn(tokens, heads * head_dim).to(DEVICE, dtype)
+    gated = sigmoid_gate(out, qkv, heads, head_dim)
+    ref = out * torch.sigmoid(query_gate[..., head_dim:].reshape(out.shape))
+    assert _rel(gated, ref) < (1e-6 if dtype == torch.float32 else 1e-2)
+
+
 # ------------------------------------------------------------------------------------------- experts
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -196,3 +196,123 @@ def qkv_prepare(qkv: torch.Tensor, positions: torch.Tensor, cos_cache: torch.Ten
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, HALF_PAD=_pow2(head_dim // 2),
         HEADS=heads, HAS_NORM=has_norm, num_warps=1 if heads == 1 else 2, PDL=pdl, **launch)
     return q
+
+
+# ------------------------------------------------------------------- gated attention (Qwen3.5) input prep
+
+@triton.jit
+def _norm_rotate_head(src, w_ptr, cos_row, sin_row, d, dmask, eps, D: tl.constexpr, ROT: tl.constexpr,
+                      OFFSET: tl.constexpr):
+    """One head's RMSNorm (``1 + w`` with ``OFFSET``; the output rounded to the model dtype, as the reference
+    rounds) and the rotate-half rotary embedding of its first ``ROT`` channels, in float32."""
+    x = tl.load(src + d, mask=dmask, other=0.0)
+    xf = x.to(tl.float32)
+    r = tl.rsqrt(tl.sum(xf * xf, 0) / D + eps)
+    w = tl.load(w_ptr + d, mask=dmask, other=0.0).to(tl.float32)
+    if OFFSET:
+        w = w + 1.0
+    normed = (xf * r * w).to(x.dtype).to(tl.float32)
+    half: tl.constexpr = ROT // 2
+    rot = d < ROT
+    partner = tl.where(d < half, d + half, d - half)
+    xp = tl.load(src + partner, mask=rot, other=0.0)
+    wp = tl.load(w_ptr + partner, mask=rot, other=0.0).to(tl.float32)
+    if OFFSET:
+        wp = wp + 1.0
+    normed_p = (xp.to(tl.float32) * r * wp).to(x.dtype).to(tl.float32)
+    c = tl.load(cos_row + d, mask=rot, other=1.0)
+    s = tl.load(sin_row + d, mask=rot, other=0.0)
+    return tl.where(rot, normed * c + tl.where(d < half, -normed_p, normed_p) * s, normed)
+
+
+@triton.jit
+def _gated_qkv_prep_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr,
+                           slot_ptr, stride_qkv, stride_cos, eps, NUM_HEADS: tl.constexpr,
+                           NUM_KV_HEADS: tl.constexpr, D: tl.constexpr, ROT: tl.constexpr, BLOCK_D: tl.constexpr,
+                           OFFSET: tl.constexpr, PDL: tl.constexpr):
+    """One head of one token of the gated projection [q_0 | gate_0 | q_1 | gate_1 ... | k | v]: q heads normed
+    and rotated into ``q_out``; k heads normed, rotated and stored; v heads stored (gates stay in place)."""
+    if PDL:   # dependents may launch now: each waits on this kernel before it reads this kernel's output
+        gdc_launch_dependents()
+    tok = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    d = tl.arange(0, BLOCK_D)
+    dmask = d < D
+    slot = tl.load(slot_ptr + tok).to(tl.int64)
+    pos = tl.load(pos_ptr + tok).to(tl.int64)
+    cos_row = cos_ptr + pos * stride_cos
+    sin_row = sin_ptr + pos * stride_cos
+    if PDL:
+        gdc_wait()
+    row = qkv_ptr + tok * stride_qkv
+    kv_row = NUM_KV_HEADS * D
+    stored = dmask & (slot + d * 0 >= 0)   # (a per-channel condition: a scalar mask fails in the interpreter)
+    if head < NUM_HEADS:
+        out = _norm_rotate_head(row + head * 2 * D, qw_ptr, cos_row, sin_row, d, dmask, eps, D, ROT, OFFSET)
+        tl.store(q_out_ptr + tok * NUM_HEADS * D + head * D + d, out.to(q_out_ptr.dtype.element_ty), mask=dmask)
+    elif head < NUM_HEADS + NUM_KV_HEADS:
+        kh = head - NUM_HEADS
+        out = _norm_rotate_head(row + NUM_HEADS * 2 * D + kh * D, kw_ptr, cos_row, sin_row, d, dmask, eps, D, ROT,
+                                OFFSET)
+        tl.store(k_cache_ptr + slot * kv_row + kh * D + d, out.to(k_cache_ptr.dtype.element_ty), mask=stored)
+    else:
+        vh = head - NUM_HEADS - NUM_KV_HEADS
+        v = tl.load(row + NUM_HEADS * 2 * D + kv_row + vh * D + d, mask=dmask, other=0.0)
+        tl.store(v_cache_ptr + slot * kv_row + vh * D + d, v.to(tl.float32).to(v_cache_ptr.dtype.element_ty),
+                 mask=stored)
+
+
+def gated_qkv_prepare(qkv: torch.Tensor, positions: torch.Tensor, cos_cache: torch.Tensor, sin_cache: torch.Tensor,
+                      q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float, offset: bool, num_heads: int,
+                      num_kv_heads: int, head_dim: int, rotary_dim: int, k_cache: torch.Tensor,
+                      v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
+    """One launch for Qwen3.5's gated attention input: from ``qkv`` [T, H * 2D + 2 KVH * D] (each q head's D
+    query channels, then its D gate channels), per-head RMSNorm of q and k (``1 + weight`` with ``offset``),
+    rotary embedding of their first ``rotary_dim`` channels (rotate-half), and the store of k and v into their
+    cache slots. Returns q as [T, H, D]; the gates are read from ``qkv`` later (``sigmoid_gate``)."""
+    tokens = qkv.shape[0]
+    if qkv.stride(1) != 1 or rotary_dim % 2 or rotary_dim > head_dim or cos_cache.shape[1] < rotary_dim:
+        raise ValueError("gated_qkv_prepare needs contiguous rows and an even rotary width within the head")
+    q = torch.empty(tokens, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
+    if tokens == 0:
+        return q
+    pdl, launch = launch_options(qkv, tokens)
+    block = _pow2(head_dim)
+    _gated_qkv_prep_kernel[(tokens, num_heads + 2 * num_kv_heads)](
+        qkv, positions, cos_cache, sin_cache, q_weight, k_weight, q, k_cache, v_cache, slot_mapping, qkv.stride(0),
+        cos_cache.stride(0), eps, NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, D=head_dim, ROT=rotary_dim,
+        BLOCK_D=block, OFFSET=offset, PDL=pdl, num_warps=1 if block <= 256 else 2, **launch)
+    return q
+
+
+@triton.jit
+def _sigmoid_gate_kernel(x_ptr, qkv_ptr, out_ptr, stride_qkv, D: tl.constexpr, BLOCK_D: tl.constexpr,
+                         PDL: tl.constexpr):
+    if PDL:   # dependents may launch now: each waits on this kernel before it reads this kernel's output
+        gdc_launch_dependents()
+        gdc_wait()
+    tok = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    heads = tl.num_programs(1)
+    d = tl.arange(0, BLOCK_D)
+    mask = d < D
+    x = tl.load(x_ptr + tok * heads * D + head * D + d, mask=mask, other=0.0)
+    g = tl.load(qkv_ptr + tok * stride_qkv + head * 2 * D + D + d, mask=mask, other=0.0).to(tl.float32)
+    gate = (1.0 / (1.0 + tl.exp(-g))).to(x.dtype).to(tl.float32)
+    tl.store(out_ptr + tok * heads * D + head * D + d, (x.to(tl.float32) * gate).to(x.dtype), mask=mask)
+
+
+def sigmoid_gate(x: torch.Tensor, qkv: torch.Tensor, num_heads: int, head_dim: int) -> torch.Tensor:
+    """``x * sigmoid(gate)`` for the attention output ``x`` [T, H * D], the gates read in place from the gated
+    projection ``qkv`` (the D channels after each q head's), rounded as the reference rounds."""
+    tokens = x.shape[0]
+    out = torch.empty_like(x)
+    if tokens == 0:
+        return out
+    if not x.is_contiguous() or qkv.stride(1) != 1:
+        raise ValueError("sigmoid_gate needs contiguous rows")
+    pdl, launch = launch_options(x, tokens)
+    block = _pow2(head_dim)
+    _sigmoid_gate_kernel[(tokens, num_heads)](x, qkv, out, qkv.stride(0), D=head_dim, BLOCK_D=block, PDL=pdl,
+                                              num_warps=1 if block <= 256 else 2, **launch)
+    return out

@@ -41,3 +41,8 @@ class Attention(nn.Module):
         """From the fused projection ``qkv`` [T, (H + 2 KVH) * D]: per-head q/k norm, rotary embedding, the KV
         store and paged attention → [T, H*D]; only where ``backend.supports_packed``."""
         return self.backend.forward_packed(self, qkv, positions, rotary, q_norm, k_norm, meta)
+
+    def forward_gated(self, qkv: torch.Tensor, positions: torch.Tensor, rotary: nn.Module, q_norm: nn.Module,
+                      k_norm: nn.Module, meta: AttentionMetadata) -> torch.Tensor:
+        """Gated attention (Qwen3.5) from its fused projection: ``AttentionBackend.forward_gated``."""
+        return self.backend.forward_gated(self, qkv, positions, rotary, q_norm, k_norm, meta)

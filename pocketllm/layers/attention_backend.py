@@ -63,6 +63,19 @@ class AttentionBackend(ABC):
         store and attention → [T, H*D]; only where ``supports_packed``."""
         raise NotImplementedError(f"the {self.name} attention backend does not take the packed QKV projection")
 
+    def forward_gated(self, layer: AttentionLayer, qkv: torch.Tensor, positions: torch.Tensor, rotary: nn.Module,
+                      q_norm: nn.Module, k_norm: nn.Module, meta: AttentionMetadata) -> torch.Tensor:
+        """Gated attention (Qwen3.5) from its fused projection ``qkv`` [T, H * 2D + 2 KVH * D] (each q head's D
+        query channels, then its D gate channels): per-head q/k norm, rotary embedding, the KV store, attention,
+        and the output times ``sigmoid(gate)`` → [T, H*D]. This is the reference; a backend may fuse it."""
+        heads, kv_heads, dim = layer.num_heads, layer.num_kv_heads, layer.head_dim
+        query_gate, k, v = qkv.split([2 * heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
+        query_gate = query_gate.view(-1, heads, 2 * dim)
+        q, gate = query_gate[..., :dim], query_gate[..., dim:]
+        q, k = rotary(positions, q_norm(q), k_norm(k.view(-1, kv_heads, dim)))
+        out = self.forward(layer, q, k, v.view(-1, kv_heads, dim), meta)
+        return out * torch.sigmoid(gate.reshape(out.shape))
+
 
 class TorchAttentionBackend(AttentionBackend):
     """The PyTorch reference: ``index_copy_`` into the cache, SDPA over each sequence's gathered blocks. A float8
@@ -163,6 +176,17 @@ class TritonAttentionBackend(AttentionBackend):
                         q_norm.eps if q_norm is not None else 0.0, layer.num_heads, layer.num_kv_heads,
                         layer.head_dim, layer.k_cache, layer.v_cache, meta.slot_mapping)
         return self.attend(layer, q, meta)
+
+    def forward_gated(self, layer: AttentionLayer, qkv: torch.Tensor, positions: torch.Tensor, rotary: nn.Module,
+                      q_norm: nn.Module, k_norm: nn.Module, meta: AttentionMetadata) -> torch.Tensor:
+        """Three launches around the attention: q/k norms, rotary and the KV store in one
+        (``gated_qkv_prepare``), the attention, the gate (``sigmoid_gate``)."""
+        from pocketllm.kernels.fused import gated_qkv_prepare, sigmoid_gate
+
+        q = gated_qkv_prepare(qkv, positions, rotary.cos_cache, rotary.sin_cache, q_norm.weight, k_norm.weight,
+                              q_norm.eps, q_norm.offset, layer.num_heads, layer.num_kv_heads, layer.head_dim,
+                              rotary.rotary_dim, layer.k_cache, layer.v_cache, meta.slot_mapping)
+        return sigmoid_gate(self.attend(layer, q, meta), qkv, layer.num_heads, layer.head_dim)
 
     def attend(self, layer: AttentionLayer, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """Attention over the cache (this step's keys/values already stored): the decode kernel for decode rows

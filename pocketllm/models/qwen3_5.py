@@ -74,15 +74,9 @@ class GatedAttention(nn.Module):
         self.attn = Attention(self.num_heads, head_dim, self.num_kv_heads, head_dim ** -0.5)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
-        query_gate, k, v = self.qkv_proj(hidden).split([2 * heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
-        query_gate = query_gate.view(-1, heads, 2 * dim)
-        q, gate = query_gate[..., :dim], query_gate[..., dim:]
-        q = self.q_norm(q)
-        k = self.k_norm(k.view(-1, kv_heads, dim))
-        q, k = self.rotary_emb(positions, q, k)
-        out = self.attn(q, k, v.view(-1, kv_heads, dim), meta)
-        return self.o_proj(out * torch.sigmoid(gate.reshape(out.shape)))
+        out = self.attn.forward_gated(self.qkv_proj(hidden), positions, self.rotary_emb, self.q_norm, self.k_norm,
+                                      meta)
+        return self.o_proj(out)
 
 
 class HybridDecoderLayer(PreNormBlock):
