@@ -175,7 +175,7 @@ class GatedDeltaInProj(ColumnParallelLinear):
     def __init__(self, hidden_size: int, key_dim: int, value_dim: int, num_v_heads: int) -> None:
         self.parts = {"qkv": [key_dim, key_dim, value_dim], "z": [value_dim], "b": [num_v_heads],
                       "a": [num_v_heads]}
-        super().__init__(hidden_size, 2 * key_dim + 2 * value_dim + 2 * num_v_heads)
+        super().__init__(hidden_size, 2 * key_dim + 2 * value_dim + 2 * num_v_heads, prologue="rms_norm")
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str) -> None:
         offset = 0
@@ -225,11 +225,14 @@ class GatedDeltaNet(nn.Module):
         }
 
     def forward(self, hidden: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        proj = self.in_proj(hidden)
+        return self.forward_projected(self.in_proj(hidden), meta)
+
+    def forward_projected(self, proj: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """The mixer after its input projection ``proj`` (which a decoder layer may compute with its norm fused)."""
         mixed, z, b, a = proj.split([self.conv_dim, self.value_dim, self.num_v_heads, self.num_v_heads], dim=-1)
         if meta.state_slots is None:
             raise RuntimeError("GatedDeltaNet needs per-sequence state slots in the attention metadata")
-        backend = gated_delta_backend(hidden, meta)
+        backend = gated_delta_backend(proj, meta)
         if meta.state_checkpoints_host is not None:
             # A step with verify chunks (speculative decoding): those token by token, as decode steps run them,
             # keeping the state after each position (``_checkpointed``); the other sequences as in any mixed step.
@@ -237,8 +240,8 @@ class GatedDeltaNet(nn.Module):
             g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
             core = torch.cat([self._checkpointed(mixed, g, beta, meta, i) if meta.state_checkpoints_host[i] >= 0
                               else self._sequence(mixed, g, beta, meta, i) for i in range(meta.num_seqs)], dim=0)
-            core = self.norm(core.to(hidden.dtype), z.reshape(-1, self.num_v_heads, self.head_v_dim))
-            return self.out_proj(core.reshape(hidden.shape[0], self.value_dim))
+            core = self.norm(core.to(proj.dtype), z.reshape(-1, self.num_v_heads, self.head_v_dim))
+            return self.out_proj(core.reshape(proj.shape[0], self.value_dim))
         if backend.decode == "triton":
             from pocketllm.kernels.gated_delta import gated_delta_decode
 
@@ -257,8 +260,8 @@ class GatedDeltaNet(nn.Module):
             core = self._prefill_fla(mixed, g, beta, meta)
         else:
             core = torch.cat([self._sequence(mixed, g, beta, meta, i) for i in range(meta.num_seqs)], dim=0)
-        core = self.norm(core.to(hidden.dtype), z.reshape(-1, self.num_v_heads, self.head_v_dim))
-        return self.out_proj(core.reshape(hidden.shape[0], self.value_dim))
+        core = self.norm(core.to(proj.dtype), z.reshape(-1, self.num_v_heads, self.head_v_dim))
+        return self.out_proj(core.reshape(proj.shape[0], self.value_dim))
 
     def _heads(self, mixed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Split conv output [T, conv_dim] into float32 q, k [T, Hv, Dk] (prepared) and v [T, Hv, Dv]."""
