@@ -81,7 +81,7 @@ def test_int8_linear_matches_float_matmul(rows: int) -> None:
     assert out.dtype == (torch.float32 if rows <= 8 else torch.bfloat16)
     reference = F.linear(x, weight, b)
     assert (out.float() - reference).abs().max() < 0.03 * reference.abs().max()
-    assert layer.weight_bytes() == 48 * 96 + 4 * 48
+    assert layer.weight_bytes() == 48 * (96 + quantized_linear.Int8Product.extra) + 4 * 48   # (+ the range columns)
 
 
 def test_bfloat16_linear_and_padded_rows() -> None:
@@ -136,6 +136,21 @@ def test_lm_head_rescores_its_top_candidates_exactly(fbgemm: bool, kernels: str,
     assert (logits - exact).abs().max() < (0.02 if fbgemm else 0.2) * exact.abs().max()  # the rest: quantised
     many = torch.randn(40, 64)
     torch.testing.assert_close(head(many), F.linear(many.bfloat16(), weight.bfloat16())[:, :290].float())
+
+
+def test_8_bit_product_of_a_row_does_not_depend_on_its_batch() -> None:
+    """Each row is quantised on its own: a row's output is the same alone or beside rows of other magnitudes."""
+    if not quantized_linear.int8_available():
+        pytest.skip("this torch build has no fbgemm")
+    torch.manual_seed(2)
+    weight = torch.randn(300, 64) * 0.1
+    product = quantized_linear.Int8Product(weight)
+    x = torch.randn(5, 64) * torch.tensor([[1.0], [40.0], [0.01], [3.0], [1e-4]])
+    batch = product(x)
+    assert torch.equal(batch, torch.cat([product(row[None]) for row in x]))
+    assert torch.equal(product(x.view(5, 1, 64)), batch.view(5, 1, 300))
+    exact = F.linear(x, weight)
+    assert ((batch - exact).norm(dim=1) / exact.norm(dim=1)).max() < 0.03   # each row on the full 8-bit range
 
 
 def test_unknown_cpu_weight_format_is_refused() -> None:
@@ -234,8 +249,7 @@ def test_decode_rows_beside_a_prompt_run_the_decode_step(fmt: str, tiny_checkpoi
             if step.fused is None:   # verify chunks run on the decode step with the 4-bit kernels only
                 return
             # A verify chunk's rows (the last token and two proposals) keep their place beside a prompt too. Its
-            # decode step holds other rows than before, and the 8-bit LM head quantises a step's rows with one
-            # scale: there only the rescored (exact) logits are the same, so the 16 highest are compared.
+            # decode step holds other rows than before: the 16 highest logits (rescored exactly) are compared.
             verify = _verify_chunk(list(range(80, 90)), [91, 92], [30, 31, 32])
             scored = runner.launch([verify])
             fast_calls.clear()
