@@ -8,11 +8,15 @@ PROMPT ?= What is the capital of France?
 PYTEST_ARGS ?=
 SERVE_ARGS ?=
 
-# llama.cpp's Python binding, the benchmark peer its tests drive: built once (a marker file) for AVX-512 without
-# -march=native, since a CPU may list AMX without the kernel enabling it (a native build then crashes).
+# llama.cpp's Python binding, the benchmark peer its tests drive: built once (a marker file) without
+# -march=native, since a CPU may list AMX without the kernel enabling it (a native build then crashes). The vector
+# extensions are those this CPU lists (AVX-512 with VNNI and BF16 where it has them, else AVX2 and FMA): a build
+# for AVX-512 stops with an illegal instruction on a CPU without it.
 LLAMA_CPP ?= llama-cpp-python==0.3.36
-LLAMA_CPP_CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON \
-	-DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF
+CPU_FLAGS := $(shell grep -m1 '^flags' /proc/cpuinfo 2>/dev/null)
+LLAMA_CPP_SIMD := $(foreach pair,avx512bw:AVX512 avx512_vnni:AVX512_VNNI avx512_bf16:AVX512_BF16 avx2:AVX2 fma:FMA \
+	f16c:F16C avx:AVX,-DGGML_$(lastword $(subst :, ,$(pair)))=$(if $(filter $(firstword $(subst :, ,$(pair))),$(CPU_FLAGS)),ON,OFF))
+LLAMA_CPP_CMAKE_ARGS ?= -DGGML_NATIVE=OFF $(LLAMA_CPP_SIMD) -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF
 
 .PHONY: install native serve run chat test test-slow soak lint clean chromium
 
