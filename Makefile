@@ -11,7 +11,8 @@ SERVE_ARGS ?=
 # llama.cpp's Python binding, the benchmark peer its tests drive: built once (a marker file) without
 # -march=native, since a CPU may list AMX without the kernel enabling it (a native build then crashes). The vector
 # extensions are those this CPU lists (AVX-512 with VNNI and BF16 where it has them, else AVX2 and FMA): a build
-# for AVX-512 stops with an illegal instruction on a CPU without it.
+# for AVX-512 stops with an illegal instruction on a CPU without it. pip's wheel cache is bypassed: a wheel it kept
+# from another build would carry that build's instructions.
 LLAMA_CPP ?= llama-cpp-python==0.3.36
 CPU_FLAGS := $(shell grep -m1 '^flags' /proc/cpuinfo 2>/dev/null)
 LLAMA_CPP_SIMD := $(foreach pair,avx512bw:AVX512 avx512_vnni:AVX512_VNNI avx512_bf16:AVX512_BF16 avx2:AVX2 fma:FMA \
@@ -57,7 +58,7 @@ chat: install
 	$(BIN)/pocketllm chat
 
 $(VENV)/.llama-cpp: $(VENV)/.installed
-	CMAKE_ARGS="$(LLAMA_CPP_CMAKE_ARGS)" CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) $(BIN)/pip install "$(LLAMA_CPP)"
+	CMAKE_ARGS="$(LLAMA_CPP_CMAKE_ARGS)" CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) $(BIN)/pip install --no-cache-dir "$(LLAMA_CPP)"
 	touch $@
 
 # The browser test drives Debian's chromium (never a downloaded browser): installed with apt when missing.
