@@ -40,11 +40,13 @@ install: $(VENV)/.installed
 # nothing changed). The tests find the module through PYTHONPATH=$(NATIVE_BUILD)/python and the executable
 # through POCKETLLM_ENGINE. `POCKETLLM_BUILD_CPP=1 pip install --no-build-isolation .`
 # installs it instead (setup.py, the same build directory).
+# NATIVE_BACKEND: cpu, or cuda (ATen on a CUDA device; needs a CUDA build of torch in the venv).
 NATIVE_BUILD ?= cpp_engine/build-python
 NATIVE_JOBS ?= 2
+NATIVE_BACKEND ?= cpu
 native: install
 	@test -f $(NATIVE_BUILD)/CMakeCache.txt || cmake -S cpp_engine -B $(NATIVE_BUILD) -DCMAKE_BUILD_TYPE=Release \
-		-DPOCKET_BUILD_PYTHON=ON -DPython3_EXECUTABLE=$(abspath $(BIN)/python) \
+		-DPOCKET_BUILD_PYTHON=ON -DPython3_EXECUTABLE=$(abspath $(BIN)/python) -DPOCKET_BACKEND=$(NATIVE_BACKEND) \
 		-DCMAKE_PREFIX_PATH="$$($(BIN)/python -c 'import torch; print(torch.utils.cmake_prefix_path)')"
 	cmake --build $(NATIVE_BUILD) --target pocketllm_cpp pocketllm_engine -j $(NATIVE_JOBS)
 

@@ -1,6 +1,8 @@
 """The setuptools hook of the native plane: with POCKETLLM_BUILD_CPP=1, ``pip install --no-build-isolation .``
 builds cpp_engine with CMake against the active environment's torch and installs ``pocketllm_cpp`` top-level,
-with the ``pocketllm_engine`` executable inside it (``pocketllm_cpp.engine_executable()`` gives its path).
+with the ``pocketllm_engine`` executable inside it (``pocketllm_cpp.engine_executable()`` gives its path). The
+device backend follows that torch (``cuda`` for a CUDA build of it, else ``cpu``); POCKETLLM_CPP_BACKEND=cpu|cuda
+overrides it.
 Without it the install is the Python package alone (everything else is configured in pyproject.toml)."""
 
 from __future__ import annotations
@@ -27,8 +29,10 @@ class CMakeBuild(build_ext):
         import torch
 
         if not os.path.isfile(os.path.join(BUILD, "CMakeCache.txt")):
+            backend = os.environ.get("POCKETLLM_CPP_BACKEND") or ("cuda" if torch.version.cuda else "cpu")
             subprocess.check_call(["cmake", "-S", SOURCE, "-B", BUILD, "-DCMAKE_BUILD_TYPE=Release",
                                    "-DPOCKET_BUILD_PYTHON=ON", f"-DPython3_EXECUTABLE={sys.executable}",
+                                   f"-DPOCKET_BACKEND={backend}",
                                    f"-DCMAKE_PREFIX_PATH={torch.utils.cmake_prefix_path}"])
         jobs = os.environ.get("CMAKE_BUILD_PARALLEL_LEVEL", "2")
         subprocess.check_call(["cmake", "--build", BUILD, "--target", "pocketllm_cpp", "pocketllm_engine", "-j", jobs])

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -34,7 +35,7 @@ def cpp_llm(native, qwen3):
 
 
 @pytest.mark.parametrize("fields", [
-    {"device": "cuda"}, {"tensor_parallel_size": 2}, {"dtype": "bfloat16"}, {"cpu_weight_format": "int4"},
+    {"tensor_parallel_size": 2}, {"dtype": "bfloat16"}, {"cpu_weight_format": "int4"},
     {"kv_cache_dtype": "bfloat16"}, {"load_format": "dummy"},
     {"speculative_config": {"method": "mtp", "num_speculative_tokens": 2}},
 ])
@@ -42,6 +43,16 @@ def test_unsupported_options_are_refused_before_loading(qwen3, fields, monkeypat
     monkeypatch.setattr(native_module, "import_native", lambda: pytest.fail("the native module was imported"))
     with pytest.raises(UnsupportedFeatureError, match=next(iter(fields))):
         LLM(EngineArgs(model=qwen3, backend="cpp", **fields))
+
+
+def test_a_cuda_device_needs_a_cuda_build(qwen3, monkeypatch):
+    """The module is imported to ask what it was built for, and nothing more: a CPU build refuses a CUDA device
+    naming it, a CUDA build lets it through to the engine."""
+    monkeypatch.setattr(native_module, "import_native", lambda: SimpleNamespace(backend="cpu"))
+    with pytest.raises(UnsupportedFeatureError, match="device"):
+        native_module.check_args(EngineArgs(model=qwen3, backend="cpp", device="cuda"))
+    monkeypatch.setattr(native_module, "import_native", lambda: SimpleNamespace(backend="cuda"))
+    native_module.check_args(EngineArgs(model=qwen3, backend="cpp", device="cuda"))
 
 
 def test_unsupported_checkpoints_are_refused(tiny_checkpoint, tmp_path, monkeypatch):
@@ -100,7 +111,7 @@ def test_a_missing_module_names_the_build(qwen3, monkeypatch):
 @pytest.fixture
 def built(monkeypatch):
     """The auto rule as on a CPU-only machine where the native module is built (neither is asked for real)."""
-    monkeypatch.setattr(native_module, "import_native", lambda: object())
+    monkeypatch.setattr(native_module, "import_native", lambda: SimpleNamespace(backend="cpu"))
     monkeypatch.setattr(native_module, "_cuda_available", lambda: False)
 
 
@@ -150,6 +161,8 @@ def test_auto_stays_on_torch_where_device_auto_means_cuda(built, tiny_checkpoint
     assert not native_module.auto_picks_native(EngineArgs(model=model))
     assert "device='auto'" in caplog.records[0].getMessage()
     assert native_module.auto_picks_native(EngineArgs(model=model, device="cpu"))   # CPU asked for: native
+    monkeypatch.setattr(native_module, "import_native", lambda: SimpleNamespace(backend="cuda"))
+    assert native_module.auto_picks_native(EngineArgs(model=model))   # a CUDA build runs there
 
 
 def test_auto_runs_qwen3_5_on_the_native_plane_with_torch_greedy_tokens(native, tiny_checkpoint):

@@ -93,7 +93,11 @@ void require_q4_kernel() {
 
 PYBIND11_MODULE(_native, m) {
   m.doc() = "PocketLLM's native plane: a C++ Qwen3 and Qwen3.5 engine over libtorch";
+#ifdef POCKET_CUDA
+  m.attr("backend") = "cuda";
+#else
   m.attr("backend") = "cpu";
+#endif
   // The 4-bit weights as the engine builds and multiplies them (tests compare them with the Torch plane's).
   m.def("q4_kernel_supported", &q4_kernel_supported);
   m.def("q4_pack", [](const py::array_t<float, py::array::c_style | py::array::forcecast>& weight) {
@@ -139,7 +143,9 @@ PYBIND11_MODULE(_native, m) {
       .def_readwrite("num_threads", &QwenEngineOptions::num_threads)
       .def_readwrite("eos_token_ids", &QwenEngineOptions::eos_token_ids)
       .def_readwrite("sampling", &QwenEngineOptions::sampling)
-      .def_readwrite("weight_format", &QwenEngineOptions::weight_format);
+      .def_readwrite("weight_format", &QwenEngineOptions::weight_format)
+      .def_readwrite("device", &QwenEngineOptions::device)
+      .def_readwrite("aten_ops", &QwenEngineOptions::aten_ops);
 
   py::class_<QwenEngine>(m, "QwenEngine")
       .def(py::init<const std::string&, const QwenEngineOptions&>(), py::arg("checkpoint"),
@@ -166,7 +172,8 @@ PYBIND11_MODULE(_native, m) {
       .def_property_readonly("session_length", &QwenEngine::session_length)
       .def_property_readonly("session_cached_tokens", &QwenEngine::session_cached_tokens)
       .def_property_readonly("num_state_snapshots", &QwenEngine::num_state_snapshots)
-      .def_property_readonly("options", &QwenEngine::options);
+      .def_property_readonly("options", &QwenEngine::options)
+      .def_property_readonly("device", &QwenEngine::device);
 
   py::class_<BatchEvent>(m, "QwenBatchEvent")
       .def_readonly("request_id", &BatchEvent::request_id)

@@ -39,11 +39,25 @@ GatedDeltaNet::GatedDeltaNet(TensorMap& w, const std::string& p, const GatedDelt
   out_proj_ = take_weight(w, p + "out_proj.weight");
 }
 
+void GatedDeltaNet::place(const at::Device& device, bool aten_ops) {
+  if (!device.is_cpu() && !aten_ops) throw std::logic_error("the Gated DeltaNet's loops run on the CPU only");
+  options_ = options_.device(device);
+  aten_ops_ = aten_ops;
+  for (at::Tensor* t : {&in_proj_, &conv_w_, &neg_a_, &dt_bias_, &norm_w_, &out_proj_}) *t = t->to(device);
+  for (auto* states : {&conv_state_, &ssm_state_})
+    for (at::Tensor& t : *states) t = t.to(device);
+}
+
 void GatedDeltaNet::ensure_slots(int64_t n) {
   while (static_cast<int64_t>(conv_state_.size()) < n) {
-    conv_state_.push_back(at::zeros({shape_.conv_kernel - 1, shape_.conv_dim()}));
-    ssm_state_.push_back(at::zeros({shape_.num_v_heads, shape_.k_head_dim, shape_.v_head_dim}));
+    conv_state_.push_back(at::zeros({shape_.conv_kernel - 1, shape_.conv_dim()}, options_));
+    ssm_state_.push_back(at::zeros({shape_.num_v_heads, shape_.k_head_dim, shape_.v_head_dim}, options_));
   }
+}
+
+void GatedDeltaNet::check_slot(const DeltaChunk& ch) const {
+  if (ch.slot < 0 || ch.slot >= static_cast<int64_t>(conv_state_.size()))
+    throw std::logic_error("a linear-attention chunk has no state slot");
 }
 
 void GatedDeltaNet::copy_slot(int64_t from, int64_t to) {
@@ -86,6 +100,7 @@ void GatedDeltaNet::conv_chunk(const float* mixed, int64_t stride, const DeltaCh
 }
 
 at::Tensor GatedDeltaNet::forward(const at::Tensor& h, const std::vector<DeltaChunk>& chunks) {
+  if (aten_ops_) return forward_aten(h, chunks);
   const int64_t T = h.size(0), C = shape_.conv_dim(), Kd = shape_.key_dim(), Vd = shape_.value_dim();
   const int64_t Hk = shape_.num_k_heads, Hv = shape_.num_v_heads, Dk = shape_.k_head_dim, Dv = shape_.v_head_dim;
   const int64_t groups = Hv / Hk;
@@ -96,8 +111,7 @@ at::Tensor GatedDeltaNet::forward(const at::Tensor& h, const std::vector<DeltaCh
   // Conv, SiLU and q/k normalisation per chunk (sequential over its tokens), into act [T, C].
   at::Tensor act = at::empty({T, C});
   for (const DeltaChunk& ch : chunks) {
-    if (ch.slot < 0 || ch.slot >= static_cast<int64_t>(conv_state_.size()))
-      throw std::logic_error("a linear-attention chunk has no state slot");
+    check_slot(ch);
     conv_chunk(proj.data_ptr<float>() + ch.row0 * P, P, ch, act.data_ptr<float>() + ch.row0 * C);
   }
   // The delta rule and the gated RMSNorm, one work item per (chunk, value head): its tokens in order.
@@ -154,6 +168,52 @@ at::Tensor GatedDeltaNet::forward(const at::Tensor& h, const std::vector<DeltaCh
     }
   });
   return at::linear(out.view({T, Vd}), out_proj_);
+}
+
+at::Tensor GatedDeltaNet::forward_aten(const at::Tensor& h, const std::vector<DeltaChunk>& chunks) {
+  const int64_t T = h.size(0), C = shape_.conv_dim(), Kd = shape_.key_dim(), Vd = shape_.value_dim();
+  const int64_t Hk = shape_.num_k_heads, Hv = shape_.num_v_heads, Dk = shape_.k_head_dim, Dv = shape_.v_head_dim;
+  const int64_t K = shape_.conv_kernel, groups = Hv / Hk;
+  at::Tensor proj = at::linear(h, in_proj_);   // [T, P]: mixed (conv input), z, b, a
+  at::Tensor z = proj.narrow(1, C, Vd).view({T, Hv, Dv});
+  at::Tensor beta = at::sigmoid(proj.narrow(1, C + Vd, Hv));
+  at::Tensor decay = at::exp(neg_a_ * at::softplus(proj.narrow(1, C + Vd + Hv, Hv) + dt_bias_));   // [T, Hv]
+  at::Tensor out = at::empty({T, Hv, Dv}, options_);
+  for (const DeltaChunk& ch : chunks) {
+    check_slot(ch);
+    at::Tensor& conv_state = conv_state_[ch.slot];
+    at::Tensor& S = ssm_state_[ch.slot];   // [Hv, Dk, Dv]
+    if (ch.fresh) {
+      conv_state.zero_();
+      S.zero_();
+    }
+    // The causal depthwise conv over the state's K-1 rows then the chunk's, SiLU; the last K-1 rows kept.
+    at::Tensor window = at::cat({conv_state, proj.narrow(0, ch.row0, ch.n).narrow(1, 0, C)}, 0);
+    at::Tensor act = at::zeros({ch.n, C}, options_);
+    for (int64_t j = 0; j < K; ++j) act.add_(window.narrow(0, j, ch.n) * conv_w_[j]);
+    act = at::silu(act);
+    conv_state.copy_(window.narrow(0, ch.n, K - 1));
+    // q and k L2-normalised per key head (q also scaled by Dk^-0.5), then repeated for their value heads.
+    auto heads = [&](int64_t offset, double scale) {
+      at::Tensor x = act.narrow(1, offset, Kd).view({ch.n, Hk, Dk});
+      x = x * at::rsqrt(x.pow(2).sum(-1, true) + 1e-6) * scale;
+      return x.repeat_interleave(groups, 1);   // [n, Hv, Dk]
+    };
+    at::Tensor q = heads(0, 1.0 / std::sqrt(static_cast<double>(Dk))), k = heads(Kd, 1.0);
+    at::Tensor v = act.narrow(1, 2 * Kd, Vd).view({ch.n, Hv, Dv});
+    for (int64_t i = 0; i < ch.n; ++i) {
+      const int64_t t = ch.row0 + i;
+      S.mul_(decay[t].view({Hv, 1, 1}));
+      at::Tensor kt = k[i].unsqueeze(2);                                   // [Hv, Dk, 1]
+      at::Tensor predicted = (S * kt).sum(1);                              // S^T k: [Hv, Dv]
+      at::Tensor delta = beta[t].unsqueeze(1) * (v[i] - predicted);        // [Hv, Dv]
+      S.add_(kt * delta.unsqueeze(1));
+      out[t].copy_((S * q[i].unsqueeze(2)).sum(1));                        // S^T q
+    }
+  }
+  // Gated RMSNorm per head: weight * o / rms(o) * silu(z).
+  at::Tensor normed = out * at::rsqrt(out.pow(2).mean(-1, true) + eps_) * norm_w_ * at::silu(z);
+  return at::linear(normed.reshape({T, Vd}), out_proj_);
 }
 
 }  // namespace pocket

@@ -1,4 +1,5 @@
-// Gated DeltaNet: Qwen3.5's linear-attention token mixer on CPU in float32. Per sequence it keeps a conv state
+// Gated DeltaNet: Qwen3.5's linear-attention token mixer in float32 (CPU loops over raw memory, or ATen operations
+// on any device). Per sequence it keeps a conv state
 // (the last K-1 inputs of the depthwise causal conv) and a recurrent state S [value heads, key dim, value dim] in
 // a numbered state slot; a chunk starting at position 0 starts from zeros, whatever its slot held before.
 //
@@ -37,6 +38,9 @@ class GatedDeltaNet {
   GatedDeltaNet(TensorMap& weights, const std::string& prefix, const GatedDeltaShape& shape, int64_t hidden,
                 double eps);
 
+  // Move the weights (and any states) to `device`; with `aten_ops` (required off the CPU) forward runs as ATen
+  // operations instead of the CPU loops.
+  void place(const at::Device& device, bool aten_ops);
   // Grow the per-slot states to hold slots [0, n).
   void ensure_slots(int64_t n);
   // Slot `to`'s conv and recurrent state set to slot `from`'s.
@@ -49,7 +53,13 @@ class GatedDeltaNet {
   // k L2-normalised per key head (q also scaled); the slot's conv state advanced.
   void conv_chunk(const float* mixed, int64_t stride, const DeltaChunk& ch, float* act);
 
+  // forward as ATen operations: per chunk the conv over its window, then the rule token by token.
+  at::Tensor forward_aten(const at::Tensor& h, const std::vector<DeltaChunk>& chunks);
+  void check_slot(const DeltaChunk& ch) const;
+
   GatedDeltaShape shape_;
+  at::TensorOptions options_ = at::TensorOptions().dtype(at::kFloat);
+  bool aten_ops_ = false;
   double eps_;
   at::Tensor in_proj_;     // [conv_dim + value_dim + 2 * Hv, hidden]: qkv, z, b, a
   at::Tensor conv_w_;      // [K, conv_dim]

@@ -55,17 +55,34 @@ int64_t linear_weight_type(const GgufFile& file) {
 
 constexpr int64_t kGgmlQ4_1 = 3;
 
+// The device options.device names ("auto": CUDA where this build has it and a device is there).
+std::string resolve_device(const std::string& device) {
+  if (device != "auto") return device;
+#ifdef POCKET_CUDA
+  if (at::hasCUDA()) return "cuda";
+#endif
+  return "cpu";
+}
+
 // A checkpoint directory's safetensors, or a .gguf file's tensors dequantised (the dense layers' linear weights
-// then held as 4-bit records for weight_format "auto" on a Q4_1 file, where the CPU runs the kernel).
+// then held as 4-bit records for weight_format "auto" on a Q4_1 file, where the CPU runs the kernel), placed on
+// the options' device.
 QwenModel load_model(const std::string& checkpoint, const QwenEngineOptions& options) {
   if (options.weight_format != "auto" && options.weight_format != "float32")
     throw std::invalid_argument("weight_format must be 'auto' or 'float32', not '" + options.weight_format + "'");
-  if (!is_gguf_path(checkpoint)) return QwenModel(checkpoint, read_qwen_config(checkpoint));
+  const std::string device = resolve_device(options.device);
+  if (!is_gguf_path(checkpoint)) {
+    QwenModel model(checkpoint, read_qwen_config(checkpoint));
+    model.place(device, options.aten_ops);
+    return model;
+  }
   GgufFile file(checkpoint);
   QwenConfig config = read_gguf_config(file);
   QwenModel model(load_gguf_weights(file, config), config);
-  if (options.weight_format == "auto" && linear_weight_type(file) == kGgmlQ4_1 && q4_kernel_supported())
+  if (options.weight_format == "auto" && linear_weight_type(file) == kGgmlQ4_1 && q4_kernel_supported() &&
+      device == "cpu" && !options.aten_ops)
     model.use_q4_weights();
+  model.place(device, options.aten_ops);
   return model;
 }
 

@@ -34,6 +34,12 @@ struct QwenEngineOptions {
   // multiplied by the project's AVX-512 VNNI kernel (q4_weights.h) where the CPU has it, as the Torch plane's
   // cpu_weight_format "auto" does; "float32": every weight dequantised to float32.
   std::string weight_format = "auto";
+  // Where the model runs: "cpu", "cuda" / "cuda:N" (a CUDA build), or "auto": the first CUDA device where this
+  // build has CUDA and one is available, else the CPU.
+  std::string device = "auto";
+  // Attention and the Gated DeltaNet as ATen operations on the CPU too (the form a CUDA device runs), instead of
+  // the CPU loops: a reference for the CUDA path that runs without a GPU.
+  bool aten_ops = false;
 };
 
 // One sequence's tokens (prompt then outputs), KV blocks and sampling state.
@@ -62,6 +68,7 @@ class QwenEngine {
   const QwenEngineOptions& options() const { return options_; }
   const std::vector<int64_t>& eos_token_ids() const { return eos_; }
   const std::string& eos_source() const { return eos_source_; }
+  std::string device() const { return model_.device().str(); }
   int64_t eos_id() const { return eos_.empty() ? -1 : eos_.front(); }
   int64_t max_model_len() const { return max_model_len_; }
   int64_t num_parameters() const { return model_.num_parameters(); }

@@ -294,7 +294,45 @@ QwenModel::QwenModel(TensorMap w, const QwenConfig& config) : config_(config) {
   inv_freq_ = 1.0 / at::pow(config_.rope_theta, at::arange(0, rotary, 2, at::kLong).to(at::kFloat) / rotary);
 }
 
+void QwenModel::place(const std::string& name, bool aten_ops) {
+  at::Device device = at::kCPU;
+  try {
+    device = at::Device(name);
+  } catch (const c10::Error&) {
+    throw std::invalid_argument("device must be 'cpu', 'cuda' or 'cuda:N', not '" + name + "'");
+  }
+  if (device.is_cuda()) {
+#ifndef POCKET_CUDA
+    throw std::invalid_argument("device '" + name + "': this build of the native engine runs on the CPU only "
+                                "(pocketllm_cpp.backend is 'cpu'; build it with -DPOCKET_BACKEND=cuda)");
+#endif
+    if (!at::hasCUDA()) throw std::invalid_argument("device '" + name + "': no CUDA device is available");
+  } else if (!device.is_cpu()) {
+    throw std::invalid_argument("device must be 'cpu', 'cuda' or 'cuda:N', not '" + name + "'");
+  }
+  if (!device.is_cpu() && q4_layers_ > 0)
+    throw std::invalid_argument("4-bit records run on the CPU only: load the GGUF with weight_format 'float32'");
+  device_ = device;
+  aten_ops_ = aten_ops || !device.is_cpu();
+  auto move = [&](at::Tensor& t) {
+    if (t.defined()) t = t.to(device);
+  };
+  const bool tied = lm_head_.is_same(embed_);
+  for (at::Tensor* t : {&embed_, &final_norm_, &inv_freq_}) move(*t);
+  if (tied) lm_head_ = embed_;
+  else move(lm_head_);
+  for (Layer& l : layers_) {
+    for (at::Tensor* t : {&l.input_norm, &l.qkv, &l.qkv_bias, &l.o_proj, &l.q_norm, &l.k_norm, &l.post_norm,
+                          &l.gate_up, &l.down, &l.router, &l.shared_gate_up, &l.shared_down, &l.shared_gate})
+      move(*t);
+    for (auto* experts : {&l.expert_gate_up, &l.expert_down})
+      for (at::Tensor& t : *experts) move(t);
+    if (l.delta) l.delta->place(device, aten_ops_);
+  }
+}
+
 int64_t QwenModel::use_q4_weights() {
+  if (!device_.is_cpu()) throw std::logic_error("4-bit records are for a model on the CPU");
   SerialRegion serial;   // small ATen ops per matrix at load: threads cost more than they give here
   int64_t converted = 0;
   auto convert = [&](at::Tensor& weight, at::Tensor& records) {
@@ -382,7 +420,8 @@ at::Tensor QwenModel::moe(const Layer& l, const at::Tensor& h) const {
   if (c.norm_topk_prob) weights = weights / weights.sum(-1, true);
   at::Tensor out = at::zeros_like(h);
   const int64_t T = h.size(0), K = c.experts_per_token, I = c.moe_intermediate_size;
-  const int64_t* ids = experts.data_ptr<int64_t>();
+  const at::Tensor host_ids = experts.cpu();   // the routing, read on the host
+  const int64_t* ids = host_ids.data_ptr<int64_t>();
   std::vector<std::vector<int64_t>> rows(c.num_experts), slots(c.num_experts);
   for (int64_t t = 0; t < T; ++t)
     for (int64_t k = 0; k < K; ++k) {
@@ -392,10 +431,10 @@ at::Tensor QwenModel::moe(const Layer& l, const at::Tensor& h) const {
   at::Tensor flat_weights = weights.reshape({-1});
   for (int64_t e = 0; e < c.num_experts; ++e) {
     if (rows[e].empty()) continue;
-    at::Tensor idx = at::tensor(rows[e], at::kLong);
+    at::Tensor idx = at::tensor(rows[e], at::kLong).to(device_);
     at::Tensor gu = at::linear(h.index_select(0, idx), l.expert_gate_up[e]);
     at::Tensor y = at::linear(at::silu(gu.narrow(1, 0, I)) * gu.narrow(1, I, I), l.expert_down[e]);
-    y = y * flat_weights.index_select(0, at::tensor(slots[e], at::kLong)).unsqueeze(1);
+    y = y * flat_weights.index_select(0, at::tensor(slots[e], at::kLong).to(device_)).unsqueeze(1);
     out.index_add_(0, idx, y);
   }
   if (l.shared_gate_up.defined()) {
@@ -418,15 +457,16 @@ void QwenModel::allocate_cache(int64_t num_blocks, int64_t block_size) {
       continue;
     }
     // Pages are touched when a block is first written; a slot is read only after its position was written.
-    k_cache_.push_back(at::empty({num_blocks * block_size, config_.num_kv_heads, config_.head_dim}));
-    v_cache_.push_back(at::empty({num_blocks * block_size, config_.num_kv_heads, config_.head_dim}));
+    k_cache_.push_back(at::empty({num_blocks * block_size, config_.num_kv_heads, config_.head_dim}, options()));
+    v_cache_.push_back(at::empty({num_blocks * block_size, config_.num_kv_heads, config_.head_dim}, options()));
   }
 }
 
 // One full-attention layer over the normed input h [T, hidden]: K/V written to the cache slots `slot`, attention
 // over each chunk's context, Qwen3.5's sigmoid output gate, the output projection.
 at::Tensor QwenModel::attention(size_t li, const at::Tensor& h, const at::Tensor& slot, const at::Tensor& cos,
-                                const at::Tensor& sin, const std::vector<AttentionChunk>& views, bool q4) {
+                                const at::Tensor& sin, const std::vector<AttentionChunk>& views,
+                                const at::Tensor& context_slots, bool q4) {
   const QwenConfig& c = config_;
   const Layer& l = layers_[li];
   const int64_t T = h.size(0), H = c.num_heads, KVH = c.num_kv_heads, D = c.head_dim;
@@ -450,10 +490,11 @@ at::Tensor QwenModel::attention(size_t li, const at::Tensor& h, const at::Tensor
   k = rope(k, cos, sin);
   k_cache_[li].index_copy_(0, slot, k);
   v_cache_[li].index_copy_(0, slot, v);
-  at::Tensor attn = at::empty({T, H, D});
+  at::Tensor attn = at::empty({T, H, D}, options());
   q = q.contiguous();
-  paged_attention(q.data_ptr<float>(), k_cache_[li], v_cache_[li],
-                  attn.data_ptr<float>(), views, H, KVH, D, static_cast<float>(1.0 / std::sqrt(double(D))));
+  const float scale = static_cast<float>(1.0 / std::sqrt(double(D)));
+  if (aten_ops_) paged_attention_aten(q, k_cache_[li], v_cache_[li], attn, views, context_slots, scale);
+  else paged_attention(q.data_ptr<float>(), k_cache_[li], v_cache_[li], attn.data_ptr<float>(), views, H, KVH, D, scale);
   if (gate.defined()) attn = attn * at::sigmoid(gate);
   return linear(attn.reshape({T, H * D}), l.o_proj, l.o_proj_q4, q4);
 }
@@ -465,22 +506,26 @@ at::Tensor QwenModel::forward(const std::vector<int64_t>& tokens, const std::vec
   const int64_t bs = block_size_;
   // Positions and cache slots of the new tokens, and per chunk the slots of its whole context.
   std::vector<int64_t> positions, slots, logit_rows;
-  std::vector<std::vector<int64_t>> contexts(chunks.size());
   std::vector<AttentionChunk> views(chunks.size());
   std::vector<DeltaChunk> delta_chunks(chunks.size());
   positions.reserve(T);
   slots.reserve(T);
+  // Every chunk's context slots back to back (reserved whole first: the views point into it).
+  std::vector<int64_t> contexts;
+  size_t context_total = 0;
+  for (const Chunk& ch : chunks) context_total += static_cast<size_t>(ch.start + ch.num_tokens);
+  contexts.reserve(context_total);
   int64_t row = 0;
   for (size_t ci = 0; ci < chunks.size(); ++ci) {
     const Chunk& ch = chunks[ci];
     const auto& table = *ch.block_table;
     const int64_t end = ch.start + ch.num_tokens;
     if (static_cast<int64_t>(table.size()) * bs < end) throw std::logic_error("block table too short for a chunk");
-    std::vector<int64_t>& ctx = contexts[ci];
-    ctx.resize(static_cast<size_t>(end));
-    for (int64_t p = 0; p < end; ++p) ctx[p] = table[p / bs] * bs + p % bs;
+    const int64_t offset = static_cast<int64_t>(contexts.size());
+    for (int64_t p = 0; p < end; ++p) contexts.push_back(table[p / bs] * bs + p % bs);
+    const int64_t* ctx = contexts.data() + offset;
     for (int64_t p = ch.start; p < end; ++p) { positions.push_back(p); slots.push_back(ctx[p]); }
-    views[ci] = AttentionChunk{row, ch.start, ch.num_tokens, ctx.data()};
+    views[ci] = AttentionChunk{row, ch.start, ch.num_tokens, ctx, offset};
     if (c.hybrid && ch.state_slot < 0) throw std::logic_error("a chunk of a hybrid model has no state slot");
     delta_chunks[ci] = DeltaChunk{row, ch.num_tokens, ch.state_slot, ch.start == 0};
     row += ch.num_tokens;
@@ -497,9 +542,10 @@ at::Tensor QwenModel::forward(const std::vector<int64_t>& tokens, const std::vec
   // SmolLM2's answer to a chat went astray).
   bool q4 = q4_layers_ > 0 && T <= kQ4Rows;
   for (const Chunk& ch : chunks) q4 = q4 && (ch.num_tokens == 1 || ch.all_logits) && ch.start > 0;
-  at::Tensor ids = at::tensor(tokens, at::kLong);
-  at::Tensor pos = at::tensor(positions, at::kLong);
-  at::Tensor slot = at::tensor(slots, at::kLong);
+  at::Tensor ids = at::tensor(tokens, at::kLong).to(device_);
+  at::Tensor pos = at::tensor(positions, at::kLong).to(device_);
+  at::Tensor slot = at::tensor(slots, at::kLong).to(device_);
+  at::Tensor context_slots = aten_ops_ ? at::tensor(contexts, at::kLong).to(device_) : at::Tensor();
   at::Tensor freqs = pos.to(at::kFloat).unsqueeze(1) * inv_freq_.unsqueeze(0);   // [T, D/2]
   at::Tensor cos = freqs.cos().unsqueeze(1), sin = freqs.sin().unsqueeze(1);
   at::Tensor x = embed_.index_select(0, ids).contiguous();
@@ -520,7 +566,7 @@ at::Tensor QwenModel::forward(const std::vector<int64_t>& tokens, const std::vec
       continue;
     }
     at::Tensor h = rms_norm(x, l.input_norm, c.rms_norm_eps);
-    x = x + (l.delta ? l.delta->forward(h, delta_chunks) : attention(li, h, slot, cos, sin, views, q4));
+    x = x + (l.delta ? l.delta->forward(h, delta_chunks) : attention(li, h, slot, cos, sin, views, context_slots, q4));
     h = rms_norm(x, l.post_norm, c.rms_norm_eps);
     if (l.router.defined()) {
       x = x + moe(l, h);
@@ -531,8 +577,8 @@ at::Tensor QwenModel::forward(const std::vector<int64_t>& tokens, const std::vec
     }
   }
   if (logit_rows.empty()) return at::empty({0, c.vocab_size});
-  at::Tensor last = x.index_select(0, at::tensor(logit_rows, at::kLong));
-  return logits(rms_norm(last, final_norm_, c.rms_norm_eps), q4);
+  at::Tensor last = x.index_select(0, at::tensor(logit_rows, at::kLong).to(device_));
+  return logits(rms_norm(last, final_norm_, c.rms_norm_eps), q4).to(at::kCPU);
 }
 
 }  // namespace pocket

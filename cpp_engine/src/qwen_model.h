@@ -1,5 +1,5 @@
-// A Qwen3 or Qwen3.5 (dense or MoE) decoder on CPU in float32: weights loaded from safetensors, one forward over a
-// flat batch of token chunks whose keys and values live in a paged KV cache. Llama and Qwen2 (read from GGUF:
+// A Qwen3 or Qwen3.5 (dense or MoE) decoder in float32, on the CPU or (a CUDA build) a CUDA device: weights loaded
+// from safetensors, one forward over a flat batch of token chunks whose keys and values live in a paged KV cache. Llama and Qwen2 (read from GGUF:
 // gguf_checkpoint.h) are the same decoder without the per-head q/k norms. Qwen3.5's Gated DeltaNet layers
 // (gated_delta.h) keep a conv and a recurrent state per sequence in numbered state slots instead.
 #pragma once
@@ -77,6 +77,14 @@ class QwenModel {
   int64_t use_q4_weights();
   bool q4_weights() const { return q4_layers_ > 0; }
 
+  // Move the weights to `device` ("cpu", "cuda" or "cuda:N"; before allocate_cache). With `aten_ops`, or on any
+  // device but the CPU, attention and the Gated DeltaNet run as ATen operations (paged_attention_aten,
+  // GatedDeltaNet's ATen form) instead of the CPU loops over raw memory. Throws std::invalid_argument for a device
+  // this build cannot use, or 4-bit records off the CPU.
+  void place(const std::string& device, bool aten_ops);
+  const at::Device& device() const { return device_; }
+  bool aten_ops() const { return aten_ops_; }
+
   // Allocate the paged KV cache: num_blocks blocks of block_size positions, per (full-attention) layer.
   void allocate_cache(int64_t num_blocks, int64_t block_size);
   int64_t block_size() const { return block_size_; }
@@ -88,7 +96,7 @@ class QwenModel {
 
   // Run `tokens` (every chunk's tokens, in chunk order) through the model, writing their K/V into the cache;
   // returns the logits [rows, vocab] of each chunk's last token where it wants logits, or of all its tokens where
-  // it wants them all, in chunk order.
+  // it wants them all, in chunk order (on the CPU, wherever the model runs).
   at::Tensor forward(const std::vector<int64_t>& tokens, const std::vector<Chunk>& chunks);
 
  private:
@@ -105,8 +113,12 @@ class QwenModel {
   at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& records, bool q4,
                     const at::Tensor& bias = at::Tensor());
   at::Tensor attention(size_t li, const at::Tensor& h, const at::Tensor& slot, const at::Tensor& cos,
-                       const at::Tensor& sin, const std::vector<AttentionChunk>& views, bool q4);
+                       const at::Tensor& sin, const std::vector<AttentionChunk>& views,
+                       const at::Tensor& context_slots, bool q4);
+  at::TensorOptions options() const { return at::TensorOptions().dtype(at::kFloat).device(device_); }
   QwenConfig config_;
+  at::Device device_ = at::kCPU;
+  bool aten_ops_ = false;
   at::Tensor embed_, final_norm_, lm_head_, inv_freq_;
   at::Tensor lm_head_q4_;   // use_q4_weights: the LM head's records (beside the float32 rows, which rescore)
   // The float32 LM head applied to the final-normed rows `h` (decode rows with `q4`: ranked by the records, the

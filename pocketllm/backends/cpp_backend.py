@@ -46,7 +46,8 @@ class CppBackend:
         options.block_size = args.block_size
         options.prefix_caching = args.enable_prefix_caching
         options.max_slots = args.max_num_seqs
-        options.weight_format = args.cpu_weight_format   # "auto": a Q4_1 GGUF's layers stay 4-bit
+        options.weight_format = args.cpu_weight_format   # "auto": a Q4_1 GGUF's layers stay 4-bit (on the CPU)
+        options.device = args.device   # "auto": a CUDA device where the module is a CUDA build and one is there
         options.eos_token_ids = sorted(eos_ids)
         if args.num_kv_blocks is not None:
             options.num_kv_blocks = args.num_kv_blocks
@@ -84,7 +85,7 @@ class CppBackend:
                 "eos_token_ids": sorted(eos_ids),
                 "architecture": engine.architecture or "Qwen3ForCausalLM",
                 "format": "gguf" if is_gguf else "safetensors",
-                "device": "cpu",
+                "device": engine.device,
                 "dtype": "float32",
                 "weight_format": engine.weight_format,
                 "max_model_len": self.core.max_model_len,
@@ -99,7 +100,7 @@ class CppBackend:
         engine = self.core.engine
         return ModelInfo(architecture=self.caps.details["architecture"], vocab_size=self.core.vocab_size,
                          num_parameters=int(engine.num_parameters), weight_bytes=int(engine.decode_weight_bytes),
-                         dtype="float32", device="cpu", max_model_len=self.core.max_model_len)
+                         dtype="float32", device=str(engine.device), max_model_len=self.core.max_model_len)
 
     def shutdown(self) -> None:
         self.loop.shutdown()

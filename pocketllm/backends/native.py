@@ -103,12 +103,25 @@ def native_model_path(args: EngineArgs) -> str:
     return gguf_file(args.model) or os.fspath(args.model)
 
 
+def native_backend() -> str | None:
+    """The device backend the native module was built for (``cpu`` or ``cuda``), None when it is not built."""
+    module = import_native()
+    return None if module is None else str(module.backend)
+
+
+def _device_refused(device: str) -> bool:
+    """Whether the native plane cannot run on ``device``: CUDA needs a CUDA build of the module (imported only
+    to ask that, where CUDA is asked for)."""
+    return device == "cuda" and native_backend() != "cuda"
+
+
 def refused_options(args: EngineArgs) -> list[str]:
-    """The engine options the native plane cannot honour, each as ``name=value`` (it runs on CPU in one process,
-    float32 or a Q4_1 GGUF's 4-bit layers, speculating by prompt lookup only)."""
+    """The engine options the native plane cannot honour, each as ``name=value`` (it runs in one process on the
+    CPU, or on a CUDA device where the module is a CUDA build, in float32 or a Q4_1 GGUF's 4-bit layers on the CPU,
+    speculating by prompt lookup only)."""
     spec = args.speculative_config
     refusals = {
-        "device": args.device not in ("auto", "cpu"),
+        "device": _device_refused(args.device),
         "dtype": args.dtype not in ("auto", "float32"),
         "cpu_weight_format": args.cpu_weight_format not in ("auto", "float32"),
         "cpu_compile": args.cpu_compile,
@@ -129,8 +142,8 @@ def unknown_options(args: EngineArgs) -> list[str]:
 
 def check_args(args: EngineArgs) -> None:
     """For backend='cpp': UnsupportedFeatureError for any engine option or checkpoint the native plane cannot
-    honour, InvalidRequestError for unknown backend_options. Reads config.json or the GGUF metadata only: no
-    module import, no device."""
+    honour, InvalidRequestError for unknown backend_options. Reads config.json or the GGUF metadata only, and
+    touches no device (the module is imported only where CUDA is asked for, to ask what it was built for)."""
     unknown = unknown_options(args)
     if unknown:
         raise InvalidRequestError(f"backend_options {unknown} are not understood by the cpp backend "
@@ -138,9 +151,9 @@ def check_args(args: EngineArgs) -> None:
     asked = refused_options(args)
     if asked:
         raise UnsupportedFeatureError(
-            f"backend='cpp' (the native plane) runs on CPU (float32, or a Q4_1 GGUF's 4-bit layers), one process, "
-            f"speculating by prompt lookup (method 'ngram') only; it cannot honour {', '.join(asked)} "
-            f"(use backend='torch')")
+            f"backend='cpp' (the native plane) runs on the CPU (float32, or a Q4_1 GGUF's 4-bit layers) or, built "
+            f"with -DPOCKET_BACKEND=cuda, on a CUDA device (float32), in one process, speculating by prompt lookup "
+            f"(method 'ngram') only; it cannot honour {', '.join(asked)} (use backend='torch')")
     model_type = safetensors_model_type(args.model)
     if model_type in NATIVE_MODEL_TYPES:
         return
@@ -170,13 +183,14 @@ def _cuda_available() -> bool:
 def auto_picks_native(args: EngineArgs) -> bool:
     """The spec's rule for backend='auto': the native plane only when ``pocketllm_cpp`` imports, the checkpoint
     is a Qwen3.5 (dense or MoE) safetensors directory, the engine options ask for nothing the native plane
-    refuses, and the device is the CPU (device='auto' without CUDA). Anything else stays on Torch; when the
+    refuses, and the device is one the module was built for (device='auto' with CUDA available needs a CUDA
+    build). Anything else stays on Torch; when the
     module is built and a Qwen3.5 checkpoint stays there, one INFO line names the options that kept it."""
     if safetensors_model_type(args.model) not in AUTO_MODEL_TYPES or import_native() is None:
         return False
     asked = refused_options(args) + [f"backend_options={key!r}" for key in unknown_options(args)]
-    if not asked and args.device == "auto" and _cuda_available():
-        asked = ["device='auto' (CUDA is available; the native plane runs on CPU)"]
+    if not asked and args.device == "auto" and native_backend() != "cuda" and _cuda_available():
+        asked = ["device='auto' (CUDA is available; this build of the native plane runs on the CPU)"]
     if asked:
         logger.info("backend='auto' runs this Qwen3.5 checkpoint on the Torch backend: the native plane cannot "
                     "honour %s (backend='cpp' refuses it)", ", ".join(asked))
