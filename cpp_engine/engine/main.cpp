@@ -745,7 +745,7 @@ class Server {
   WireValue diag_value(const Request& request, const BatchResult& result) const {
     const int64_t prompt = result.prompt_tokens, cached = result.cached_tokens;
     WireValue route = WireValue::object();
-    route.set("backend", WireValue::str("native")).set("device", WireValue::str("cpu"))
+    route.set("backend", WireValue::str("native")).set("device", WireValue::str(engine_->device()))
         .set("dtype", WireValue::str("float32")).set("architecture", WireValue::str(engine_->config().architecture))
         .set("format", WireValue::str(is_gguf_path(model_) ? "gguf" : "safetensors"));
     WireValue prefill = WireValue::object();
@@ -806,10 +806,11 @@ class Server {
 
 const char* kUsage =
     "usage: pocketllm_engine --model DIR|FILE.gguf [--ctx N] [--max-seqs N] [--kv-cache-mb MB] [--threads N]\n"
-    "                        [--weight-format auto|float32] [--verbose]\n"
+    "                        [--weight-format auto|float32] [--device auto|cpu|cuda] [--verbose]\n"
     "Serves the harness's JSONL protocol (see pocketllm/harness/PROTOCOL.md) on stdin/stdout with a Qwen3,\n"
-    "Qwen3-MoE or Qwen3.5 safetensors checkpoint, or a llama, qwen2 or qwen3 GGUF file, on CPU.\n"
-    "--weight-format auto (default) keeps a Q4_1 GGUF's layer weights in 4 bits (AVX-512 VNNI); float32 does not.\n";
+    "Qwen3-MoE or Qwen3.5 safetensors checkpoint, or a llama, qwen2 or qwen3 GGUF file.\n"
+    "--weight-format auto (default) keeps a Q4_1 GGUF's layer weights in 4 bits (AVX-512 VNNI); float32 does not.\n"
+    "--device auto (default): a CUDA device where this build has CUDA and one is there, else the CPU.\n";
 
 // The test modes' input: `serve` for each stdin line (without its newline, the last one even if unterminated)
 // until end of input; returns the exit status.
@@ -901,6 +902,7 @@ int run(int argc, char** argv) {
     else if (arg == "--kv-cache-mb") options.kv_cache_mb = std::stod(value());
     else if (arg == "--threads") options.num_threads = std::stoll(value());
     else if (arg == "--weight-format") options.weight_format = value();
+    else if (arg == "--device") options.device = value();
     else if (arg == "--verbose") g_verbose = true;
     else if (arg == "-h" || arg == "--help") { std::fputs(kUsage, stdout); return 0; }
     else throw std::invalid_argument("unknown argument " + arg);
