@@ -1,8 +1,9 @@
 """Qwen3.5 (dense and MoE) on the native plane (pocketllm_cpp): greedy tokens equal transformers (fp32) under
 batching of mixed prompt lengths, chunked prefill, 32-token decodes and forced preemption (the recompute restarts
 the recurrent state), and log-probabilities equal transformers' within 1e-4; the prefix cache resumes from
-recurrent states kept at prompts' block boundaries; a multimodal checkpoint's text model (nested text_config,
-model.language_model.* names, stacked experts, skipped vision and MTP tensors) loads the same."""
+recurrent states kept at prompts' block boundaries and at the last one decoding reached; a multimodal checkpoint's
+text model (nested text_config, model.language_model.* names, stacked experts, skipped vision and MTP tensors)
+loads the same."""
 
 from __future__ import annotations
 
@@ -88,11 +89,12 @@ def test_prefix_cache_resumes_from_a_kept_state(native, tiny_checkpoint, expecte
     assert engine.options.prefix_caching and engine.options.state_snapshots > 0
     prompt, reference = _prompts()[2], expected(arch)[2]   # 70 tokens: the state at 64 is kept
     assert engine.generate(prompt, NEW_TOKENS) == reference
-    assert engine.session_cached_tokens == 0 and engine.num_state_snapshots == 1
+    # ... and decoding's last boundary, 96 (101 tokens computed; the one at 80 given up for it)
+    assert engine.session_cached_tokens == 0 and engine.num_state_snapshots == 2
     assert engine.generate(prompt, NEW_TOKENS) == reference and engine.session_cached_tokens == 64
     turn = prompt + reference[:12] + _prompts()[0]   # 87 tokens: resumes at 64, keeps the state at 80
     assert engine.generate(turn, 8) == hf_reference.greedy(path, [turn], 8)[0]
-    assert engine.session_cached_tokens == 64 and engine.num_state_snapshots == 2
+    assert engine.session_cached_tokens == 64 and engine.num_state_snapshots == 3
     # Batched, with prefill chunks that pass the kept points: the second wave resumes both prompts.
     prompts = [prompt, turn, _prompts()[1]]
     first, core = _batched(native, engine, prompts, 8, slots=3, budget=16)
@@ -105,6 +107,21 @@ def test_prefix_cache_resumes_from_a_kept_state(native, tiny_checkpoint, expecte
     engine.reset()   # clears the kept states with the cached blocks
     assert engine.num_state_snapshots == 0
     assert engine.generate(prompt, 4) == reference[:4] and engine.session_cached_tokens == 0
+
+
+@pytest.mark.parametrize("arch", TINY_HYBRID_ARCHS)
+def test_a_later_turn_resumes_after_the_answer(native, tiny_checkpoint, hf_reference, arch):
+    """Decoding keeps the state at each block boundary it reaches, in place of the one before: the next turn
+    (prompt, answer, new text) resumes at the answer's last boundary instead of the first prompt's."""
+    path = tiny_checkpoint(arch)
+    engine = small_engine(native, path)
+    prompt = _prompts()[0] + _prompts()[1]   # 22 tokens: its kept state is at 16
+    answer = engine.generate(prompt, 30)      # 51 tokens computed: decoding passes 32 and 48
+    assert answer == hf_reference.greedy(path, [prompt], 30)[0]
+    assert engine.num_state_snapshots == 2    # 16 and 48: the one at 32 was given up for 48
+    turn = prompt + answer + [5, 6, 7]
+    assert engine.generate(turn, 6) == hf_reference.greedy(path, [turn], 6)[0]
+    assert engine.session_cached_tokens == 48
 
 
 def test_kept_states_are_bounded_and_can_be_turned_off(native, tiny_checkpoint, expected):

@@ -164,11 +164,23 @@ std::vector<int64_t> QwenEngine::snapshot_points(const Sequence& seq) const {
   return points;
 }
 
-void QwenEngine::keep_state(const Sequence& seq) {
+bool QwenEngine::keep_state(const Sequence& seq) {
   // Only at a registered block boundary: the key is the chained hash of the blocks before it.
-  if (seq.hashed * pool_.block_size() != seq.num_computed || snapshots_.find(seq.last_hash) >= 0) return;
+  if (seq.hashed * pool_.block_size() != seq.num_computed || snapshots_.find(seq.last_hash) >= 0) return false;
   const int64_t slot = snapshots_.claim(seq.last_hash, snapshots_.full() ? -1 : model_.acquire_state_slot());
   model_.copy_state_slot(seq.state_slot, slot);
+  return true;
+}
+
+void QwenEngine::keep_decode_state(Sequence& seq) {
+  // Past the prompt, with no unverified proposal in the state, exactly at a block boundary.
+  if (seq.drafted > 0 || seq.num_computed <= seq.num_prompt || seq.num_computed % pool_.block_size() != 0) return;
+  const uint64_t previous = seq.decode_snapshot;
+  // Kept now, or held already (an earlier sequence reached the same prefix): this sequence's latest either way.
+  if (!keep_state(seq) && !(seq.hashed * pool_.block_size() == seq.num_computed && snapshots_.contains(seq.last_hash)))
+    return;
+  seq.decode_snapshot = seq.last_hash;
+  if (previous != 0 && previous != seq.last_hash) model_.release_state_slot(snapshots_.release(previous));
 }
 
 at::Tensor QwenEngine::forward_chunks(const std::vector<Sequence*>& seqs, const std::vector<int64_t>& n) {
@@ -251,6 +263,7 @@ at::Tensor QwenEngine::run(const std::vector<Sequence*>& seqs, const std::vector
       }
       for (int64_t p : snapshot_points(s))
         if (s.num_computed == p) keep_state(s);
+      keep_decode_state(s);
     }
     if (pass == 0 && std::all_of(left.begin(), left.end(), [](int64_t l) { return l <= 0; })) only = logits;
   }

@@ -55,6 +55,9 @@ struct Sequence {
   int64_t state_slot = -1;      // hybrid models: the recurrent-state slot while it has computed tokens
   int64_t hashed = 0;
   uint64_t last_hash = 0;
+  // Hybrid models: the key of the state this sequence last kept at a block boundary its decoding reached (0:
+  // none), given up when it keeps the next one.
+  uint64_t decode_snapshot = 0;
   SamplingOptions sampling;
   std::mt19937_64 rng;
 };
@@ -125,7 +128,12 @@ class QwenEngine {
   at::Tensor forward_chunks(const std::vector<Sequence*>& seqs, const std::vector<int64_t>& n);
   // A prompt's positions whose recurrent state is kept: its last block boundary, and its end when that is one.
   std::vector<int64_t> snapshot_points(const Sequence& seq) const;
-  void keep_state(const Sequence& seq);   // the state after seq's computed tokens, under their block prefix
+  // The state after seq's computed tokens, under their block prefix (false where they do not end one that is
+  // registered, or it is kept already).
+  bool keep_state(const Sequence& seq);
+  // After a decoding step: at a block boundary that step ended on, its state kept in place of the sequence's
+  // previous decode-time one (so the next turn of a chat resumes after most of the answer, not the prompt).
+  void keep_decode_state(Sequence& seq);
 
   QwenEngineOptions options_;
   QwenModel model_;

@@ -27,6 +27,15 @@ int64_t StateSnapshots::claim(uint64_t key, int64_t fresh_slot) {
   return slot;
 }
 
+int64_t StateSnapshots::release(uint64_t key) {
+  auto it = slot_.find(key);
+  if (it == slot_.end()) return -1;
+  const int64_t slot = it->second.slot;
+  lru_.erase(it->second.age);
+  slot_.erase(it);
+  return slot;
+}
+
 std::vector<int64_t> StateSnapshots::clear() {
   std::vector<int64_t> slots;
   for (const auto& [key, held] : slot_) slots.push_back(held.slot);

@@ -23,6 +23,8 @@ class StateSnapshots {
   // recently used snapshot's slot (that snapshot is forgotten). Not for a key already held.
   int64_t claim(uint64_t key, int64_t fresh_slot);
   bool full() const { return size() >= capacity_; }
+  // Forget `key`'s snapshot; returns its slot, or -1 when none is held.
+  int64_t release(uint64_t key);
   // Forget every snapshot; returns their slots.
   std::vector<int64_t> clear();
 
