@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from native_utils import greedy_sampling, small_engine
+from native_utils import greedy_by_arch, greedy_sampling, mixed_prompts, run_batched, small_engine
 
 ARCHS = ("qwen3", "qwen3_moe", "qwen3_5_text", "qwen3_5_moe_text")
 NEW_TOKENS = 16
@@ -17,9 +17,8 @@ PROMPT_LENGTHS = (5, 17, 40, 9)
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def _prompts(vocab: int = 49152) -> list[list[int]]:
-    return [[(1000 + 7919 * (i + 1) * (n + 3)) % vocab for i in range(length)]
-            for n, length in enumerate(PROMPT_LENGTHS)]
+def _prompts() -> list[list[int]]:
+    return mixed_prompts(PROMPT_LENGTHS)
 
 
 @pytest.fixture(params=["cpu-aten", pytest.param("cuda", marks=pytest.mark.gpu)])
@@ -37,34 +36,16 @@ def device_options(request, native) -> dict:
 @pytest.fixture(scope="module")
 def expected(tiny_checkpoint, hf_reference):
     """transformers' greedy continuations of the prompts, once per arch."""
-    cache: dict[str, list[list[int]]] = {}
-
-    def get(arch: str) -> list[list[int]]:
-        if arch not in cache:
-            cache[arch] = hf_reference.greedy(tiny_checkpoint(arch), _prompts(), NEW_TOKENS)
-        return cache[arch]
-
-    return get
+    return greedy_by_arch(hf_reference, tiny_checkpoint, _prompts(), NEW_TOKENS)
 
 
 def _batched(native, engine, prompts, budget=16, ngram=None, cached=None) -> list[list[int]]:
     """Greedy tokens of every prompt, run together through a batch core with ``budget`` prompt tokens a step;
     ``cached`` (a dict) gets each prompt's tokens taken from the prefix cache."""
-    core = native.QwenBatchCore(engine, 4)
-    core.set_prefill_token_budget(budget)
-    if ngram is not None:
-        core.set_ngram_speculation(*ngram)
-    for i, prompt in enumerate(prompts):
-        core.add(f"r{i}", prompt, greedy_sampling(native, NEW_TOKENS))
-    tokens: list[list[int]] = [[] for _ in prompts]
-    for _ in range(10000):
-        if not core.has_work():
-            return tokens
-        for event in core.step():
-            tokens[int(event.request_id[1:])].append(event.token)
-            if cached is not None:
-                cached[int(event.request_id[1:])] = event.cached_tokens
-    raise AssertionError("the batch core did not finish")
+    tokens, taken, _ = run_batched(native, engine, prompts, NEW_TOKENS, 4, budget, ngram)
+    if cached is not None:
+        cached.update(taken)
+    return [tokens[i] for i in range(len(prompts))]
 
 
 @pytest.mark.parametrize("arch", ARCHS)

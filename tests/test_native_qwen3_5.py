@@ -13,7 +13,7 @@ import os
 import pytest
 import torch
 from conftest import TINY_HYBRID_ARCHS
-from native_utils import greedy_sampling, small_engine
+from native_utils import greedy_by_arch, greedy_sampling, mixed_prompts, run_batched, small_engine
 from safetensors.torch import load_file, save_file
 
 NEW_TOKENS = 32
@@ -24,36 +24,19 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _prompts(vocab: int = 49152) -> list[list[int]]:
-    return [[(1000 + 7919 * (i + 1) * (n + 3)) % vocab for i in range(length)]
-            for n, length in enumerate(PROMPT_LENGTHS)]
+    return mixed_prompts(PROMPT_LENGTHS, vocab)
 
 
 def _batched(native, engine, prompts, new_tokens, slots, budget):
     """Greedy tokens of every prompt, run together through a batch core: {index: tokens}, and the core."""
-    core = native.QwenBatchCore(engine, slots)
-    core.set_prefill_token_budget(budget)
-    for i, prompt in enumerate(prompts):
-        core.add(f"r{i}", prompt, greedy_sampling(native, new_tokens))
-    tokens: dict[int, list[int]] = {i: [] for i in range(len(prompts))}
-    for _ in range(10000):
-        if not core.has_work():
-            return tokens, core
-        for event in core.step():
-            tokens[int(event.request_id[1:])].append(event.token)
-    raise AssertionError("the batch core did not finish")
+    tokens, _, core = run_batched(native, engine, prompts, new_tokens, slots, budget)
+    return tokens, core
 
 
 @pytest.fixture(scope="module")
 def expected(tiny_checkpoint, hf_reference):
     """transformers' greedy continuations of the mixed-length prompts, once per arch."""
-    cache: dict[str, list[list[int]]] = {}
-
-    def get(arch: str) -> list[list[int]]:
-        if arch not in cache:
-            cache[arch] = hf_reference.greedy(tiny_checkpoint(arch), _prompts(), NEW_TOKENS)
-        return cache[arch]
-
-    return get
+    return greedy_by_arch(hf_reference, tiny_checkpoint, _prompts(), NEW_TOKENS)
 
 
 @pytest.mark.parametrize("arch", TINY_HYBRID_ARCHS)

@@ -164,21 +164,22 @@ std::vector<int64_t> QwenEngine::snapshot_points(const Sequence& seq) const {
   return points;
 }
 
-bool QwenEngine::keep_state(const Sequence& seq) {
+bool QwenEngine::at_registered_boundary(const Sequence& seq) const {
+  return seq.hashed * pool_.block_size() == seq.num_computed;
+}
+
+void QwenEngine::keep_state(const Sequence& seq) {
   // Only at a registered block boundary: the key is the chained hash of the blocks before it.
-  if (seq.hashed * pool_.block_size() != seq.num_computed || snapshots_.find(seq.last_hash) >= 0) return false;
+  if (!at_registered_boundary(seq) || snapshots_.find(seq.last_hash) >= 0) return;
   const int64_t slot = snapshots_.claim(seq.last_hash, snapshots_.full() ? -1 : model_.acquire_state_slot());
   model_.copy_state_slot(seq.state_slot, slot);
-  return true;
 }
 
 void QwenEngine::keep_decode_state(Sequence& seq) {
-  // Past the prompt, with no unverified proposal in the state, exactly at a block boundary.
-  if (seq.drafted > 0 || seq.num_computed <= seq.num_prompt || seq.num_computed % pool_.block_size() != 0) return;
+  // Past the prompt, with no unverified proposal in the state, exactly at a registered block boundary.
+  if (seq.drafted > 0 || seq.num_computed <= seq.num_prompt || !at_registered_boundary(seq)) return;
   const uint64_t previous = seq.decode_snapshot;
-  // Kept now, or held already (an earlier sequence reached the same prefix): this sequence's latest either way.
-  if (!keep_state(seq) && !(seq.hashed * pool_.block_size() == seq.num_computed && snapshots_.contains(seq.last_hash)))
-    return;
+  keep_state(seq);   // kept now, or held already (another sequence reached the same prefix): this one's latest
   seq.decode_snapshot = seq.last_hash;
   if (previous != 0 && previous != seq.last_hash) model_.release_state_slot(snapshots_.release(previous));
 }

@@ -128,9 +128,11 @@ class QwenEngine {
   at::Tensor forward_chunks(const std::vector<Sequence*>& seqs, const std::vector<int64_t>& n);
   // A prompt's positions whose recurrent state is kept: its last block boundary, and its end when that is one.
   std::vector<int64_t> snapshot_points(const Sequence& seq) const;
-  // The state after seq's computed tokens, under their block prefix (false where they do not end one that is
-  // registered, or it is kept already).
-  bool keep_state(const Sequence& seq);
+  // Whether seq's computed tokens end on a block boundary whose blocks are registered in the prefix cache.
+  bool at_registered_boundary(const Sequence& seq) const;
+  // The state after seq's computed tokens, under their block prefix (nothing where they do not end at a
+  // registered boundary, or it is kept already).
+  void keep_state(const Sequence& seq);
   // After a decoding step: at a block boundary that step ended on, its state kept in place of the sequence's
   // previous decode-time one (so the next turn of a chat resumes after most of the answer, not the prompt).
   void keep_decode_state(Sequence& seq);

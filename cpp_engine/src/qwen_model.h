@@ -1,6 +1,6 @@
 // A Qwen3 or Qwen3.5 (dense or MoE) decoder in float32, on the CPU or (a CUDA build) a CUDA device: weights loaded
-// from safetensors, one forward over a flat batch of token chunks whose keys and values live in a paged KV cache. Llama and Qwen2 (read from GGUF:
-// gguf_checkpoint.h) are the same decoder without the per-head q/k norms. Qwen3.5's Gated DeltaNet layers
+// from safetensors, one forward over a flat batch of token chunks whose keys and values live in a paged KV cache.
+// Llama and Qwen2 (read from GGUF: gguf_checkpoint.h) are the same decoder without the per-head q/k norms. Qwen3.5's Gated DeltaNet layers
 // (gated_delta.h) keep a conv and a recurrent state per sequence in numbered state slots instead.
 #pragma once
 
@@ -83,7 +83,6 @@ class QwenModel {
   // this build cannot use, or 4-bit records off the CPU.
   void place(const std::string& device, bool aten_ops);
   const at::Device& device() const { return device_; }
-  bool aten_ops() const { return aten_ops_; }
 
   // Allocate the paged KV cache: num_blocks blocks of block_size positions, per (full-attention) layer.
   void allocate_cache(int64_t num_blocks, int64_t block_size);

@@ -184,12 +184,13 @@ def auto_picks_native(args: EngineArgs) -> bool:
     """The spec's rule for backend='auto': the native plane only when ``pocketllm_cpp`` imports, the checkpoint
     is a Qwen3.5 (dense or MoE) safetensors directory, the engine options ask for nothing the native plane
     refuses, and the device is one the module was built for (device='auto' with CUDA available needs a CUDA
-    build). Anything else stays on Torch; when the
-    module is built and a Qwen3.5 checkpoint stays there, one INFO line names the options that kept it."""
-    if safetensors_model_type(args.model) not in AUTO_MODEL_TYPES or import_native() is None:
+    build). Anything else stays on Torch; when the module is built and a Qwen3.5 checkpoint stays there, one INFO
+    line names the options that kept it."""
+    module = import_native() if safetensors_model_type(args.model) in AUTO_MODEL_TYPES else None
+    if module is None:
         return False
     asked = refused_options(args) + [f"backend_options={key!r}" for key in unknown_options(args)]
-    if not asked and args.device == "auto" and native_backend() != "cuda" and _cuda_available():
+    if not asked and args.device == "auto" and module.backend != "cuda" and _cuda_available():
         asked = ["device='auto' (CUDA is available; this build of the native plane runs on the CPU)"]
     if asked:
         logger.info("backend='auto' runs this Qwen3.5 checkpoint on the Torch backend: the native plane cannot "
