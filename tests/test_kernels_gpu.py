@@ -505,6 +505,31 @@ def test_shared_expert_term_joins_the_routed_sum(tokens):
     torch.testing.assert_close(out, routed + torch.sigmoid(gate) * output, rtol=1e-2, atol=1e-2)
 
 
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_shared_expert_block_with_its_norm_fused(tokens):
+    """Qwen3.5-MoE's block with the norm, the router, the shared gate and the shared [gate; up] in one launch
+    (which also writes the normed input the experts read) and SiLU·mul in the shared down product's launch
+    gives the unfused block's output and residual."""
+    dtype = torch.float32 if INTERPRET else torch.bfloat16
+    _need_kernels(dtype, uses_dot=tokens > 1)
+    from pocketllm.layers.norm import OffsetRMSNorm
+    from pocketllm.models.qwen3_5_moe import SharedExpertMoeBlock
+
+    torch.manual_seed(2)
+    config = tiny_config("qwen3_5_moe_text")
+    block = SharedExpertMoeBlock(config).to(DEVICE)
+    for param in block.parameters():
+        param.data = (torch.randn_like(param) * 0.1).to(dtype)
+    norm = OffsetRMSNorm(config.hidden_size, config.rms_norm_eps).to(DEVICE)
+    norm.weight.data = (torch.rand(config.hidden_size, device=DEVICE) - 0.5).to(dtype)
+    x, residual = (torch.randn(2, tokens, config.hidden_size, device=DEVICE) * 0.5).to(dtype)
+    expected, expected_residual = block.forward_normed(x, residual, norm)
+    block.input_proj.fused_rows = block.shared_down.fused_rows = 16
+    out, summed = block.forward_normed(x, residual, norm)
+    torch.testing.assert_close(summed, expected_residual)
+    torch.testing.assert_close(out, expected, **({} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}))
+
+
 @pytest.mark.parametrize("tokens", [1, 4, 5])
 def test_fused_experts_with_deepseek_v4_clamped_swiglu(tokens):
     """``swiglu_limit``: gate clamped from above, up to ±limit, before the product (DeepSeek-V4's experts);
@@ -834,7 +859,10 @@ def test_skinny_silu_mul_linear(rows):
 @pytest.mark.parametrize("rows", [1, 3])
 @pytest.mark.parametrize("with_residual", [True, False])
 @pytest.mark.parametrize("offset", [False, True])
-def test_skinny_rms_norm_linear(rows, with_residual, offset):
+@pytest.mark.parametrize("keep_normed", [False, True])
+def test_skinny_rms_norm_linear(rows, with_residual, offset, keep_normed):
+    """The norm and the product in one launch; with ``normed`` the kernel also writes the normed input (as the
+    RMSNorm kernel does, for a block that reads it after the product)."""
     dtype = torch.float32 if INTERPRET else torch.bfloat16
     _need_kernels(dtype, uses_dot=rows > 1)
     from pocketllm.kernels.gemv import skinny_rms_norm_linear
@@ -845,11 +873,14 @@ def test_skinny_rms_norm_linear(rows, with_residual, offset):
     weight = torch.randn(200, 320, dtype=dtype, device=DEVICE)
     x = torch.randn(rows, 320, dtype=dtype, device=DEVICE)
     residual = torch.randn(rows, 320, dtype=dtype, device=DEVICE) if with_residual else None
-    out, summed = skinny_rms_norm_linear(x, residual, norm.weight, norm.eps, weight, offset)
+    normed = torch.full((rows, 320), float("nan"), dtype=dtype, device=DEVICE) if keep_normed else None
+    out, summed = skinny_rms_norm_linear(x, residual, norm.weight, norm.eps, weight, offset, normed=normed)
     expected_sum = x + residual if with_residual else x
     torch.testing.assert_close(summed, expected_sum)
     ref = norm._norm(expected_sum).double() @ weight.double().T
     assert _rel(out, ref) < TOL[dtype]
+    if keep_normed:
+        torch.testing.assert_close(normed, norm._norm(expected_sum))
 
 
 @pytest.mark.parametrize("config", [(4, 128, True, 4, 1), (16, 512, False, 8, 3), (64, 256, True, 4, 4)])

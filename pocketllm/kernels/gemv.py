@@ -67,14 +67,24 @@ def _inverse_rms(x_ptr, res_ptr, rows, m_mask, K, stride_xm, stride_rm, eps, HAS
     return tl.rsqrt(tl.sum(squares, 1) / K + eps)
 
 
+@triton.jit
+def _store_normed(normed_ptr, x, rows, m_mask, k0, K, pid, BLOCK_K: tl.constexpr):
+    """Program 0 writes the normed input tile ``x`` (already rounded to the input dtype) at column ``k0``."""
+    if pid == 0:
+        rk = k0 + tl.arange(0, BLOCK_K)
+        tl.store(normed_ptr + rows[:, None] * K + rk[None, :], x.to(normed_ptr.dtype.element_ty),
+                 mask=m_mask[:, None] & (rk < K)[None, :])
+
+
 @triton.jit(do_not_specialize=["M"])   # the row count changes step to step: one compiled variant for all
-def _skinny_kernel(x_ptr, w_ptr, scale_ptr, out_ptr, res_ptr, nw_ptr, res_out_ptr, M, N, K, stride_xm, stride_wn,
-                   stride_om, stride_rm, eps, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, NORM_OFFSET: tl.constexpr,
-                   HAS_SCALE: tl.constexpr, PDL: tl.constexpr):
+def _skinny_kernel(x_ptr, w_ptr, scale_ptr, out_ptr, res_ptr, nw_ptr, res_out_ptr, normed_ptr, M, N, K, stride_xm,
+                   stride_wn, stride_om, stride_rm, eps, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_K: tl.constexpr, PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+                   NORM_OFFSET: tl.constexpr, HAS_SCALE: tl.constexpr, NORMED_OUT: tl.constexpr, PDL: tl.constexpr):
     """A few rows times a weight, [BLOCK_M, BLOCK_K] x [BLOCK_K, BLOCK_N] tiles on the tensor cores. With
     ``HAS_SCALE`` the weight is float8 with one scale per output row: tiles widen to the activations' dtype and
-    the scales multiply the finished dot products."""
+    the scales multiply the finished dot products. With ``NORMED_OUT`` (the RMSNorm prologue) program 0 also
+    writes the normed input, for a layer that reads it after this product."""
     if PDL:   # dependents may launch now: each waits on this kernel before it reads this kernel's output
         gdc_launch_dependents()
     pid = tl.program_id(0)
@@ -96,11 +106,15 @@ def _skinny_kernel(x_ptr, w_ptr, scale_ptr, out_ptr, res_ptr, nw_ptr, res_out_pt
         rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
     x = _input_tile(x_ptr, res_ptr, nw_ptr, res_out_ptr, rows, m_mask, 0, K, stride_xm, stride_rm, rstd, pid, eps,
                     PROLOGUE, HAS_RESIDUAL, NORM_OFFSET, BLOCK_K)
+    if NORMED_OUT:
+        _store_normed(normed_ptr, x, rows, m_mask, 0, K, pid, BLOCK_K)
     dot_dtype = x_ptr.dtype.element_ty if HAS_SCALE else w_first.dtype
     acc = tl.dot(x.to(dot_dtype), tl.trans(w_first.to(dot_dtype)))
     for k0 in range(BLOCK_K, K, BLOCK_K):
         x = _input_tile(x_ptr, res_ptr, nw_ptr, res_out_ptr, rows, m_mask, k0, K, stride_xm, stride_rm, rstd,
                         pid, eps, PROLOGUE, HAS_RESIDUAL, NORM_OFFSET, BLOCK_K)
+        if NORMED_OUT:
+            _store_normed(normed_ptr, x, rows, m_mask, k0, K, pid, BLOCK_K)
         w = tl.load(w_rows + (k0 + rk)[None, :], mask=n_mask[:, None] & ((k0 + rk) < K)[None, :], other=0.0)
         acc += tl.dot(x.to(dot_dtype), tl.trans(w.to(dot_dtype)))
     if HAS_SCALE:
@@ -138,6 +152,24 @@ def _one_row_input(x_ptr, res_ptr, nw_ptr, res_out_ptr, rk, k_mask, pid, PROLOGU
 
 
 @triton.jit
+def _one_row_normed(x_ptr, res_ptr, nw_ptr, normed_ptr, rstd, K, pid, HAS_RESIDUAL: tl.constexpr,
+                    NORM_OFFSET: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Program 0 writes ``rms_norm(x + residual)`` of the row, rounded as the RMSNorm kernel rounds."""
+    if pid == 0:
+        for k0 in range(0, K, BLOCK_K):
+            rk = k0 + tl.arange(0, BLOCK_K)
+            k_mask = rk < K
+            h = tl.load(x_ptr + rk, mask=k_mask, other=0.0)
+            if HAS_RESIDUAL:
+                r = tl.load(res_ptr + rk, mask=k_mask, other=0.0)
+                h = (h.to(tl.float32) + r.to(tl.float32)).to(h.dtype)
+            w = tl.load(nw_ptr + rk, mask=k_mask, other=0.0).to(tl.float32)
+            if NORM_OFFSET:
+                w = w + 1.0
+            tl.store(normed_ptr + rk, (h.to(tl.float32) * rstd * w).to(normed_ptr.dtype.element_ty), mask=k_mask)
+
+
+@triton.jit
 def _partial(w, x, REDUCE_EACH: tl.constexpr):
     """A weight tile's products with the input: summed per row at once (``REDUCE_EACH``), or kept whole."""
     prod = w.to(tl.float32) * x[None, :]
@@ -158,16 +190,18 @@ def _row_sums(acc, REDUCE_EACH: tl.constexpr):
 
 
 @triton.jit
-def _one_row_kernel(x_ptr, w_ptr, scale_ptr, out_ptr, res_ptr, nw_ptr, res_out_ptr, N, K, stride_wn, eps,
+def _one_row_kernel(x_ptr, w_ptr, scale_ptr, out_ptr, res_ptr, nw_ptr, res_out_ptr, normed_ptr, N, K, stride_wn, eps,
                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, REDUCE_EACH: tl.constexpr,
                     PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, NORM_OFFSET: tl.constexpr,
-                    SILU_EPILOGUE: tl.constexpr, HAS_SCALE: tl.constexpr, PDL: tl.constexpr):
+                    SILU_EPILOGUE: tl.constexpr, HAS_SCALE: tl.constexpr, NORMED_OUT: tl.constexpr,
+                    PDL: tl.constexpr):
     """One activation row times a weight: each program streams BLOCK_N whole weight rows in [BLOCK_N, BLOCK_K]
     tiles. ``REDUCE_EACH`` sums each tile's products at once (an accumulator of BLOCK_N values, so more
     programs fit on a multiprocessor) instead of once at the end. With ``SILU_EPILOGUE`` the weight is
     [gate; up] (2N rows) and the output ``silu(gate) * up`` (N values): a program streams the matching
     gate and up rows, so the activation needs no launch of its own. With ``HAS_SCALE`` the weight is float8
-    with one scale per weight row, applied to the finished dot products."""
+    with one scale per weight row, applied to the finished dot products. With ``NORMED_OUT`` (the RMSNorm
+    prologue) program 0 also writes the normed input once the row's RMS is known."""
     if PDL:   # dependents may launch now: each waits on this kernel before it reads this kernel's output
         gdc_launch_dependents()
     pid = tl.program_id(0)
@@ -205,6 +239,8 @@ def _one_row_kernel(x_ptr, w_ptr, scale_ptr, out_ptr, res_ptr, nw_ptr, res_out_p
     if PROLOGUE == 2:
         rstd = tl.rsqrt(tl.sum(squares, 0) / K + eps)
         out = out * rstd
+        if NORMED_OUT:
+            _one_row_normed(x_ptr, res_ptr, nw_ptr, normed_ptr, rstd, K, pid, HAS_RESIDUAL, NORM_OFFSET, BLOCK_K)
     if SILU_EPILOGUE:
         up = _row_sums(acc_up, REDUCE_EACH)
         if HAS_SCALE:
@@ -276,7 +312,8 @@ NO_PROLOGUE, SILU_MUL, RMS_NORM = 0, 1, 2
 def _launch(x: torch.Tensor, weight: torch.Tensor, prologue: int, residual: torch.Tensor | None = None,
             norm_weight: torch.Tensor | None = None, eps: float = 0.0, norm_offset: bool = False,
             config: OneRowConfig | None = None, silu_epilogue: bool = False, out: torch.Tensor | None = None,
-            scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+            scale: torch.Tensor | None = None, normed: torch.Tensor | None = None,
+            ) -> tuple[torch.Tensor, torch.Tensor | None]:
     m = x.shape[0]
     n, k = weight.shape
     if not 0 < m <= MAX_ROWS or weight.stride(1) != 1:
@@ -301,20 +338,23 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, prologue: int, residual: torc
     nw_arg = x if norm_weight is None else norm_weight
     res_out_arg = out if res_out is None else res_out
     scale_arg = out if scale is None else scale
+    if normed is not None and (prologue != RMS_NORM or normed.shape != (m, k) or not normed.is_contiguous()):
+        raise ValueError("the normed input is written by a product with the RMSNorm prologue, into [rows, K]")
+    normed_arg = out if normed is None else normed
     if m == 1:
         c = config or one_row_config(k)
         _one_row_kernel[(triton.cdiv(n_out, c.block_n),)](
-            x, weight, scale_arg, out, res_arg, nw_arg, res_out_arg, n_out, k, weight.stride(0), eps,
+            x, weight, scale_arg, out, res_arg, nw_arg, res_out_arg, normed_arg, n_out, k, weight.stride(0), eps,
             BLOCK_N=c.block_n, BLOCK_K=c.block_k, REDUCE_EACH=c.reduce_each, PROLOGUE=prologue,
             HAS_RESIDUAL=residual is not None, NORM_OFFSET=norm_offset, SILU_EPILOGUE=silu_epilogue,
-            HAS_SCALE=scale is not None, PDL=pdl, num_warps=c.num_warps,
+            HAS_SCALE=scale is not None, NORMED_OUT=normed is not None, PDL=pdl, num_warps=c.num_warps,
             num_stages=c.num_stages, **launch)
         return out, res_out
     _skinny_kernel[(triton.cdiv(n, 64),)](
-        x, weight, scale_arg, out, res_arg, nw_arg, res_out_arg, m, n, k, x.stride(0), weight.stride(0),
+        x, weight, scale_arg, out, res_arg, nw_arg, res_out_arg, normed_arg, m, n, k, x.stride(0), weight.stride(0),
         out.stride(0), 0 if residual is None else residual.stride(0), eps,
-        BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, PROLOGUE=prologue,
-        HAS_RESIDUAL=residual is not None, NORM_OFFSET=norm_offset, HAS_SCALE=scale is not None, PDL=pdl,
+        BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, PROLOGUE=prologue, HAS_RESIDUAL=residual is not None,
+        NORM_OFFSET=norm_offset, HAS_SCALE=scale is not None, NORMED_OUT=normed is not None, PDL=pdl,
         num_warps=4, num_stages=4, **launch)
     return out, res_out
 
@@ -337,12 +377,14 @@ def skinny_silu_mul_linear(gate_up: torch.Tensor, weight: torch.Tensor, config: 
 def skinny_rms_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
                            weight: torch.Tensor, norm_offset: bool = False, config: OneRowConfig | None = None,
                            out: torch.Tensor | None = None, scale: torch.Tensor | None = None,
-                           ) -> tuple[torch.Tensor, torch.Tensor]:
+                           normed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(rms_norm(x + residual) @ weight.T, x + residual)`` in one launch (without ``residual``: of ``x``,
-    which is then returned as the residual). Each program recomputes the row's RMS; program 0 writes the sum.
+    which is then returned as the residual). Each program recomputes the row's RMS; program 0 writes the sum,
+    and ``rms_norm(x + residual)`` into ``normed`` ([rows, K], contiguous) when given.
     One row is read in a single pass (``1 / rms`` applied to the dot products); more rows in two.
     ``norm_offset`` scales by ``1 + norm_weight`` (the zero-centred norms of Qwen3.5 and Gemma)."""
-    out, summed = _launch(x, weight, RMS_NORM, residual, norm_weight, eps, norm_offset, config, out=out, scale=scale)
+    out, summed = _launch(x, weight, RMS_NORM, residual, norm_weight, eps, norm_offset, config, out=out, scale=scale,
+                          normed=normed)
     return out, x if summed is None else summed
 
 

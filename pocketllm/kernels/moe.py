@@ -182,9 +182,13 @@ def _pair_rows(w_ptr, experts_ptr, n, stride_we, stride_wn, BLOCK_N: tl.constexp
 
 @triton.jit
 def _few_gate_up_kernel(x_ptr, w13_ptr, experts_ptr, act_ptr, inter, K, stride_x, stride_we, stride_wn, limit,
-                        TOP_K: tl.constexpr, CLAMP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                        TOP_K: tl.constexpr, CLAMP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                        PDL: tl.constexpr):
     """``act[p, n] = silu(gate) * up`` over ``BLOCK_N`` rows ``n`` of routed pair ``p``'s expert (token ``p //
     TOP_K``); gate and up are rounded to the activations' dtype first, as the unfused products are."""
+    if PDL:   # launched early; everything it reads first (the pair's expert) an earlier kernel of the step wrote
+        gdc_launch_dependents()
+        gdc_wait()
     p, rn, n_mask, gate_rows = _pair_rows(w13_ptr, experts_ptr, inter, stride_we, stride_wn, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
     up_rows = gate_rows + inter * stride_wn
@@ -209,9 +213,12 @@ def _few_gate_up_kernel(x_ptr, w13_ptr, experts_ptr, act_ptr, inter, K, stride_x
 
 @triton.jit
 def _few_down_kernel(act_ptr, w2_ptr, experts_ptr, weights_ptr, out_ptr, N, inter, stride_we, stride_wn,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     """``out[p, n] = weight[p] * (act[p] @ w2[expert(p)].T)[n]`` in float32 (the product rounded to the
     activations' dtype first)."""
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
     p, rn, n_mask, rows = _pair_rows(w2_ptr, experts_ptr, N, stride_we, stride_wn, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
     act_row = act_ptr + p.to(tl.int64) * inter
@@ -239,16 +246,17 @@ def few_token_experts(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         raise ValueError("the expert weights need contiguous rows")
     flat_experts = experts.reshape(-1).contiguous()
     act = torch.empty(pairs, inter, dtype=hidden.dtype, device=hidden.device)
+    pdl, launch = launch_options(hidden, tokens)
     block_k = min(1024, triton.next_power_of_2(hidden_size))
     _few_gate_up_kernel[(pairs, triton.cdiv(inter, 4))](
         hidden, w13, flat_experts, act, inter, hidden_size, hidden.stride(0), w13.stride(0), w13.stride(1),
         float(swiglu_limit or 0.0), TOP_K=top_k, CLAMP=swiglu_limit is not None, BLOCK_N=4, BLOCK_K=block_k,
-        num_warps=4)
+        PDL=pdl, num_warps=4, **launch)
     out = torch.empty(pairs, hidden_size, dtype=torch.float32, device=hidden.device)
     block_k = min(512, triton.next_power_of_2(inter))
     _few_down_kernel[(pairs, triton.cdiv(hidden_size, 16))](
         act, w2, flat_experts, weights.reshape(-1).contiguous(), out, hidden_size, inter, w2.stride(0),
-        w2.stride(1), BLOCK_N=16, BLOCK_K=block_k, num_warps=4)
+        w2.stride(1), BLOCK_N=16, BLOCK_K=block_k, PDL=pdl, num_warps=4, **launch)
     return sum_pairs(out, top_k, hidden.dtype, shared)
 
 

@@ -144,12 +144,14 @@ class LinearBase(nn.Module):
         out = skinny_silu_mul_linear(gate_up, self.weight, self.fused_one_row, scale=self.weight_scale)
         return self._finish(_add_bias(out, self._bias()))
 
-    def forward_fused_norm(self, x: torch.Tensor, residual: torch.Tensor | None,
-                           norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward_fused_norm(self, x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm,
+                           normed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(self(norm(x + residual)), x + residual)`` in one kernel, writing ``norm(x + residual)`` into
+        ``normed`` when given."""
         from pocketllm.kernels.gemv import skinny_rms_norm_linear
 
         out, residual = skinny_rms_norm_linear(x, residual, norm.weight, norm.eps, self.weight, norm.offset,
-                                               self.fused_one_row, scale=self.weight_scale)
+                                               self.fused_one_row, scale=self.weight_scale, normed=normed)
         return self._finish(_add_bias(out, self._bias())), residual
 
 
@@ -177,6 +179,22 @@ def normed_projection(proj: nn.Module, x: torch.Tensor, residual: torch.Tensor |
         return proj(norm(x)), x
     hidden, residual = norm(x, residual)
     return proj(hidden), residual
+
+
+def normed_projection_keeping_input(proj: nn.Module, x: torch.Tensor, residual: torch.Tensor | None,
+                                    norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``normed_projection`` for a block that reads the normed input again after ``proj``: ``(proj(h), x +
+    residual, h)`` with ``h = norm(x + residual)``; where the norm runs in ``proj``'s kernel, that kernel writes
+    ``h`` too."""
+    if isinstance(proj, LinearBase) and proj.fuses(x):
+        normed = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        out, residual = proj.forward_fused_norm(x, residual, norm, normed)
+        return out, residual, normed
+    if residual is None:
+        normed, residual = norm(x), x
+    else:
+        normed, residual = norm(x, residual)
+    return proj(normed), residual, normed
 
 
 class ReplicatedLinear(LinearBase):

@@ -139,8 +139,9 @@ class PreNormBlock(nn.Module):
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         hidden, residual = self.mix_normed(positions, hidden, residual, meta)
-        if isinstance(self.mlp, GatedMLP):
-            return self.mlp.forward_normed(hidden, residual, self.post_attention_layernorm)
+        forward_normed = getattr(self.mlp, "forward_normed", None)   # a feed-forward that fuses the norm
+        if forward_normed is not None:
+            return forward_normed(hidden, residual, self.post_attention_layernorm)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 
