@@ -4,7 +4,8 @@ Decode step (batch 1, 8, 64; conv update + rule + gated RMSNorm, from the in-pro
 out-projection's input), timed inside a CUDA graph: the PyTorch reference ops, our Triton step (whole-head
 blocks with the norm fused, and 32-wide value blocks with the norm in PyTorch), and fla's fused recurrent
 kernel (PyTorch conv and norm around it) when ``fla`` imports. Prefill (1 x 2048 and 8 x 512 fresh tokens):
-the PyTorch chunked reference against fla's varlen chunked kernels. Every fast path is checked against the
+the PyTorch chunked reference against our varlen chunked rule (with its flat conv) and fla's varlen chunked
+kernels (with the per-sequence PyTorch conv). Every fast path is checked against the
 PyTorch reference (relative error of the output). Stops starting new rows after 70 s (fla autotunes on its first calls).
 
 Usage: ``python scripts/bench_gated_delta.py`` on a CUDA machine (with fla installed, or on ``PYTHONPATH``).
@@ -159,8 +160,9 @@ def bench_prefill(seqs: int, length: int) -> None:
     g, beta = gates(layer, a, b)
     variants = {"pytorch chunked": lambda: torch.cat([layer._sequence(mixed, g, beta, meta, i)
                                                       for i in range(seqs)])}
+    variants["ours chunked (varlen, with conv)"] = lambda: layer._prefill_flat(mixed, g, beta, meta, "triton")
     if fla_available():
-        variants["fla chunked (varlen)"] = lambda: layer._prefill_fla(mixed, g, beta, meta)
+        variants["fla chunked (varlen)"] = lambda: layer._prefill_flat(mixed, g, beta, meta, "fla")
     reference = None
     for name, fn in variants.items():
         label = f"{seqs}x{length}"

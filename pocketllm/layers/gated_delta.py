@@ -16,8 +16,9 @@ Per-request states live in slots of a pool bound by the model runner: ``conv_sta
 whose chunk starts at position 0 starts from zeros, whatever the slot held before.
 
 This module is the reference (CPU, and CUDA without the fast paths). On CUDA ``gated_delta_backend`` picks the
-fast paths: a two-launch Triton decode step (``kernels/gated_delta.py``) and fla's chunked prefill
-(``kernels/gated_delta_fla.py``, optional package); the rule is documented in ``layers/gated_delta_backend.py``.
+fast paths: a two-launch Triton decode step (``kernels/gated_delta.py``) and a one-launch chunked prefill, fla's
+(``kernels/gated_delta_fla.py``, optional package) or ours (``kernels/gated_delta_prefill.py``); the rule is
+documented in ``layers/gated_delta_backend.py``.
 """
 
 from __future__ import annotations
@@ -256,8 +257,8 @@ class GatedDeltaNet(nn.Module):
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
         if meta.is_decode_only:
             core = self._decode(mixed, g, beta, meta)
-        elif backend.prefill == "fla":
-            core = self._prefill_fla(mixed, g, beta, meta)
+        elif backend.prefill != "torch":
+            core = self._prefill_flat(mixed, g, beta, meta, backend.prefill)
         else:
             core = torch.cat([self._sequence(mixed, g, beta, meta, i) for i in range(meta.num_seqs)], dim=0)
         core = self.norm(core.to(proj.dtype), z.reshape(-1, self.num_v_heads, self.head_v_dim))
@@ -323,25 +324,38 @@ class GatedDeltaNet(nn.Module):
         self.ssm_state[slot] = ssm[0]
         return torch.cat(outs, dim=0)                                # [L, Hv, Dv]
 
-    def _prefill_fla(self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                     meta: AttentionMetadata) -> torch.Tensor:
-        """Every sequence of the batch in one varlen call of fla's chunked kernels, each from its slot's state
-        (zeros when fresh); the convs run per sequence as on the reference path."""
+    def _prefill_flat(self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, meta: AttentionMetadata,
+                      rule: str) -> torch.Tensor:
+        """Every sequence of the batch through one launch of the chunked rule (``rule``: ``fla`` or ``triton``),
+        each from its slot's state (zeros when fresh). With ``triton`` the convs are one flat pass too; with fla
+        they run per sequence as on the reference path."""
+        fresh = [meta.context_lens[i] == meta.query_start[i + 1] - meta.query_start[i] for i in range(meta.num_seqs)]
+        keep = torch.tensor([not f for f in fresh], dtype=torch.int32, device=mixed.device)
+        cu = meta.query_start_gpu if meta.query_start_gpu is not None else torch.tensor(
+            meta.query_start, dtype=torch.int32, device=mixed.device)
+        if rule == "triton":
+            from pocketllm.kernels.gated_delta_prefill import conv_prefill
+
+            longest = max(meta.query_start[i + 1] - meta.query_start[i] for i in range(meta.num_seqs))
+            activated = conv_prefill(mixed, self.conv1d.weight, self.conv_state, meta.state_slots, keep, cu, longest)
+        else:
+            activated = F.silu(torch.cat([self._conv_sequence(mixed, meta, i)[0] for i in range(meta.num_seqs)]))
+        q, k, v = activated.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        tokens = activated.shape[0]
+        q = q.reshape(tokens, self.num_k_heads, self.head_k_dim)
+        k = k.reshape(tokens, self.num_k_heads, self.head_k_dim)
+        v = v.reshape(tokens, self.num_v_heads, self.head_v_dim)
+        scale = self.head_k_dim ** -0.5
+        if rule == "triton":
+            from pocketllm.kernels.gated_delta_prefill import chunked_prefill
+
+            return chunked_prefill(q, k, v, g, beta, self.ssm_state, meta.state_slots, keep, cu, scale,
+                                   torch.float32)
         from pocketllm.kernels.gated_delta_fla import fla_chunk_prefill
 
-        convs = [self._conv_sequence(mixed, meta, i) for i in range(meta.num_seqs)]
-        conv_out = torch.cat([c for c, _ in convs], dim=0)
-        q, k, v = F.silu(conv_out).split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
-        tokens = conv_out.shape[0]
         slots = meta.state_slots.long()
-        keep = torch.tensor([not fresh for _, fresh in convs], device=mixed.device)
-        state = torch.where(keep[:, None, None, None], self.ssm_state.index_select(0, slots), 0)
-        cu = meta.query_start_gpu if meta.query_start_gpu is not None else torch.tensor(meta.query_start,
-                                                                                        device=mixed.device)
-        out, state = fla_chunk_prefill(q.reshape(tokens, self.num_k_heads, self.head_k_dim),
-                                       k.reshape(tokens, self.num_k_heads, self.head_k_dim),
-                                       v.reshape(tokens, self.num_v_heads, self.head_v_dim), g, beta, state, cu,
-                                       meta.query_start, self.head_k_dim ** -0.5)
+        state = torch.where(keep.bool()[:, None, None, None], self.ssm_state.index_select(0, slots), 0)
+        out, state = fla_chunk_prefill(q, k, v, g, beta, state, cu, meta.query_start, scale)
         self.ssm_state.index_copy_(0, slots, state.to(self.ssm_state.dtype))
         return out
 

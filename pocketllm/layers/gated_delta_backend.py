@@ -4,13 +4,14 @@ Decode (one token per sequence, the CUDA kernel path): our Triton step (``kernel
 SiLU, L2 norms, delta rule and gated RMSNorm in two launches, CUDA-graph safe) whenever Triton serves the
 device; else the PyTorch reference.
 
-Prefill (any batch with a sequence of more than one new token): fla's chunked kernels (``kernels/
-gated_delta_fla.py``, one varlen call for the whole batch) on CUDA when ``fla`` imports and the model runs in
-bf16/fp16; else the PyTorch chunked reference, one sequence at a time. float32 models stay on the reference
-because fla's float32 matmuls may run in TF32, and the float32 CUDA path is held to the CPU path's tokens.
+Prefill (any batch with a sequence of more than one new token), for a model in bf16/fp16 on CUDA: fla's chunked
+kernels (``kernels/gated_delta_fla.py``) when the optional ``fla`` imports, else our Triton chunked rule
+(``kernels/gated_delta_prefill.py``); each runs the whole batch in one launch. Otherwise the PyTorch chunked
+reference, one sequence at a time. float32 models stay on the reference because fla's float32 matmuls may run
+in TF32, and the float32 CUDA path is held to the CPU path's tokens.
 
 ``POCKETLLM_GDN_DECODE`` (``auto`` | ``triton`` | ``torch``) and ``POCKETLLM_GDN_PREFILL`` (``auto`` | ``fla`` |
-``torch``) override the choice for measurements; a backend that cannot run is never chosen.
+``triton`` | ``torch``) override the choice for measurements; a backend that cannot run is never chosen.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from pocketllm.step.attention_metadata import AttentionMetadata
 
 class GatedDeltaBackend(NamedTuple):
     decode: str   # "triton" | "torch"
-    prefill: str  # "fla" | "torch"
+    prefill: str  # "fla" | "triton" | "torch"
 
 
 def _override(name: str) -> str:
@@ -37,16 +38,18 @@ def _override(name: str) -> str:
 @functools.cache
 def _choose(device: torch.device, dtype: torch.dtype, uses_kernels: bool) -> GatedDeltaBackend:
     on_cuda = device.type == "cuda"
-    decode = "torch"
-    if on_cuda and uses_kernels and kernels_available(device) and _override("POCKETLLM_GDN_DECODE") != "torch":
-        decode = "triton"
-    prefill = "torch"
+    triton_ok = on_cuda and uses_kernels and kernels_available(device)
+    decode = "triton" if triton_ok and _override("POCKETLLM_GDN_DECODE") != "torch" else "torch"
     wanted = _override("POCKETLLM_GDN_PREFILL")
-    if on_cuda and wanted != "torch":
+    half = dtype in (torch.bfloat16, torch.float16)
+    prefill = "torch"
+    if on_cuda and wanted in ("auto", "fla"):
         from pocketllm.kernels.gated_delta_fla import fla_available
 
-        if fla_available() and (wanted == "fla" or dtype in (torch.bfloat16, torch.float16)):
+        if fla_available() and (wanted == "fla" or half):
             prefill = "fla"
+    if prefill == "torch" and triton_ok and (wanted == "triton" or (wanted == "auto" and half)):
+        prefill = "triton"
     return GatedDeltaBackend(decode, prefill)
 
 
