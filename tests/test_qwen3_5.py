@@ -205,6 +205,29 @@ def test_tiny_checkpoints_carry_the_qwen3_5_chat_template(tiny_checkpoint):
         assert load_checkpoint(tiny_checkpoint(arch)).tokenizer.chat_template == template
 
 
+@pytest.mark.parametrize("weight_format", ["bfloat16", "int8"])
+def test_moe_block_runs_in_a_cpu_weight_format(weight_format):
+    """A CPU weight format replaces the MoE block's input product (router, shared gate and shared [gate; up] in
+    one weight) by a module of its own: the block, which splits the product's rows itself, still runs, within the
+    format's rounding of the float32 block (where the rows go is checked against transformers elsewhere)."""
+    import copy
+
+    from conftest import tiny_config
+
+    from pocketllm.layers.quantized_linear import convert_model
+    from pocketllm.models.qwen3_5_moe import SharedExpertMoeBlock
+
+    torch.manual_seed(3)
+    block = SharedExpertMoeBlock(tiny_config("qwen3_5_moe_text"))
+    for param in block.parameters():
+        param.data = torch.randn_like(param) * 0.2
+    converted = copy.deepcopy(block)
+    assert convert_model(converted, weight_format) == 2   # the input product and the shared down product
+    x = torch.randn(5, block.input_proj.weight.shape[1])
+    expected, out = block(x), converted(x)
+    assert float((out - expected).norm() / expected.norm()) < 0.05
+
+
 @pytest.mark.parametrize("preset, cls, moe", [("qwen3.5-9b", "Qwen3_5ForCausalLM", False),
                                               ("qwen3.5-35b-a3b", "Qwen3_5MoeForCausalLM", True)])
 def test_dummy_presets(preset, cls, moe):

@@ -105,8 +105,8 @@ class FusedMoE(nn.Module):
 class SharedExpertInput(LinearBase):
     """What a MoE block with a gated shared expert (Qwen3.5-MoE) computes from its input first, as one weight:
     the router (``num_experts`` rows), the shared expert's gate logit (one row) and the shared expert's gate and
-    up projections (this rank's share of their rows each). A decode step runs them, and the block's norm where
-    the model runner timed that faster, in one launch instead of three or four.
+    up projections (this rank's share of their rows each), in that order. A decode step runs them, and the
+    block's norm where the model runner timed that faster, in one launch instead of three or four.
     """
 
     PARTS = ("router", "shared_gate", "gate", "up")
@@ -142,9 +142,3 @@ class SharedExpertInput(LinearBase):
             raise CheckpointError(f"MoE {shard_id}: checkpoint shape {tuple(loaded.shape)}, expected "
                                   f"{(rows, param.shape[1])}")
         param.data.narrow(0, first, rows).copy_(loaded)
-
-    def split(self, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(router logits [T, E], shared gate logit [T, 1], shared [gate | up] [T, 2 * shard]) of this layer's
-        output: views of it."""
-        experts = self.num_experts
-        return out[:, :experts], out[:, experts:experts + 1], out[:, experts + 1:]

@@ -38,8 +38,11 @@ class SharedExpertMoeBlock(nn.Module):
         return self._experts(normed, projected), residual
 
     def _experts(self, hidden: torch.Tensor, projected: torch.Tensor) -> torch.Tensor:
-        router_logits, shared_gate, gate_up = self.input_proj.split(projected)
-        shared = silu_mul_projection(self.shared_down, gate_up)
+        # the input product's rows: [router | shared gate | shared gate and up] (views; the CPU's weight formats
+        # replace ``input_proj`` by a module of their own, which keeps the rows)
+        experts = self.experts.num_experts
+        router_logits, shared_gate = projected[:, :experts], projected[:, experts:experts + 1]
+        shared = silu_mul_projection(self.shared_down, projected[:, experts + 1:])
         return self.experts(hidden, router_logits, (shared_gate, shared))
 
 
