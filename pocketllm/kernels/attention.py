@@ -48,7 +48,7 @@ def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, stride_k,
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     offs = tl.arange(0, ROW_PAD)
-    mask = (offs < ROW) & (slot >= 0)
+    mask = (offs < ROW) & ((offs * 0 + slot) >= 0)   # (a scalar in a mask fails in Triton's interpreter)
     k = tl.load(k_ptr + t * stride_k + offs, mask=mask)
     v = tl.load(v_ptr + t * stride_v + offs, mask=mask)
     # (through float32: a float8 cache takes a saturating conversion from it)
