@@ -6,7 +6,8 @@ its state tile ``S`` [key_dim, BLOCK_V] in float32 registers from the sequence's
 fresh) to the end, where it is written back. Inside a chunk, with ``c`` the cumulative log-decay from the chunk
 start and ``A[i, j] = beta_i e^(c_i - c_j) k_i.k_j`` for ``j < i``, the delta-rule writes are
 ``d = (I + A)^-1 beta (v - e^c (k S))``; ``(I + A)^-1`` is built row by row (forward substitution on a
-CHUNK x CHUNK tile), everything else is tile products:
+CHUNK x CHUNK tile), everything else is tile products (the value blocks of a head each repeat the chunk's
+key products and inverse, which do not depend on the values):
 
     o = (q e^c) S + ((q k^T) * e^(c_i - c_j), j <= i) d
     S = e^(c_last) S + (k e^(c_last - c))^T d
@@ -117,7 +118,7 @@ def chunked_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
         raise ValueError("chunked_prefill needs unit-stride heads and q, k rows of one stride")
     if q.stride(1) != dk or k.stride(1) != dk or v.stride(1) != dv:
         raise ValueError("chunked_prefill needs the heads of a row side by side")
-    if g.stride(1) != 1 or beta.stride(0) != g.stride(0) or not ssm_state.is_contiguous():
+    if g.stride(1) != 1 or beta.stride(1) != 1 or beta.stride(0) != g.stride(0) or not ssm_state.is_contiguous():
         raise ValueError("chunked_prefill needs g and beta rows of one stride and a contiguous state pool")
     if dk != triton.next_power_of_2(dk) or value_heads % key_heads:
         raise ValueError("chunked_prefill needs a power-of-two key dimension and whole key-head groups")

@@ -329,17 +329,22 @@ class GatedDeltaNet(nn.Module):
         """Every sequence of the batch through one launch of the chunked rule (``rule``: ``fla`` or ``triton``),
         each from its slot's state (zeros when fresh). With ``triton`` the convs are one flat pass too; with fla
         they run per sequence as on the reference path."""
-        fresh = [meta.context_lens[i] == meta.query_start[i + 1] - meta.query_start[i] for i in range(meta.num_seqs)]
-        keep = torch.tensor([not f for f in fresh], dtype=torch.int32, device=mixed.device)
-        cu = meta.query_start_gpu if meta.query_start_gpu is not None else torch.tensor(
-            meta.query_start, dtype=torch.int32, device=mixed.device)
+        n = meta.num_seqs
+        if meta.query_start_gpu is not None and meta.context_lens_gpu is not None:
+            # a sequence keeps its state unless this chunk is all of it (no copy from the host here)
+            cu = meta.query_start_gpu[:n + 1]
+            keep = (meta.context_lens_gpu[:n] != cu[1:] - cu[:-1]).to(torch.int32)
+        else:
+            cu = torch.tensor(meta.query_start, dtype=torch.int32, device=mixed.device)
+            keep = torch.tensor([meta.context_lens[i] != meta.query_start[i + 1] - meta.query_start[i]
+                                 for i in range(n)], dtype=torch.int32, device=mixed.device)
         if rule == "triton":
             from pocketllm.kernels.gated_delta_prefill import conv_prefill
 
-            longest = max(meta.query_start[i + 1] - meta.query_start[i] for i in range(meta.num_seqs))
+            longest = max(meta.query_start[i + 1] - meta.query_start[i] for i in range(n))
             activated = conv_prefill(mixed, self.conv1d.weight, self.conv_state, meta.state_slots, keep, cu, longest)
         else:
-            activated = F.silu(torch.cat([self._conv_sequence(mixed, meta, i)[0] for i in range(meta.num_seqs)]))
+            activated = F.silu(torch.cat([self._conv_sequence(mixed, meta, i)[0] for i in range(n)]))
         q, k, v = activated.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         tokens = activated.shape[0]
         q = q.reshape(tokens, self.num_k_heads, self.head_k_dim)

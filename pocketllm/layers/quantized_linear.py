@@ -280,9 +280,16 @@ def convert_model(model: nn.Module, weight_format: str) -> int:
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, LinearBase):
-                if not int4_supported(child.weight.shape[1], child.weight.shape[0]) and weight_format == "int4":
-                    continue
-                setattr(parent, name, FloatOutput(CpuLinear(child.weight.data, child.bias, weight_format)))
+                weight, bias, keep = child.weight.data, child.bias, None
+                if weight_format == "int4" and not int4_supported(weight.shape[1], weight.shape[0]):
+                    rows = weight.shape[0]
+                    if not int4_supported(weight.shape[1], rows + -rows % 16):
+                        continue
+                    # rows padded with zeros to the kernel's multiple of 16, dropped from the result (``keep``)
+                    weight = torch.cat([weight, weight.new_zeros(-rows % 16, weight.shape[1])])
+                    bias = None if bias is None else torch.cat([bias, bias.new_zeros(-rows % 16)])
+                    keep = rows
+                setattr(parent, name, FloatOutput(CpuLinear(weight, bias, weight_format, keep=keep)))
                 replaced += 1
             elif isinstance(child, ParallelLMHead):
                 if weight_format == "int8" or (weight_format == "int4" and (
