@@ -792,7 +792,7 @@ def assert_near_ties_only(arch: str, outputs: list[list[int]], margin: float) ->
 
 @pytest.mark.parametrize("arch, kv", [("llama", "auto"), ("llama", "fp8"), ("qwen3", "auto"), ("qwen3", "fp8"),
                                       ("mistral", "auto"), ("qwen2_swa", "auto"), ("gemma3", "auto"),
-                                      ("deepseek_v4_keep_all", "auto")])
+                                      ("deepseek_v4_keep_all", "auto"), ("qwen3_5_text", "auto")])
 def test_engine_bf16_diverges_only_at_near_ties(arch, kv):
     """Every bf16 CUDA token is the fp32 argmax, or within bf16 noise of it, along the bf16 path. A float8
     KV cache (3 mantissa bits) moves logits further. The margins come from the distribution of the gap (as a
@@ -802,7 +802,9 @@ def test_engine_bf16_diverges_only_at_near_ties(arch, kv):
     float8 cache (llama) p90 2.8%, p99 8.4%, largest 19.8%, so 25%. Gemma 3 (Triton
     kernels, soft-capped logits) and DeepSeek-V4 (the reference step on CUDA; the checkpoint whose indexer keeps
     every entry, see ``conftest.py``) are held to the bf16 margin; this check on the CPU engine in bf16 gave
-    largest gaps of 0.3% (Gemma 3) and 3.4% (DeepSeek-V4). The fp32 test above checks the indexer's top 3."""
+    largest gaps of 0.3% (Gemma 3) and 3.4% (DeepSeek-V4). The fp32 test above checks the indexer's top 3.
+    Qwen3.5 (the Triton Gated DeltaNet decode step and chunked prefill in bf16): 3.2% on the CPU engine. The
+    tiny Qwen3.5-MoE is left out: its 4-expert router flips experts in bf16 (largest gap 104% on the CPU engine)."""
     _need_cuda()
     outputs = _greedy(arch, "cuda", "bfloat16", 24, kv_cache_dtype=kv)
     assert_near_ties_only(arch, outputs, 0.05 if kv == "auto" else 0.25)
