@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, profiles and the three H200 benchmark numbers; logs and JSON under $OUT.
 # Usage (on the GPU machine, repository root):
-#   bash scripts/gpu_check.sh [tests|gdn|gemv|profile|latency|fp8|throughput|speculative|hybrid|models|serve ...]
+#   bash scripts/gpu_check.sh [tests|gdn|gemv|profile|latency|fp8|throughput|speculative|hybrid|models|serve|ab ...]
 # TEST_K: a pytest -k expression for the tests stage (a subset of the GPU tests); failures and skips go to bench.log.
 # fla-core (optional, for Qwen3.5 prefill) is picked up from PYTHONPATH if installed or unpacked there.
 set -u
@@ -135,6 +135,17 @@ for stage in $stages; do
       # The throughput workload served over HTTP; SERVE_BASELINE=DIR also serves the package copy in DIR first.
       if [ -n "${SERVE_BASELINE:-}" ]; then serve_bench baseline "$SERVE_BASELINE"; fi
       serve_bench served "" "${SERVE_PROFILE-profile}" ;;   # SERVE_PROFILE= (empty): no py-spy pass
+    ab)
+      # Batch-1 decode of AB_PRESETS with this tree and with the package in AB_BASE (a folder holding another
+      # commit's pocketllm/, e.g. from `git archive REV pocketllm | tar -x -C build/base`), alternated.
+      for preset in ${AB_PRESETS:-qwen3.5-35b-a3b}; do
+        for which in new base new base; do
+          src=$PWD; [ $which = base ] && src=${AB_BASE:?AB_BASE names the other tree}
+          PYTHONPATH=$src:$PYTHONPATH timeout ${AB_TIMEOUT:-150} $PY -m pocketllm bench latency --model $preset \
+            --load-format dummy > "$OUT/ab-$preset-$which.log" 2>&1
+          echo "ab $preset $which: $(grep '^pocketllm:' "$OUT/ab-$preset-$which.log" | tail -1)" | tee -a "$OUT/bench.log"
+        done
+      done ;;
     throughput)
       # 16,384 tokens a step: vLLM's offline default on GPUs of 70 GB or more.
       timeout ${THROUGHPUT_TIMEOUT:-160} $PY -m pocketllm bench throughput --model qwen3-0.6b --load-format dummy --max-num-seqs 256 \
