@@ -1,6 +1,7 @@
 // Gated DeltaNet: Qwen3.5's linear-attention token mixer in float32 (CPU loops over raw memory, or ATen operations
 // on any device). Per sequence it keeps a conv state (the last K-1 inputs of the depthwise causal conv) and a
-// recurrent state S [value heads, key dim, value dim] in a numbered state slot; a chunk starting at position 0 starts from zeros, whatever its slot held before.
+// recurrent state S [value heads, key dim, value dim] in a numbered state slot; a chunk starting at position 0
+// starts from zeros, whatever its slot held before.
 //
 // Per token t and value head (q and k L2-normalised per head, q also scaled by key_dim^-0.5):
 //   S = exp(g_t) S;   S += k_t (beta_t (v_t - S^T k_t))^T;   o_t = S^T q_t

@@ -1,7 +1,8 @@
 // A Qwen3 or Qwen3.5 (dense or MoE) decoder in float32, on the CPU or (a CUDA build) a CUDA device: weights loaded
 // from safetensors, one forward over a flat batch of token chunks whose keys and values live in a paged KV cache.
-// Llama and Qwen2 (read from GGUF: gguf_checkpoint.h) are the same decoder without the per-head q/k norms. Qwen3.5's Gated DeltaNet layers
-// (gated_delta.h) keep a conv and a recurrent state per sequence in numbered state slots instead.
+// Llama and Qwen2 (read from GGUF: gguf_checkpoint.h) are the same decoder without the per-head q/k norms.
+// Qwen3.5's Gated DeltaNet layers (gated_delta.h) keep a conv and a recurrent state per sequence in numbered state
+// slots instead.
 #pragma once
 
 #include <ATen/ATen.h>

@@ -35,13 +35,12 @@ CHUNK = 16
 def _unit_lower_inverse(a, CHUNK_: tl.constexpr):
     """``(I + a)^-1`` for a strictly lower-triangular [CHUNK, CHUNK] tile: row ``i`` is ``e_i - a[i, :] @ T``
     over the rows before it, which are final by then."""
-    ri = tl.arange(0, CHUNK_)
-    ci = tl.arange(0, CHUNK_)
-    t = tl.where(ri[:, None] == ci[None, :], 1.0, 0.0)
+    r = tl.arange(0, CHUNK_)
+    t = tl.where(r[:, None] == r[None, :], 1.0, 0.0)
     for i in tl.static_range(1, CHUNK_):
-        a_row = tl.sum(tl.where(ri[:, None] == i, a, 0.0), 0)   # a[i, :], indexed by column j
+        a_row = tl.sum(tl.where(r[:, None] == i, a, 0.0), 0)    # a[i, :], indexed by column j
         combined = tl.sum(a_row[:, None] * t, 0)                 # sum_j a[i, j] * t[j, :]
-        t = tl.where(ri[:, None] == i, tl.where(ci == i, 1.0, 0.0)[None, :] - combined[None, :], t)
+        t = tl.where(r[:, None] == i, tl.where(r == i, 1.0, 0.0)[None, :] - combined[None, :], t)
     return t
 
 

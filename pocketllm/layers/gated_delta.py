@@ -330,6 +330,7 @@ class GatedDeltaNet(nn.Module):
         each from its slot's state (zeros when fresh). With ``triton`` the convs are one flat pass too; with fla
         they run per sequence as on the reference path."""
         n = meta.num_seqs
+        scale = self.head_k_dim ** -0.5
         if meta.query_start_gpu is not None and meta.context_lens_gpu is not None:
             # a sequence keeps its state unless this chunk is all of it (no copy from the host here)
             cu = meta.query_start_gpu[:n + 1]
@@ -338,31 +339,29 @@ class GatedDeltaNet(nn.Module):
             cu = torch.tensor(meta.query_start, dtype=torch.int32, device=mixed.device)
             keep = torch.tensor([meta.context_lens[i] != meta.query_start[i + 1] - meta.query_start[i]
                                  for i in range(n)], dtype=torch.int32, device=mixed.device)
-        if rule == "triton":
-            from pocketllm.kernels.gated_delta_prefill import conv_prefill
+        if rule == "triton":   # (the kernel path: the metadata's device lengths and longest chunk are set)
+            from pocketllm.kernels.gated_delta_prefill import chunked_prefill, conv_prefill
 
-            longest = max(meta.query_start[i + 1] - meta.query_start[i] for i in range(n))
-            activated = conv_prefill(mixed, self.conv1d.weight, self.conv_state, meta.state_slots, keep, cu, longest)
-        else:
-            activated = F.silu(torch.cat([self._conv_sequence(mixed, meta, i)[0] for i in range(n)]))
-        q, k, v = activated.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
-        tokens = activated.shape[0]
-        q = q.reshape(tokens, self.num_k_heads, self.head_k_dim)
-        k = k.reshape(tokens, self.num_k_heads, self.head_k_dim)
-        v = v.reshape(tokens, self.num_v_heads, self.head_v_dim)
-        scale = self.head_k_dim ** -0.5
-        if rule == "triton":
-            from pocketllm.kernels.gated_delta_prefill import chunked_prefill
-
-            return chunked_prefill(q, k, v, g, beta, self.ssm_state, meta.state_slots, keep, cu, scale,
-                                   torch.float32)
+            activated = conv_prefill(mixed, self.conv1d.weight, self.conv_state, meta.state_slots, keep, cu,
+                                     meta.max_query_len)
+            return chunked_prefill(*self._flat_heads(activated), g, beta, self.ssm_state, meta.state_slots, keep, cu,
+                                   scale, torch.float32)
         from pocketllm.kernels.gated_delta_fla import fla_chunk_prefill
 
+        q, k, v = self._flat_heads(F.silu(torch.cat([self._conv_sequence(mixed, meta, i)[0] for i in range(n)])))
         slots = meta.state_slots.long()
         state = torch.where(keep.bool()[:, None, None, None], self.ssm_state.index_select(0, slots), 0)
         out, state = fla_chunk_prefill(q, k, v, g, beta, state, cu, meta.query_start, scale)
         self.ssm_state.index_copy_(0, slots, state.to(self.ssm_state.dtype))
         return out
+
+    def _flat_heads(self, activated: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Raw q, k [T, Hk, Dk] and v [T, Hv, Dv]: views of the conv's activated output [T, conv_dim]."""
+        tokens = activated.shape[0]
+        q, k, v = activated.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        return (q.reshape(tokens, self.num_k_heads, self.head_k_dim),
+                k.reshape(tokens, self.num_k_heads, self.head_k_dim),
+                v.reshape(tokens, self.num_v_heads, self.head_v_dim))
 
     def _decode(self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:

@@ -173,12 +173,8 @@ def normed_projection(proj: nn.Module, x: torch.Tensor, residual: torch.Tensor |
                       norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
     """``(proj(norm(x + residual)), x + residual)``; without ``residual`` the norm is of ``x``, which is returned
     as the residual. One kernel where the model runner measured that faster for ``proj``."""
-    if isinstance(proj, LinearBase) and proj.fuses(x):
-        return proj.forward_fused_norm(x, residual, norm)
-    if residual is None:
-        return proj(norm(x)), x
-    hidden, residual = norm(x, residual)
-    return proj(hidden), residual
+    out, residual, _ = _normed_projection(proj, x, residual, norm, keep_input=False)
+    return out, residual
 
 
 def normed_projection_keeping_input(proj: nn.Module, x: torch.Tensor, residual: torch.Tensor | None,
@@ -186,14 +182,20 @@ def normed_projection_keeping_input(proj: nn.Module, x: torch.Tensor, residual: 
     """``normed_projection`` for a block that reads the normed input again after ``proj``: ``(proj(h), x +
     residual, h)`` with ``h = norm(x + residual)``; where the norm runs in ``proj``'s kernel, that kernel writes
     ``h`` too."""
+    out, residual, normed = _normed_projection(proj, x, residual, norm, keep_input=True)
+    assert normed is not None   # (always written when asked for)
+    return out, residual, normed
+
+
+def _normed_projection(proj: nn.Module, x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm,
+                       keep_input: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """``(proj(h), x + residual, h or None)`` with ``h = norm(x + residual)``: ``h`` is returned with
+    ``keep_input``, which on the fused path has the kernel write it."""
     if isinstance(proj, LinearBase) and proj.fuses(x):
-        normed = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        normed = torch.empty(x.shape, dtype=x.dtype, device=x.device) if keep_input else None
         out, residual = proj.forward_fused_norm(x, residual, norm, normed)
         return out, residual, normed
-    if residual is None:
-        normed, residual = norm(x), x
-    else:
-        normed, residual = norm(x, residual)
+    normed, residual = (norm(x), x) if residual is None else norm(x, residual)
     return proj(normed), residual, normed
 
 

@@ -282,13 +282,12 @@ def convert_model(model: nn.Module, weight_format: str) -> int:
             if isinstance(child, LinearBase):
                 weight, bias, keep = child.weight.data, child.bias, None
                 if weight_format == "int4" and not int4_supported(weight.shape[1], weight.shape[0]):
-                    rows = weight.shape[0]
-                    if not int4_supported(weight.shape[1], rows + -rows % 16):
+                    keep, pad = weight.shape[0], -weight.shape[0] % 16
+                    if not int4_supported(weight.shape[1], keep + pad):
                         continue
                     # rows padded with zeros to the kernel's multiple of 16, dropped from the result (``keep``)
-                    weight = torch.cat([weight, weight.new_zeros(-rows % 16, weight.shape[1])])
-                    bias = None if bias is None else torch.cat([bias, bias.new_zeros(-rows % 16)])
-                    keep = rows
+                    weight = torch.cat([weight, weight.new_zeros(pad, weight.shape[1])])
+                    bias = None if bias is None else torch.cat([bias, bias.new_zeros(pad)])
                 setattr(parent, name, FloatOutput(CpuLinear(weight, bias, weight_format, keep=keep)))
                 replaced += 1
             elif isinstance(child, ParallelLMHead):
