@@ -104,8 +104,9 @@ def attention_variants(heads: int, kv_heads: int, dim: int, ctx: int) -> None:
 def large_batch_variants(heads: int, kv_heads: int, dim: int, batch: int, ctx: int,
                          cache_dtype: torch.dtype = torch.bfloat16, sweep: bool = True) -> None:
     """Decode attention at a large batch (one split) over KV tile, warps, stages and the grid's order (and, for a
-    float8 cache, float16 or bfloat16 dot products); the context's pages are spread over the cache as a
-    long-running server leaves them."""
+    float8 cache, where its codes widen: where loaded, or for the float16 dot products; bfloat16 dot products
+    were slower at every setting on 2026-12-04); the context's
+    pages are spread over the cache as a long-running server leaves them."""
     pages = ctx // 16 + 1
     k_cache = torch.randn(batch * pages, 16, kv_heads, dim, device="cuda").to(cache_dtype)
     v_cache = torch.randn_like(k_cache, dtype=torch.float32).to(cache_dtype)
@@ -115,27 +116,29 @@ def large_batch_variants(heads: int, kv_heads: int, dim: int, batch: int, ctx: i
     nbytes = 2 * batch * ctx * kv_heads * dim * k_cache.element_size()
     fp8 = k_cache.element_size() == 1
     results = []
-    for block_n in ((64, 128, 256) if fp8 else (32, 64, 128)) if sweep else ():
+    for block_n in ((64, 128) if fp8 else (32, 64, 128)) if sweep else ():
         for warps in (4, 8):
-            for stages in (2, 3, 4):
+            for stages in (2, 3) if fp8 else (2, 3, 4):
                 for heads_first in (True,) if fp8 else (False, True):
-                    for fp16_dots in (True, False) if fp8 else (False,):
-                        def run(b=block_n, w=warps, st=stages, h=heads_first, f=fp16_dots) -> torch.Tensor:
+                    for widen in ("loaded", "fp16") if fp8 else ("-",):
+                        def run(b=block_n, w=warps, st=stages, h=heads_first, f=widen) -> torch.Tensor:
                             return paged_decode(q, k_cache, v_cache, tables, lens, dim ** -0.5, 1, block_n=b,
-                                                num_warps=w, num_stages=st, heads_first=h, fp16_dots=f)
+                                                num_warps=w, num_stages=st, heads_first=h,
+                                                fp16_dots=f != "bf16", fp8_pairs=f == "loaded")
                         try:
-                            results.append((us(run), block_n, warps, stages, heads_first, fp16_dots))
+                            results.append((us(run), block_n, warps, stages, heads_first, widen))
                         except Exception as exc:  # e.g. out of shared memory
                             print(f"  block_n {block_n} warps {warps} stages {stages}: {type(exc).__name__}")
     results.sort()
     default = us(lambda: paged_decode(q, k_cache, v_cache, tables, lens, dim ** -0.5, 1))
     print(f"attention batch {batch} ctx {ctx}, heads {heads}/{kv_heads}, {cache_dtype} cache: default "
           f"{default:.1f} µs ({nbytes / default / 1e3:,.0f} GB/s); best (µs, GB/s, block_n, warps, stages, "
-          "heads first, float16 dots):")
+          "heads first, where float8 codes widen):")
     for t, *rest in results[:8]:
         print(f"    {t:7.1f} {nbytes / t / 1e3:7,.0f}", *rest)
     if fp8:
-        print("    best with bfloat16 dots:", next((r for r in results if not r[-1]), None))
+        for widen in ("loaded", "fp16"):
+            print(f"    best widening {widen}:", next((r for r in results if r[-1] == widen), None))
 
 
 class PackedLayers:

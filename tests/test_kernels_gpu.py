@@ -307,6 +307,17 @@ def test_fp8_cache_store_and_attention():
     out = paged_decode(q, k_cache, v_cache, tables, ctx, head_dim ** -0.5, 4)
     ref = _ref_attention(q, k_ref, v_ref, tables, lens, [1] * len(lens), head_dim ** -0.5)
     assert _rel(out, ref) < TOL[torch.bfloat16]
+    # Codes widened where they are loaded (``fp8_pairs``) attend as codes widened for the dot products: every
+    # finite code as a key and as a value, at each tile width and split count.
+    codes = torch.arange(256, dtype=torch.int32, device=DEVICE)
+    codes = codes[(codes & 0x7F) != 0x7F].to(torch.uint8)   # (0x7F and 0xFF are NaN)
+    every = codes.repeat(k_cache.numel() // len(codes) + 1)[:k_cache.numel()].view(fp8).view_as(k_cache)
+    for keys, values in ((every, v_cache), (k_cache, every.flip(0))):
+        for block_n, splits in ((32, 1), (64, 4), (128, 1), (128, 16)):
+            plain = paged_decode(q, keys, values, tables, ctx, head_dim ** -0.5, splits, block_n=block_n)
+            paired = paged_decode(q, keys, values, tables, ctx, head_dim ** -0.5, splits, block_n=block_n,
+                                  fp8_pairs=True)
+            assert _rel(paired, plain) < 1e-3, (block_n, splits)
     q_lens = [1, 17, 30, 64]
     q = torch.randn(sum(q_lens), heads, head_dim, dtype=torch.bfloat16, device=DEVICE)
     starts = torch.tensor([0, 1, 18, 48, 112], dtype=torch.int32, device=DEVICE)

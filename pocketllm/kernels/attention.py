@@ -115,6 +115,32 @@ def _kv_tile(k_cache_ptr, v_cache_ptr, table, tok, end, kvh, dims, dim_mask, NUM
 
 
 @triton.jit
+def _widen_e4m3(code):
+    """float8 e4m3 codes (the low byte of an unsigned 16-bit integer) as float16 values 256 times smaller: the
+    sign moves to bit 15 and exponent and mantissa to bits 7-13, which is exact for every finite code."""
+    return (((code & 0x80) << 8) | ((code & 0x7F) << 7)).to(tl.float16, bitcast=True)
+
+
+@triton.jit
+def _kv_tile_fp8(k_cache_ptr, v_cache_ptr, table, tok, end, kvh, NUM_KV_HEADS: tl.constexpr,
+                 HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """A float8 cache's keys and values of tokens ``tok`` as float16 tiles 256 times smaller than the codes'
+    values. The codes are read in pairs (16 bits) and widened by integer operations where they were loaded, so
+    the tiles reach the dot products as 16-bit values; a float8 ``.to`` is instead deferred by the compiler to
+    the dot's operand layout, where its byte-wise shared-memory reads cost more than the DRAM reads."""
+    valid = tok < end
+    page = tl.load(table + tok // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+    slot = page * BLOCK_SIZE + tok % BLOCK_SIZE
+    pairs = tl.arange(0, HEAD_DIM // 2)
+    offs = slot[:, None] * (NUM_KV_HEADS * HEAD_DIM // 2) + kvh * (HEAD_DIM // 2) + pairs[None, :]
+    k = tl.load(k_cache_ptr.to(tl.pointer_type(tl.uint16)) + offs, mask=valid[:, None], other=0)
+    v = tl.load(v_cache_ptr.to(tl.pointer_type(tl.uint16)) + offs, mask=valid[:, None], other=0)
+    k = tl.reshape(tl.join(_widen_e4m3(k & 0xFF), _widen_e4m3(k >> 8)), (BLOCK_N, HEAD_DIM))
+    v = tl.reshape(tl.join(_widen_e4m3(v & 0xFF), _widen_e4m3(v >> 8)), (BLOCK_N, HEAD_DIM))
+    return k, v
+
+
+@triton.jit
 def _attend_tile(q, k, v, valid, m_i, l_i, acc, qk_scale, PRECISION: tl.constexpr):
     """One online-softmax step over a KV tile: the updated (running max, running sum, accumulator)."""
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
@@ -174,13 +200,15 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, lens_ptr, out_pt
                    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                    BLOCK_N: tl.constexpr, SPLIT_MIN: tl.constexpr, SPLIT: tl.constexpr, S_PAD: tl.constexpr,
                    PRECISION: tl.constexpr, HEADS_FIRST: tl.constexpr, FP16_DOTS: tl.constexpr,
-                   PDL: tl.constexpr):
+                   FP8_PAIRS: tl.constexpr, PDL: tl.constexpr):
     """Split-KV decode attention of one (sequence, KV head, split). What the step's host copy and earlier steps
     wrote (lengths, block table, the split's first KV tile) is read before waiting on the kernel just before
     this one; after the wait, the query and the new token's key and value row, which that kernel stored (its
     stale copy in the prefetched tile is replaced). With ``FP16_DOTS`` (a float8 cache) the dot products take
     float16 operands: e4m3 codes widen to float16 exactly, two to an instruction, where widening to bfloat16
-    goes through float32; the query is scaled before it is rounded to float16."""
+    goes through float32; the query is scaled before it is rounded to float16. With ``FP8_PAIRS`` (a float8
+    cache, float16 dots, a power-of-two head size) the codes are widened as they are loaded
+    (``_kv_tile_fp8``)."""
     if PDL:   # dependents may launch now: each waits on this kernel before it reads this kernel's output
         gdc_launch_dependents()
     seq, kvh, split = _program_ids(HEADS_FIRST)
@@ -196,8 +224,12 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, lens_ptr, out_pt
     heads = kvh * GROUP + rows
     table = tables_ptr + seq.to(tl.int64) * stride_table
     tok = start + tl.arange(0, BLOCK_N)
-    k_first, v_first = _kv_tile(k_cache_ptr, v_cache_ptr, table, tok, end, kvh, dims, dim_mask, NUM_KV_HEADS,
-                                HEAD_DIM, BLOCK_SIZE)
+    if FP8_PAIRS:
+        k_first, v_first = _kv_tile_fp8(k_cache_ptr, v_cache_ptr, table, tok, end, kvh, NUM_KV_HEADS, HEAD_DIM,
+                                        BLOCK_SIZE, BLOCK_N)
+    else:
+        k_first, v_first = _kv_tile(k_cache_ptr, v_cache_ptr, table, tok, end, kvh, dims, dim_mask,
+                                    NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE)
     if PDL:
         last = ctx - 1
         last_per_dim = dims * 0 + last   # (a scalar condition as a mask fails in Triton's interpreter)
@@ -209,6 +241,9 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, lens_ptr, out_pt
         new_mask = dim_mask & in_first
         k_new = tl.load(k_cache_ptr + new_row, mask=new_mask, other=0.0)
         v_new = tl.load(v_cache_ptr + new_row, mask=new_mask, other=0.0)
+        if FP8_PAIRS:
+            k_new = _widen_e4m3(k_new.to(tl.uint8, bitcast=True).to(tl.uint16))
+            v_new = _widen_e4m3(v_new.to(tl.uint8, bitcast=True).to(tl.uint16))
         is_new = (tok == last)[:, None]
         k_first = tl.where(is_new, k_new[None, :], k_first)
         v_first = tl.where(is_new, v_new[None, :], v_first)
@@ -218,20 +253,28 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, lens_ptr, out_pt
     if FP16_DOTS:
         q = (q.to(tl.float32) * qk_scale).to(tl.float16)
         qk_scale = 1.0
+        if FP8_PAIRS:
+            qk_scale = 256.0   # the keys' tiles are 256 times smaller
 
     m_i = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
     acc = tl.zeros([GROUP_PAD, D_PAD], dtype=tl.float32)
     if start < end:   # (an empty context: nothing to attend, zeros out)
-        # float8 caches widen here (to the query's dtype)
+        # float8 caches widen here (to the query's dtype) unless already widened
         m_i, l_i, acc = _attend_tile(q, k_first.to(q.dtype), v_first.to(q.dtype), tok < end, m_i, l_i, acc,
                                      qk_scale, PRECISION)
     for n0 in range(start + BLOCK_N, end, BLOCK_N):
         tile = n0 + tl.arange(0, BLOCK_N)
-        k, v = _kv_tile(k_cache_ptr, v_cache_ptr, table, tile, end, kvh, dims, dim_mask, NUM_KV_HEADS, HEAD_DIM,
-                        BLOCK_SIZE)
+        if FP8_PAIRS:
+            k, v = _kv_tile_fp8(k_cache_ptr, v_cache_ptr, table, tile, end, kvh, NUM_KV_HEADS, HEAD_DIM,
+                                BLOCK_SIZE, BLOCK_N)
+        else:
+            k, v = _kv_tile(k_cache_ptr, v_cache_ptr, table, tile, end, kvh, dims, dim_mask, NUM_KV_HEADS,
+                            HEAD_DIM, BLOCK_SIZE)
         m_i, l_i, acc = _attend_tile(q, k.to(q.dtype), v.to(q.dtype), tile < end, m_i, l_i, acc, qk_scale,
                                      PRECISION)
+    if FP8_PAIRS:
+        acc = acc * 256.0   # the values' tiles are 256 times smaller
     _decode_output(acc, m_i, l_i, seq, kvh, split, active, num_splits, out_ptr, part_ptr, lse_ptr, count_ptr,
                    stride_ot, heads, rows, dims, row_mask, dim_mask, NUM_KV_HEADS, GROUP, HEAD_DIM, SPLIT, S_PAD)
 
@@ -417,11 +460,13 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
                  context_lens: torch.Tensor, scale: float, num_splits: int, out: torch.Tensor | None = None,
                  counters: torch.Tensor | None = None, block_n: int | None = None, num_warps: int | None = None,
                  num_stages: int | None = None, heads_first: bool | None = None, split_min: int | None = None,
-                 window: int | None = None, fp16_dots: bool | None = None) -> torch.Tensor:
+                 window: int | None = None, fp16_dots: bool | None = None,
+                 fp8_pairs: bool | None = None) -> torch.Tensor:
     """One query token per sequence: ``q`` [B, H, D] (heads contiguous) → [B, H, D]. A split covers at least
     ``split_min`` context tokens (rounded up to whole KV tiles), so shorter contexts use fewer splits.
     ``window``: a sliding window (None: full attention). ``fp16_dots`` (default: for a float8 cache) runs the dot
-    products on float16 operands.
+    products on float16 operands; ``fp8_pairs`` (default: off) widens a float8 cache's codes where they are
+    loaded (it needs float16 dots and a power-of-two head size).
 
     With ``num_splits`` > 1, ``counters`` (int32, at least B × KV heads, zero; left zero) count the finished
     splits of each (sequence, KV head), so that the last one merges the partial results in the same launch;
@@ -437,6 +482,9 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     c = _decode_launch(batch, q.dtype, d_pad, block_n, num_warps, num_stages, heads_first, k_cache.element_size())
     split_min = -(-(split_min or c.block_n) // c.block_n) * c.block_n
     part, lse, counters = _split_buffers(batch, num_heads, num_kv_heads, num_splits, head_dim, counters, out)
+    fp8 = k_cache.element_size() == 1
+    fp16_dots = fp8 if fp16_dots is None else fp16_dots
+    fp8_pairs = fp8 and fp16_dots and head_dim == d_pad and bool(fp8_pairs)
     pdl, launch = launch_options(q, batch)
     grid = (num_kv_heads, batch, num_splits) if c.heads_first else (batch, num_kv_heads, num_splits)
     _decode_kernel[grid](
@@ -445,8 +493,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         NUM_KV_HEADS=num_kv_heads, GROUP=group, GROUP_PAD=max(16, _pow2(group)), HEAD_DIM=head_dim,
         D_PAD=d_pad, BLOCK_SIZE=block_size, BLOCK_N=c.block_n, SPLIT_MIN=split_min, SPLIT=num_splits > 1,
         S_PAD=_pow2(num_splits), PRECISION=_dot_precision(q.dtype), HEADS_FIRST=c.heads_first,
-        FP16_DOTS=k_cache.element_size() == 1 if fp16_dots is None else fp16_dots,
-        num_warps=c.num_warps, num_stages=c.num_stages, PDL=pdl, **launch)
+        FP16_DOTS=fp16_dots, FP8_PAIRS=fp8_pairs, num_warps=c.num_warps, num_stages=c.num_stages, PDL=pdl, **launch)
     return out
 
 
