@@ -104,9 +104,9 @@ def attention_variants(heads: int, kv_heads: int, dim: int, ctx: int) -> None:
 def large_batch_variants(heads: int, kv_heads: int, dim: int, batch: int, ctx: int,
                          cache_dtype: torch.dtype = torch.bfloat16, sweep: bool = True) -> None:
     """Decode attention at a large batch (one split) over KV tile, warps, stages and the grid's order (and, for a
-    float8 cache, where its codes widen: where loaded, or for the float16 dot products; bfloat16 dot products
-    were slower at every setting on 2026-12-04); the context's
-    pages are spread over the cache as a long-running server leaves them."""
+    float8 cache, where its codes widen: where loaded, or for the float16 dot products; its bfloat16 dot
+    products measured slower on 2026-12-04); the context's pages are spread over the cache as a long-running
+    server leaves them."""
     pages = ctx // 16 + 1
     k_cache = torch.randn(batch * pages, 16, kv_heads, dim, device="cuda").to(cache_dtype)
     v_cache = torch.randn_like(k_cache, dtype=torch.float32).to(cache_dtype)
