@@ -116,18 +116,19 @@ def _kv_tile(k_cache_ptr, v_cache_ptr, table, tok, end, kvh, dims, dim_mask, NUM
 
 @triton.jit
 def _widen_e4m3(code):
-    """float8 e4m3 codes (the low byte of an unsigned 16-bit integer) as float16 values 256 times smaller: the
-    sign moves to bit 15 and exponent and mantissa to bits 7-13, which is exact for every finite code."""
-    return (((code & 0x80) << 8) | ((code & 0x7F) << 7)).to(tl.float16, bitcast=True)
+    """float8 e4m3 codes (the low byte of an unsigned 16-bit integer) as float16: the sign moves to bit 15 and
+    exponent and mantissa to bits 7-13, a float16 256 times smaller (exact for every finite code, small ones as
+    float16 subnormals), which one multiply scales back."""
+    return (((code & 0x80) << 8) | ((code & 0x7F) << 7)).to(tl.float16, bitcast=True) * 256.0
 
 
 @triton.jit
 def _kv_tile_fp8(k_cache_ptr, v_cache_ptr, table, tok, end, kvh, NUM_KV_HEADS: tl.constexpr,
                  HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
-    """A float8 cache's keys and values of tokens ``tok`` as float16 tiles 256 times smaller than the codes'
-    values. The codes are read in pairs (16 bits) and widened by integer operations where they were loaded, so
-    the tiles reach the dot products as 16-bit values; a float8 ``.to`` is instead deferred by the compiler to
-    the dot's operand layout, where its byte-wise shared-memory reads cost more than the DRAM reads."""
+    """A float8 cache's keys and values of tokens ``tok`` as float16 tiles. The codes are read in pairs (16
+    bits) and widened by integer operations where they were loaded, so the tiles reach the dot products as
+    16-bit values; a float8 ``.to`` is instead deferred by the compiler to the dot's operand layout, where its
+    byte-wise shared-memory reads cost more than the DRAM reads."""
     valid = tok < end
     page = tl.load(table + tok // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
     slot = page * BLOCK_SIZE + tok % BLOCK_SIZE
@@ -253,8 +254,6 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, lens_ptr, out_pt
     if FP16_DOTS:
         q = (q.to(tl.float32) * qk_scale).to(tl.float16)
         qk_scale = 1.0
-        if FP8_PAIRS:
-            qk_scale = 256.0   # the keys' tiles are 256 times smaller
 
     m_i = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
@@ -273,8 +272,6 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, lens_ptr, out_pt
                             HEAD_DIM, BLOCK_SIZE)
         m_i, l_i, acc = _attend_tile(q, k.to(q.dtype), v.to(q.dtype), tile < end, m_i, l_i, acc, qk_scale,
                                      PRECISION)
-    if FP8_PAIRS:
-        acc = acc * 256.0   # the values' tiles are 256 times smaller
     _decode_output(acc, m_i, l_i, seq, kvh, split, active, num_splits, out_ptr, part_ptr, lse_ptr, count_ptr,
                    stride_ot, heads, rows, dims, row_mask, dim_mask, NUM_KV_HEADS, GROUP, HEAD_DIM, SPLIT, S_PAD)
 
