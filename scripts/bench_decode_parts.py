@@ -124,7 +124,7 @@ def large_batch_variants(heads: int, kv_heads: int, dim: int, batch: int, ctx: i
                         def run(b=block_n, w=warps, st=stages, h=heads_first, f=widen) -> torch.Tensor:
                             return paged_decode(q, k_cache, v_cache, tables, lens, dim ** -0.5, 1, block_n=b,
                                                 num_warps=w, num_stages=st, heads_first=h,
-                                                fp16_dots=f != "bf16", fp8_pairs=f == "loaded")
+                                                fp16_dots=fp8, fp8_pairs=f == "loaded")
                         try:
                             results.append((us(run), block_n, warps, stages, heads_first, widen))
                         except Exception as exc:  # e.g. out of shared memory
