@@ -104,9 +104,8 @@ def attention_variants(heads: int, kv_heads: int, dim: int, ctx: int) -> None:
 def large_batch_variants(heads: int, kv_heads: int, dim: int, batch: int, ctx: int,
                          cache_dtype: torch.dtype = torch.bfloat16, sweep: bool = True) -> None:
     """Decode attention at a large batch (one split) over KV tile, warps, stages and the grid's order (and, for a
-    float8 cache, where its codes widen: where loaded, or for the float16 dot products; its bfloat16 dot
-    products measured slower on 2026-12-04); the context's pages are spread over the cache as a long-running
-    server leaves them."""
+    float8 cache, where its codes widen: where loaded, or for the float16 dot products); the context's pages are
+    spread over the cache as a long-running server leaves them."""
     pages = ctx // 16 + 1
     k_cache = torch.randn(batch * pages, 16, kv_heads, dim, device="cuda").to(cache_dtype)
     v_cache = torch.randn_like(k_cache, dtype=torch.float32).to(cache_dtype)
@@ -123,8 +122,7 @@ def large_batch_variants(heads: int, kv_heads: int, dim: int, batch: int, ctx: i
                     for widen in ("loaded", "fp16") if fp8 else ("-",):
                         def run(b=block_n, w=warps, st=stages, h=heads_first, f=widen) -> torch.Tensor:
                             return paged_decode(q, k_cache, v_cache, tables, lens, dim ** -0.5, 1, block_n=b,
-                                                num_warps=w, num_stages=st, heads_first=h,
-                                                fp16_dots=fp8, fp8_pairs=f == "loaded")
+                                                num_warps=w, num_stages=st, heads_first=h, fp8_pairs=f == "loaded")
                         try:
                             results.append((us(run), block_n, warps, stages, heads_first, widen))
                         except Exception as exc:  # e.g. out of shared memory

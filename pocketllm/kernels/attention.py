@@ -102,13 +102,19 @@ def _window_start(start, ctx, window):
 
 
 @triton.jit
+def _kv_slots(table, tok, end, BLOCK_SIZE: tl.constexpr):
+    """(which of tokens ``tok`` lie before ``end``, their cache slots through the block table)."""
+    valid = tok < end
+    page = tl.load(table + tok // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+    return valid, page * BLOCK_SIZE + tok % BLOCK_SIZE
+
+
+@triton.jit
 def _kv_tile(k_cache_ptr, v_cache_ptr, table, tok, end, kvh, dims, dim_mask, NUM_KV_HEADS: tl.constexpr,
              HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr):
     """Keys and values of tokens ``tok`` (those before ``end``) of one KV head, gathered through the block
     table, in the cache's dtype."""
-    valid = tok < end
-    page = tl.load(table + tok // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
-    slot = page * BLOCK_SIZE + tok % BLOCK_SIZE
+    valid, slot = _kv_slots(table, tok, end, BLOCK_SIZE)
     offs = slot[:, None] * (NUM_KV_HEADS * HEAD_DIM) + kvh * HEAD_DIM + dims[None, :]
     kv_mask = valid[:, None] & dim_mask[None, :]
     return tl.load(k_cache_ptr + offs, mask=kv_mask, other=0.0), tl.load(v_cache_ptr + offs, mask=kv_mask, other=0.0)
@@ -129,15 +135,27 @@ def _kv_tile_fp8(k_cache_ptr, v_cache_ptr, table, tok, end, kvh, NUM_KV_HEADS: t
     bits) and widened by integer operations where they were loaded, so the tiles reach the dot products as
     16-bit values; a float8 ``.to`` is instead deferred by the compiler to the dot's operand layout, where its
     byte-wise shared-memory reads cost more than the DRAM reads."""
-    valid = tok < end
-    page = tl.load(table + tok // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
-    slot = page * BLOCK_SIZE + tok % BLOCK_SIZE
+    valid, slot = _kv_slots(table, tok, end, BLOCK_SIZE)
     pairs = tl.arange(0, HEAD_DIM // 2)
     offs = slot[:, None] * (NUM_KV_HEADS * HEAD_DIM // 2) + kvh * (HEAD_DIM // 2) + pairs[None, :]
     k = tl.load(k_cache_ptr.to(tl.pointer_type(tl.uint16)) + offs, mask=valid[:, None], other=0)
     v = tl.load(v_cache_ptr.to(tl.pointer_type(tl.uint16)) + offs, mask=valid[:, None], other=0)
     k = tl.reshape(tl.join(_widen_e4m3(k & 0xFF), _widen_e4m3(k >> 8)), (BLOCK_N, HEAD_DIM))
     v = tl.reshape(tl.join(_widen_e4m3(v & 0xFF), _widen_e4m3(v >> 8)), (BLOCK_N, HEAD_DIM))
+    return k, v
+
+
+@triton.jit
+def _decode_kv_tile(k_cache_ptr, v_cache_ptr, table, tok, end, kvh, dims, dim_mask, NUM_KV_HEADS: tl.constexpr,
+                    HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+                    FP8_PAIRS: tl.constexpr):
+    """The decode kernel's tile read: ``_kv_tile_fp8`` with ``FP8_PAIRS``, else ``_kv_tile``."""
+    if FP8_PAIRS:
+        k, v = _kv_tile_fp8(k_cache_ptr, v_cache_ptr, table, tok, end, kvh, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE,
+                            BLOCK_N)
+    else:
+        k, v = _kv_tile(k_cache_ptr, v_cache_ptr, table, tok, end, kvh, dims, dim_mask, NUM_KV_HEADS, HEAD_DIM,
+                        BLOCK_SIZE)
     return k, v
 
 
@@ -225,12 +243,8 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, lens_ptr, out_pt
     heads = kvh * GROUP + rows
     table = tables_ptr + seq.to(tl.int64) * stride_table
     tok = start + tl.arange(0, BLOCK_N)
-    if FP8_PAIRS:
-        k_first, v_first = _kv_tile_fp8(k_cache_ptr, v_cache_ptr, table, tok, end, kvh, NUM_KV_HEADS, HEAD_DIM,
-                                        BLOCK_SIZE, BLOCK_N)
-    else:
-        k_first, v_first = _kv_tile(k_cache_ptr, v_cache_ptr, table, tok, end, kvh, dims, dim_mask,
-                                    NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE)
+    k_first, v_first = _decode_kv_tile(k_cache_ptr, v_cache_ptr, table, tok, end, kvh, dims, dim_mask,
+                                       NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_N, FP8_PAIRS)
     if PDL:
         last = ctx - 1
         last_per_dim = dims * 0 + last   # (a scalar condition as a mask fails in Triton's interpreter)
@@ -264,12 +278,8 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, lens_ptr, out_pt
                                      qk_scale, PRECISION)
     for n0 in range(start + BLOCK_N, end, BLOCK_N):
         tile = n0 + tl.arange(0, BLOCK_N)
-        if FP8_PAIRS:
-            k, v = _kv_tile_fp8(k_cache_ptr, v_cache_ptr, table, tile, end, kvh, NUM_KV_HEADS, HEAD_DIM,
-                                BLOCK_SIZE, BLOCK_N)
-        else:
-            k, v = _kv_tile(k_cache_ptr, v_cache_ptr, table, tile, end, kvh, dims, dim_mask, NUM_KV_HEADS,
-                            HEAD_DIM, BLOCK_SIZE)
+        k, v = _decode_kv_tile(k_cache_ptr, v_cache_ptr, table, tile, end, kvh, dims, dim_mask, NUM_KV_HEADS,
+                               HEAD_DIM, BLOCK_SIZE, BLOCK_N, FP8_PAIRS)
         m_i, l_i, acc = _attend_tile(q, k.to(q.dtype), v.to(q.dtype), tile < end, m_i, l_i, acc, qk_scale,
                                      PRECISION)
     _decode_output(acc, m_i, l_i, seq, kvh, split, active, num_splits, out_ptr, part_ptr, lse_ptr, count_ptr,
@@ -463,7 +473,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     ``split_min`` context tokens (rounded up to whole KV tiles), so shorter contexts use fewer splits.
     ``window``: a sliding window (None: full attention). ``fp16_dots`` (default: for a float8 cache) runs the dot
     products on float16 operands; ``fp8_pairs`` (default: off) widens a float8 cache's codes where they are
-    loaded (it needs float16 dots and a power-of-two head size).
+    loaded (refused without float16 dots and a power-of-two head size).
 
     With ``num_splits`` > 1, ``counters`` (int32, at least B × KV heads, zero; left zero) count the finished
     splits of each (sequence, KV head), so that the last one merges the partial results in the same launch;
@@ -481,7 +491,8 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     part, lse, counters = _split_buffers(batch, num_heads, num_kv_heads, num_splits, head_dim, counters, out)
     fp8 = k_cache.element_size() == 1
     fp16_dots = fp8 if fp16_dots is None else fp16_dots
-    fp8_pairs = fp8 and fp16_dots and head_dim == d_pad and bool(fp8_pairs)
+    if fp8_pairs and not (fp8 and fp16_dots and head_dim == d_pad):
+        raise ValueError("fp8_pairs needs a float8 cache, float16 dot products and a power-of-two head size")
     pdl, launch = launch_options(q, batch)
     grid = (num_kv_heads, batch, num_splits) if c.heads_first else (batch, num_kv_heads, num_splits)
     _decode_kernel[grid](
@@ -490,7 +501,8 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         NUM_KV_HEADS=num_kv_heads, GROUP=group, GROUP_PAD=max(16, _pow2(group)), HEAD_DIM=head_dim,
         D_PAD=d_pad, BLOCK_SIZE=block_size, BLOCK_N=c.block_n, SPLIT_MIN=split_min, SPLIT=num_splits > 1,
         S_PAD=_pow2(num_splits), PRECISION=_dot_precision(q.dtype), HEADS_FIRST=c.heads_first,
-        FP16_DOTS=fp16_dots, FP8_PAIRS=fp8_pairs, num_warps=c.num_warps, num_stages=c.num_stages, PDL=pdl, **launch)
+        FP16_DOTS=fp16_dots, FP8_PAIRS=bool(fp8_pairs), num_warps=c.num_warps, num_stages=c.num_stages, PDL=pdl,
+        **launch)
     return out
 
 
