@@ -24,7 +24,7 @@ import torch
 from pocketllm.engine.proposer import Proposer
 from pocketllm.engine.request import Request
 from pocketllm.runner.model_runner import ModelRunner
-from pocketllm.runner.sampler import SamplingRow
+from pocketllm.runner.sampler import SamplingRow, argmax_rows
 from pocketllm.runner.spec_verify import draw_proposals
 from pocketllm.step.scheduled_chunk import ScheduledChunk
 
@@ -44,11 +44,14 @@ class DraftSequence:
     draft's first input of the step, then the proposals made so far. One per request for as long as the request
     runs every step, so that the CPU decode step's dense rows (kept per sequence object) stay current."""
 
-    __slots__ = ("request", "output_token_ids")
+    __slots__ = ("request", "output_token_ids", "chain_row")
 
     def __init__(self, request: Request) -> None:
         self.request = request
         self.output_token_ids: list[int] = []
+        # While greedy proposals chain on the device: the row of the previous draft forward's tokens that holds
+        # this sequence's latest proposal (its next input, not yet on the host); -1 otherwise.
+        self.chain_row = -1
 
     @property
     def prompt_token_ids(self) -> list[int]:
@@ -59,16 +62,16 @@ class DraftSequence:
         return self.request.block_table
 
     @property
+    def pending_row(self) -> int:
+        return self.chain_row if self.chain_row >= 0 else self.request.pending_row
+
+    @property
     def num_preemptions(self) -> int:
         return self.request.num_preemptions
 
     @property
     def state_slot(self) -> int:
         return self.request.state_slot
-
-    @property
-    def pending_row(self) -> int:
-        return self.request.pending_row
 
     @property
     def num_tokens(self) -> int:
@@ -82,9 +85,13 @@ class DraftProposer(Proposer):
 
     PLACEHOLDER = 0
 
-    def __init__(self, runner: ModelRunner, k: int) -> None:
+    def __init__(self, runner: ModelRunner, k: int, chain_on_device: bool | None = None) -> None:
+        """``chain_on_device`` (default: on CUDA): a step whose verifying requests are all greedy (without
+        penalties) feeds each draft forward the previous one's argmax on the device, and reads the proposals
+        back once, after the last draft forward, instead of once per forward."""
         self.runner = runner
         self.k = k
+        self.chain_on_device = runner.device.type == "cuda" if chain_on_device is None else chain_on_device
         self._sequences: dict[str, DraftSequence] = {}
 
     def propose(self, request: Request, limit: int) -> list[int]:
@@ -150,7 +157,11 @@ class DraftProposer(Proposer):
         proposals: list[list[int]] = [[] for _ in verifying]
         probs: list[list[torch.Tensor]] = [[] for _ in verifying]
         active = list(range(len(verifying)))
-        while True:
+        if self.chain_on_device and all(s.request.params.greedy and not s.request.params.needs_penalties
+                                        for _, s in verifying):
+            proposals = self._greedy_chain(logits, [s for _, s in verifying], wanted)
+            active = []
+        while active:
             requests = [verifying[i][1] for i in active]
             sampling_rows = [SamplingRow(s.request.params, s.prompt_token_ids, s.output_token_ids, s.request.generator)
                              for s in requests]
@@ -173,3 +184,36 @@ class DraftProposer(Proposer):
             draft_probs = torch.stack(probs_i) if probs_i else None
             filled[index] = chunks[index]._replace(draft=tuple(tokens_i), draft_probs=draft_probs)
         return filled
+
+    def _greedy_chain(self, logits: torch.Tensor, sequences: list[DraftSequence], wanted: list[int]
+                      ) -> list[list[int]]:
+        """Greedy proposals of ``sequences`` (``wanted[i]`` each) from the first forward's ``logits``: each further
+        draft forward takes its inputs from the previous one's argmax, still on the device (a pending input), so
+        the host launches the next forward while the last runs; every proposal is read back at the end."""
+        rows = [SamplingRow(s.request.params, s.prompt_token_ids, s.output_token_ids, s.request.generator)
+                for s in sequences]
+        sampler = self.runner.sampler
+        tokens = argmax_rows(sampler.processed_scores(logits, rows))
+        drawn = [tokens]                        # each forward's argmax, one row per sequence still proposing
+        drawn_by = [list(range(len(sequences)))]
+        try:
+            for depth in range(1, max(wanted)):
+                active = [(row, i) for row, i in enumerate(drawn_by[-1]) if wanted[i] > depth]
+                step = []
+                for row, i in active:
+                    sequence = sequences[i]
+                    sequence.chain_row = row
+                    # The proposal made ``depth`` forwards ago runs at the position after the known tokens and the
+                    # proposals before it; none is on the host, so the chunk's one input is pending.
+                    step.append(ScheduledChunk(sequence, 1, sequence.num_tokens + depth - 1, True))
+                logits = self.runner.launch(step, tokens)
+                tokens = argmax_rows(sampler.processed_scores(logits, [rows[i] for _, i in active]))
+                drawn.append(tokens)
+                drawn_by.append([i for _, i in active])
+        finally:
+            for sequence in sequences:
+                sequence.chain_row = -1
+        proposals: list[list[int]] = [[] for _ in sequences]
+        for i, token in zip((i for rows_of in drawn_by for i in rows_of), torch.cat(drawn).tolist()):
+            proposals[i].append(token)
+        return proposals

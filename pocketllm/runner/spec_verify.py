@@ -36,6 +36,17 @@ def _draw(probs: torch.Tensor, u: torch.Tensor) -> int:
     return int(torch.searchsorted(cdf, target, right=True).clamp_(max=probs.numel() - 1))
 
 
+def accept_greedy(targets: Sequence[int], draft: Sequence[int]) -> list[int]:
+    """The tokens a greedy request emits from the target's argmax ``targets`` of its ``k + 1`` rows and its ``k``
+    proposals: the proposals up to the first that differs from the target's token, then the target's token."""
+    out: list[int] = []
+    for j, proposal in enumerate(draft):
+        if targets[j] != proposal:
+            return out + [targets[j]]
+        out.append(proposal)
+    return out + [targets[len(draft)]]
+
+
 def accept(scores: torch.Tensor, draft: Sequence[int], greedy: bool, sampler: Sampler,
            generator: torch.Generator | None, device: torch.device,
            draft_probs: torch.Tensor | None = None) -> list[int]:
@@ -43,13 +54,7 @@ def accept(scores: torch.Tensor, draft: Sequence[int], greedy: bool, sampler: Sa
     proposals: the accepted proposals, then the target's token (a correction or the bonus). ``draft_probs``:
     the ``[k, V]`` distributions the proposals were drawn from (None: point masses)."""
     if greedy:
-        targets = scores.argmax(dim=-1).tolist()
-        out: list[int] = []
-        for j, proposal in enumerate(draft):
-            if targets[j] != proposal:
-                return out + [targets[j]]
-            out.append(proposal)
-        return out + [targets[len(draft)]]
+        return accept_greedy(argmax_rows(scores).tolist(), draft)
     out = []
     for j, proposal in enumerate(draft):
         probs = torch.softmax(scores[j].double(), dim=-1)
@@ -87,7 +92,7 @@ def draw_proposals(sampler: Sampler, logits: torch.Tensor, rows: Sequence[Sampli
     return tokens, dists
 
 
-def _with_logprobs(raw: torch.Tensor, tokens: list[int], count: int | None) -> list[SampledToken]:
+def _with_logprobs(raw: torch.Tensor | None, tokens: list[int], count: int | None) -> list[SampledToken]:
     """Tokens with their raw log-probabilities (row ``j`` of ``raw`` scored token ``j``) and ``count`` ranked
     alternatives; plain tokens when ``count`` is None."""
     if count is None:
@@ -119,17 +124,40 @@ def verify(sampler: Sampler, logits: torch.Tensor, chunks: Sequence[ScheduledChu
         for j in range(len(chunk.draft) + 1):
             rows.append(SamplingRow(request.params, request.prompt_token_ids,
                                     output + list(chunk.draft[:j]), request.generator, request.grammar))
-    scores = sampler.processed_scores(logits, rows).cpu()
+    scores = sampler.processed_scores(logits, rows)
+    # Greedy rows need only the target's argmax: every row's is read back as one small tensor of ids. Only the
+    # rows of sampling requests (the acceptance draws) and of requests asking for logprobs copy scores back.
+    targets = argmax_rows(scores).tolist()
+    drawing = [(chunk, start) for chunk, start in spans if not chunk.request.params.greedy]
+    drawn = _host_rows(scores, drawing)
+    ranked = _host_rows(logits, [(c, s) for c, s in spans if c.request.params.logprobs is not None])
     results = []
     for chunk, start in spans:
         request = chunk.request
         width = len(chunk.draft) + 1
-        if forced:
-            last = scores[start + width - 1:start + width]
-            tokens = list(chunk.draft) + accept(last, (), request.params.greedy, sampler, request.generator,
-                                                logits.device)
+        if request.params.greedy:
+            own = targets[start:start + width]
+            tokens = list(chunk.draft) + own[-1:] if forced else accept_greedy(own, chunk.draft)
+        elif forced:
+            last = drawn[start][width - 1:width]
+            tokens = list(chunk.draft) + accept(last, (), False, sampler, request.generator, logits.device)
         else:
-            tokens = accept(scores[start:start + width], chunk.draft, request.params.greedy, sampler,
-                            request.generator, logits.device, chunk.draft_probs)
-        results.append(_with_logprobs(logits[start:start + width].cpu(), tokens, request.params.logprobs))
+            tokens = accept(drawn[start], chunk.draft, False, sampler, request.generator, logits.device,
+                            chunk.draft_probs)
+        results.append(_with_logprobs(ranked.get(start), tokens, request.params.logprobs))
     return results
+
+
+def _host_rows(x: torch.Tensor, spans: Sequence[tuple[ScheduledChunk, int]]) -> dict[int, torch.Tensor]:
+    """Each span's ``1 + len(draft)`` rows of ``x`` on the CPU, copied back in one transfer, by the span's first
+    row."""
+    if not spans:
+        return {}
+    index = [start + j for chunk, start in spans for j in range(len(chunk.draft) + 1)]
+    host = x.index_select(0, torch.tensor(index, device=x.device)).cpu()
+    out, at = {}, 0
+    for chunk, start in spans:
+        width = len(chunk.draft) + 1
+        out[start] = host[at:at + width]
+        at += width
+    return out
