@@ -8,6 +8,7 @@ at several split counts (one split: no merge).
     python scripts/bench_decode_parts.py packed        # QKV projection then attention: two kernels or one
     python scripts/bench_decode_parts.py prefill       # prefill attention settings on a throughput chunk
     python scripts/bench_decode_parts.py small-batch   # batch-1 attention settings inside a layer's chain
+    python scripts/bench_decode_parts.py fp8-weights   # one-row product settings on Llama-3-8B's float8 weights
 """
 
 from __future__ import annotations
@@ -20,8 +21,16 @@ import torch.nn.functional as F
 
 from pocketllm.kernels import attention
 from pocketllm.kernels.attention import decode_splits, paged_decode, paged_decode_packed, paged_prefill
+from pocketllm.kernels.fp8 import quantize_weight
 from pocketllm.kernels.fused import qkv_prepare, rms_norm, silu_and_mul
-from pocketllm.kernels.gemv import skinny_linear, skinny_rms_norm_linear, skinny_silu_mul_linear, time_in_graph
+from pocketllm.kernels.gemv import (
+    OneRowConfig,
+    one_row_candidates,
+    skinny_linear,
+    skinny_rms_norm_linear,
+    skinny_silu_mul_linear,
+    time_in_graph,
+)
 from pocketllm.layers.rotary import RotaryEmbedding
 
 PROJECTIONS = {  # name: (N, K, prologue); qwen3-0.6b then llama3-8b
@@ -296,7 +305,55 @@ def prefill_variants(heads: int, kv_heads: int, dim: int, chunk_tokens: int = 81
         print(f"    {t:7.1f} {flops / t / 1e6:5.0f}", *rest)
 
 
+def fp8_weight_row(name: str, n: int, k: int) -> None:
+    """One weight shape of ``fp8_weight_variants``: the best settings of the sweep, fastest first."""
+    bf16 = [torch.randn(n, k, dtype=torch.bfloat16, device="cuda") for _ in range(2)]
+    fp8 = [quantize_weight(w) for w in bf16]
+    turn = [0]
+
+    def product(config: OneRowConfig, float8: bool = True) -> torch.Tensor:
+        turn[0] += 1   # two copies in turn, as every layer brings its own weight
+        if not float8:
+            return skinny_linear(x, bf16[turn[0] % 2], config)
+        codes, scale = fp8[turn[0] % 2]
+        return skinny_linear(x, codes, config, scale=scale)
+
+    x = torch.randn(1, k, dtype=torch.bfloat16, device="cuda")
+    plain = min(us(partial(product, c, False)) for c in one_row_candidates(k))
+    now = min(us(partial(product, c)) for c in one_row_candidates(k, True))
+    results = []
+    for block_n in (1, 2, 4, 8):
+        for block_k in (1024, 2048, 4096):
+            for warps in (4, 8, 16):
+                if block_n * block_k // (32 * warps) >= 8 and block_k <= k:
+                    config = OneRowConfig(block_n, block_k, block_n >= 4, warps, 1)   # (each compiles anew)
+                    results.append((us(partial(product, config)), config))
+    results.sort(key=lambda r: r[0])
+    gbs = n * k / 1e3   # bytes of float8 codes per µs, in GB/s
+    print(f"{name} [{n}x{k}]: bfloat16 best candidate {plain:.1f} µs ({2 * gbs / plain:.0f} GB/s); float8 "
+          f"candidates {now:.1f} µs ({gbs / now:.0f} GB/s); best settings:")
+    for t, config in results[:6]:
+        print(f"    {t:7.1f} µs {gbs / t:6.0f} GB/s  {config}")
+
+
+def fp8_weight_variants() -> None:
+    """The one-row product (no prologue) on Llama-3-8B's float8 weight shapes over tile rows, tile columns, warps
+    and where the products are summed; GB/s of weight codes read, against a device copy and the bfloat16 weight's
+    best candidate."""
+    size = 1 << 30
+    src = torch.empty(size, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    copy_gbs = 2 * size / (time_in_graph(partial(dst.copy_, src), 5) * 1e-3) / 1e9
+    print(f"device copy: {copy_gbs:.0f} GB/s (read + write)")
+    for name in ("l8 qkv", "l8 o", "l8 gate_up", "l8 down"):
+        n, k, _ = PROJECTIONS[name]
+        fp8_weight_row(name, n, k)
+
+
 def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "fp8-weights":
+        fp8_weight_variants()
+        return
     if len(sys.argv) > 1 and sys.argv[1] == "small-batch":
         small_batch_variants()
         return
