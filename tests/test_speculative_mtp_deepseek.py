@@ -18,7 +18,7 @@ import torch
 from conftest import write_checkpoint
 from safetensors.torch import load_file
 from test_speculative import _first_tokens, _generate, assert_same_distribution
-from test_speculative_mtp import mtp_spec
+from test_speculative_mtp import assert_chained_on_the_device_equal, mtp_spec
 
 from pocketllm import LLM, EngineArgs, SamplingParams
 from pocketllm.errors import UnsupportedFeatureError
@@ -307,6 +307,12 @@ def test_greedy_equal_with_the_mtp_layer(regime, mtp_checkpoint):
             assert 0 < stats["spec_accepted_tokens"] < stats["spec_proposed_tokens"]
         if regime == "preemption":
             assert stats["num_preemptions"] > 0
+
+
+@pytest.mark.parametrize("agree", [False, True])
+def test_greedy_proposals_chained_on_the_device(agree, mtp_checkpoint, monkeypatch):
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    assert_chained_on_the_device_equal(EngineArgs(model=mtp_checkpoint(agree), **KV), PROMPTS, params, monkeypatch)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from pocketllm.engine.proposer import Proposer
+from pocketllm.engine.proposer import Proposer, chains_on_device, greedy_chain
 from pocketllm.engine.request import Request
 from pocketllm.runner.model_runner import ModelRunner
 from pocketllm.runner.sampler import SamplingRow, argmax_rows
@@ -157,8 +157,7 @@ class DraftProposer(Proposer):
         proposals: list[list[int]] = [[] for _ in verifying]
         probs: list[list[torch.Tensor]] = [[] for _ in verifying]
         active = list(range(len(verifying)))
-        if self.chain_on_device and all(s.request.params.greedy and not s.request.params.needs_penalties
-                                        for _, s in verifying):
+        if self.chain_on_device and chains_on_device([s.request for _, s in verifying]):
             proposals = self._greedy_chain(logits, [s for _, s in verifying], wanted)
             active = []
         while active:
@@ -189,31 +188,24 @@ class DraftProposer(Proposer):
                       ) -> list[list[int]]:
         """Greedy proposals of ``sequences`` (``wanted[i]`` each) from the first forward's ``logits``: each further
         draft forward takes its inputs from the previous one's argmax, still on the device (a pending input), so
-        the host launches the next forward while the last runs; every proposal is read back at the end."""
+        the host launches the next forward while the last runs (``greedy_chain``)."""
         rows = [SamplingRow(s.request.params, s.prompt_token_ids, s.output_token_ids, s.request.generator)
                 for s in sequences]
         sampler = self.runner.sampler
-        tokens = argmax_rows(sampler.processed_scores(logits, rows))
-        drawn = [tokens]                        # each forward's argmax, one row per sequence still proposing
-        drawn_by = [list(range(len(sequences)))]
+
+        def forward(tokens: torch.Tensor, active: list[tuple[int, int]], depth: int) -> torch.Tensor:
+            step = []
+            for row, i in active:
+                sequence = sequences[i]
+                sequence.chain_row = row
+                # The proposal made ``depth`` forwards ago runs at the position after the known tokens and the
+                # proposals before it; none is on the host, so the chunk's one input is pending.
+                step.append(ScheduledChunk(sequence, 1, sequence.num_tokens + depth - 1, True))
+            logits = self.runner.launch(step, tokens)
+            return argmax_rows(sampler.processed_scores(logits, [rows[i] for _, i in active]))
+
         try:
-            for depth in range(1, max(wanted)):
-                active = [(row, i) for row, i in enumerate(drawn_by[-1]) if wanted[i] > depth]
-                step = []
-                for row, i in active:
-                    sequence = sequences[i]
-                    sequence.chain_row = row
-                    # The proposal made ``depth`` forwards ago runs at the position after the known tokens and the
-                    # proposals before it; none is on the host, so the chunk's one input is pending.
-                    step.append(ScheduledChunk(sequence, 1, sequence.num_tokens + depth - 1, True))
-                logits = self.runner.launch(step, tokens)
-                tokens = argmax_rows(sampler.processed_scores(logits, [rows[i] for _, i in active]))
-                drawn.append(tokens)
-                drawn_by.append([i for _, i in active])
+            return greedy_chain(argmax_rows(sampler.processed_scores(logits, rows)), wanted, forward)
         finally:
             for sequence in sequences:
                 sequence.chain_row = -1
-        proposals: list[list[int]] = [[] for _ in sequences]
-        for i, token in zip((i for rows_of in drawn_by for i in rows_of), torch.cat(drawn).tolist()):
-            proposals[i].append(token)
-        return proposals

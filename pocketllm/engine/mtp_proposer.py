@@ -23,10 +23,10 @@ from dataclasses import dataclass
 
 import torch
 
-from pocketllm.engine.proposer import Proposer
+from pocketllm.engine.proposer import Proposer, chains_on_device, greedy_chain
 from pocketllm.engine.request import Request
 from pocketllm.runner.model_runner import ModelRunner
-from pocketllm.runner.sampler import SamplingRow
+from pocketllm.runner.sampler import SamplingRow, argmax_rows
 from pocketllm.runner.spec_verify import draw_proposals
 from pocketllm.step.host_batch import HostBatch, token_slice
 from pocketllm.step.pending_inputs import PendingInputs
@@ -82,12 +82,15 @@ class MtpProposer(Proposer):
     PLACEHOLDER = 0
     reads_emitted_tokens = True
 
-    def __init__(self, runner: ModelRunner, k: int) -> None:
+    def __init__(self, runner: ModelRunner, k: int, chain_on_device: bool | None = None) -> None:
+        """``chain_on_device`` (default: on CUDA): chained proposals of greedy requests (without penalties) feed
+        each head forward the previous one's argmax on the device and are read back once, after the last."""
         if runner.mtp_head is None:
             raise ValueError("the MTP proposer needs a model runner built with its MTP head")
         self.runner = runner
         self.head = runner.mtp_head
         self.k = k
+        self.chain_on_device = runner.device.type == "cuda" if chain_on_device is None else chain_on_device
         self._states: dict[str, HeadState] = {}
 
     def propose(self, request: Request, limit: int) -> list[int]:
@@ -153,7 +156,10 @@ class MtpProposer(Proposer):
         probs: list[list[torch.Tensor]] = [[] for _ in verifying]
         active = list(range(len(verifying)))
         hidden = torch.stack([self._states[chunks[i].request.request_id].hidden for i in verifying])
-        while True:
+        if self.chain_on_device and chains_on_device([chunks[i].request for i in verifying]):
+            proposals = self._greedy_chain(hidden, [chunks[i] for i in verifying], wanted)
+            active = []
+        while active:
             requests = [chunks[verifying[i]].request for i in active]
             sampling_rows = [SamplingRow(r.params, r.prompt_token_ids, r.output_token_ids + proposals[i],
                                          r.generator) for r, i in zip(requests, active)]
@@ -175,3 +181,24 @@ class MtpProposer(Proposer):
             draft_probs = torch.stack(probs[i]) if probs[i] else None
             filled[index] = chunks[index]._replace(draft=tuple(proposals[i]), draft_probs=draft_probs)
         return filled
+
+    def _greedy_chain(self, hidden: torch.Tensor, verifying: list[ScheduledChunk], wanted: list[int]
+                      ) -> list[list[int]]:
+        """Greedy proposals of the ``verifying`` chunks (``wanted[i]`` each) from the head states ``hidden``: each
+        further head forward takes the previous one's argmax as its input, still on the device (``greedy_chain``)."""
+        rows = [SamplingRow(c.request.params, c.request.prompt_token_ids, c.request.output_token_ids,
+                            c.request.generator) for c in verifying]
+        sampler = self.runner.sampler
+        state = [hidden]
+
+        def forward(tokens: torch.Tensor, active: list[tuple[int, int]], depth: int) -> torch.Tensor:
+            keep = torch.tensor([row for row, _ in active], device=hidden.device)
+            # One more position each: the latest proposal after the position before it, on the head's own state.
+            batch = head_batch([HeadRows(verifying[i].request, verifying[i].start + depth - 1, [self.PLACEHOLDER])
+                                for _, i in active], self.runner.block_size)
+            for j, (row, _) in enumerate(active):
+                batch.pending.add(j, row)
+            state[0] = self.head.forward(batch, state[0].index_select(0, keep), tokens)
+            return argmax_rows(sampler.processed_scores(self.head.logits(state[0]), [rows[i] for _, i in active]))
+
+        return greedy_chain(argmax_rows(sampler.processed_scores(self.head.logits(hidden), rows)), wanted, forward)

@@ -3,6 +3,10 @@ a step: when the scheduler builds a verify chunk, before the forward pass, and o
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+
+import torch
+
 from pocketllm.engine.request import Request
 from pocketllm.step.sampled import SampledToken
 from pocketllm.step.scheduled_chunk import ScheduledChunk
@@ -27,3 +31,29 @@ class Proposer:
     def advance(self, chunks: list[ScheduledChunk], emitted: list[list[SampledToken]]) -> None:
         """After the step ran ``chunks``, with the tokens each sampling chunk emitted (only called for a proposer
         that ``reads_emitted_tokens``)."""
+
+
+def chains_on_device(requests: Sequence[Request]) -> bool:
+    """Whether these requests' proposals can chain on the device (``greedy_chain``): every one greedy, with no
+    penalty that reads the proposals made before it on the host."""
+    return all(r.params.greedy and not r.params.needs_penalties for r in requests)
+
+
+def greedy_chain(first: torch.Tensor, wanted: Sequence[int],
+                 forward: Callable[[torch.Tensor, list[tuple[int, int]], int], torch.Tensor]) -> list[list[int]]:
+    """Greedy proposals made forward after forward without waiting for any on the host: ``first`` holds each
+    request's first proposal (argmax ids on the device), request ``i`` wants ``wanted[i]``. ``forward(tokens,
+    active, depth)`` runs the drafter once more for ``active``, (row of ``tokens``, request) pairs whose latest
+    proposal is that row, and returns their next argmax ids, still on the device. All are read back at the end."""
+    drawn = [first]
+    drawn_by = [list(range(len(wanted)))]      # the request of each row of each forward's ids
+    tokens = first
+    for depth in range(1, max(wanted, default=0)):
+        active = [(row, i) for row, i in enumerate(drawn_by[-1]) if wanted[i] > depth]
+        tokens = forward(tokens, active, depth)
+        drawn.append(tokens)
+        drawn_by.append([i for _, i in active])
+    proposals: list[list[int]] = [[] for _ in wanted]
+    for i, token in zip((i for rows in drawn_by for i in rows), torch.cat(drawn).tolist()):
+        proposals[i].append(token)
+    return proposals

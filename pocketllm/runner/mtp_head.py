@@ -45,11 +45,13 @@ class MtpHead:
         self.model.mtp_target_hidden = None
 
     @torch.inference_mode()
-    def forward(self, host: HostBatch, hidden: torch.Tensor) -> torch.Tensor:
+    def forward(self, host: HostBatch, hidden: torch.Tensor,
+                previous_tokens: torch.Tensor | None = None) -> torch.Tensor:
         """The head's hidden states of every row of ``host`` (Qwen3.5: after its norm [rows, H]; DeepSeek-V4: its
         output streams [rows, hc, H]): ``host.input_ids`` are the tokens after ``host.positions``, ``hidden`` the
-        hidden states at those positions."""
-        ids, positions, meta = self.reference.tensors(host, None)
+        hidden states at those positions; ``host.pending`` inputs are taken from ``previous_tokens`` (on the
+        device)."""
+        ids, positions, meta = self.reference.tensors(host, previous_tokens)
         return self.model.mtp_forward(ids, positions, hidden, meta)
 
     @torch.inference_mode()
