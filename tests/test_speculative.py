@@ -68,12 +68,13 @@ def test_bad_config_is_refused(bad):
     assert info.value.param == "speculative_config"
 
 
-def test_mtp_without_a_head_and_async_scheduling_are_refused(tiny_checkpoint):
+def test_mtp_without_a_head_and_async_scheduling_with_a_draft_are_refused(tiny_checkpoint):
     with pytest.raises(UnsupportedFeatureError, match="'mtp' runs the MTP head of a Qwen3.5"):
         LLM(EngineArgs(model=tiny_checkpoint("llama"), speculative_config={"method": "mtp",
                                                                            "num_speculative_tokens": 2}))
+    draft = {"method": "draft_model", "model": tiny_checkpoint("llama"), "num_speculative_tokens": 2}
     with pytest.raises(UnsupportedFeatureError, match="async_scheduling"):
-        LLM(EngineArgs(model=tiny_checkpoint("llama"), speculative_config=NGRAM, async_scheduling="on"))
+        LLM(EngineArgs(model=tiny_checkpoint("llama"), speculative_config=draft, async_scheduling="on"))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -323,17 +324,32 @@ class OracleProposer(Proposer):
     never have a proposal accepted there. Proposals are any tokens to the acceptance rule, which this exercises
     with accepted runs, rejections at every position, and all-accepted steps with a bonus token."""
 
-    def __init__(self, continuations: dict[tuple[int, ...], list[int]], k: int = 4) -> None:
+    pipelines = True    # with the engine's steps pipelined, it proposes after the pending token too
+
+    def __init__(self, continuations: dict[tuple[int, ...], list[int]], k: int = 4, pause_every: int = 0) -> None:
         self.continuations = continuations
         self.k = k
+        self.pause_every = pause_every  # > 0: every that many calls, nothing (a plain step, which pipelines)
         self.calls = 0
+        self.after_pending = 0      # non-empty proposals made while the request's last token was pending
 
     def propose(self, request: Request, limit: int) -> list[int]:
+        if self.pause_every and self.calls % self.pause_every == 0:
+            self.calls += 1
+            return []
+        return self._continuation(request, 0, limit)
+
+    def propose_after_pending(self, request: Request, limit: int) -> list[int]:
+        draft = self._continuation(request, 1, limit)
+        self.after_pending += bool(draft)
+        return draft
+
+    def _continuation(self, request: Request, skip: int, limit: int) -> list[int]:
         self.calls += 1
         tokens = request.all_token_ids
         for prompt, expected in self.continuations.items():
             if tuple(tokens[:len(prompt)]) == prompt:
-                done = len(tokens) - len(prompt)
+                done = len(tokens) - len(prompt) + skip
                 draft = list(expected[done:done + min(self.k, limit)])
                 if self.calls % 3 == 0 and len(draft) > 1:
                     draft[1] = (draft[1] + 1) % 1000
@@ -345,16 +361,18 @@ def _with_proposer(llm: LLM, proposer: object) -> None:
     llm._client.backend.core.scheduler.proposer = proposer
 
 
-def _assert_oracle_equal(args: EngineArgs, params: SamplingParams, plain: list) -> dict:
+def _assert_oracle_equal(args: EngineArgs, params: SamplingParams, plain: list, pause_every: int = 0) -> dict:
     """Speculating with ``OracleProposer`` over ``TINY_PROMPTS`` gives ``plain``'s tokens, some proposals kept and
-    some rejected; returns the engine's stats."""
+    some rejected; returns the engine's stats, with ``after_pending``: the proposals made while a step ran."""
     with LLM(args.replace(speculative_config=NGRAM)) as llm:
-        _with_proposer(llm, OracleProposer({tuple(p): o.token_ids for p, o in zip(TINY_PROMPTS, plain)}))
+        oracle_proposer = OracleProposer({tuple(p): o.token_ids for p, o in zip(TINY_PROMPTS, plain)},
+                                         pause_every=pause_every)
+        _with_proposer(llm, oracle_proposer)
         oracle = llm.generate(TINY_PROMPTS, params)
         stats = llm.stats()
     assert [o.token_ids for o in oracle] == [o.token_ids for o in plain]
     assert 0 < stats["spec_accepted_tokens"] < stats["spec_proposed_tokens"]
-    return stats
+    return {**stats, "after_pending": oracle_proposer.after_pending}
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen3_5_text", "qwen3_5_moe_text"])
@@ -377,6 +395,24 @@ def test_tiny_greedy_equal_with_speculation(arch, regime, tiny_checkpoint):
         assert stats["num_preemptions"] > 0
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen3_5_text"])
+@pytest.mark.parametrize("regime", ["default", "preemption"])
+def test_tiny_greedy_equal_with_pipelined_speculation(arch, regime, tiny_checkpoint):
+    """Steps pipelined (``async_scheduling="on"``, the CUDA default): prompt lookup proposes while a plain step
+    runs, after its still pending token, and a verify step is read back before the next step is scheduled.
+    Greedy tokens equal the pipelined engine's without speculation."""
+    extra = {"num_kv_blocks": 16, "block_size": 4, "max_num_batched_tokens": 24} if regime == "preemption" else {}
+    params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+    args = EngineArgs(model=tiny_checkpoint(arch), backend="torch", async_scheduling="on", **extra)
+    plain, _ = _generate(args, TINY_PROMPTS, params)
+    spec, _ = _generate(args.replace(speculative_config=NGRAM), TINY_PROMPTS, params)
+    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+    stats = _assert_oracle_equal(args, params, plain, pause_every=2)
+    assert stats["after_pending"] > 0
+    if regime == "preemption":
+        assert stats["num_preemptions"] > 0
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("arch", ["llama", "qwen3_5_text", "qwen3_5_moe_text"])
 def test_cuda_greedy_equal_with_speculation(arch, tiny_checkpoint):
@@ -388,8 +424,8 @@ def test_cuda_greedy_equal_with_speculation(arch, tiny_checkpoint):
     params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
     args = EngineArgs(model=tiny_checkpoint(arch), device="cuda", dtype="float32", num_kv_blocks=256)
     plain, _ = _generate(args, TINY_PROMPTS, params)
-    stats = _assert_oracle_equal(args, params, plain)
-    assert stats["spec_graph_steps"] > 0
+    stats = _assert_oracle_equal(args, params, plain, pause_every=2)
+    assert stats["spec_graph_steps"] > 0 and stats["after_pending"] > 0     # pipelined by default on CUDA
 
 
 def test_tiny_budget_is_never_exceeded(tiny_checkpoint):

@@ -107,6 +107,9 @@ class PendingStep:
     sampled: SampleResult | None
     # A step with verify chunks (speculative decoding): each sampling chunk's tokens, read back already.
     verified: list[list[SampledToken]] | None = None
+    # A step with verify chunks whose acceptance runs in ``complete`` (after the step before it is read back,
+    # so that every request's history is on the host): the logits of its sampling rows.
+    verify_logits: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -223,11 +226,12 @@ class EngineCore:
         if args.async_scheduling == "on" and self.runner.tp_size > 1:
             raise UnsupportedFeatureError("async_scheduling='on' is not available with tensor parallelism "
                                           "(rank 0 sends each step's inputs once they are known); use 'auto'")
-        if args.async_scheduling == "on" and self.speculative is not None:
-            raise UnsupportedFeatureError("async_scheduling='on' is not available with speculative decoding (a "
-                                          "verify step's accepted tokens decide the next step's inputs); use "
-                                          "'auto'")
-        self.pipelined = self.runner.tp_size == 1 and self.speculative is None and (
+        proposer = self.scheduler.proposer
+        if args.async_scheduling == "on" and proposer is not None and not proposer.pipelines:
+            raise UnsupportedFeatureError("async_scheduling='on' is not available with a draft model or an MTP "
+                                          "head (each step's tokens feed the drafter's next forward); use 'auto'")
+        # With prompt lookup, a step is scheduled while a plain step runs; a verify step is read back first.
+        self.pipelined = self.runner.tp_size == 1 and (proposer is None or proposer.pipelines) and (
             args.async_scheduling == "on" or (args.async_scheduling == "auto" and self.device.type == "cuda"))
         self.in_flight: PendingStep | None = None
         # CUDA: a step's decode rows run longest context first. The decode kernel's programs start in row
@@ -468,8 +472,13 @@ class EngineCore:
 
     def needs_sync(self) -> bool:
         """Whether the step in flight must be read back before the next one is scheduled: some request with
-        a pending token samples from host-side history (a grammar, or penalties over its output tokens)."""
-        if self.in_flight is None or self.in_flight.sampled is None:
+        a pending token samples from host-side history (a grammar, or penalties over its output tokens), or the
+        step verifies proposals (how many it keeps decides where the request's next chunk starts)."""
+        if self.in_flight is None:
+            return False
+        if self.in_flight.verify_logits is not None or self.in_flight.verified is not None:
+            return True
+        if self.in_flight.sampled is None:
             return False
         return any(c.samples and (c.request.grammar is not None or c.request.params.needs_penalties)
                    for c in self.in_flight.chunks)
@@ -487,11 +496,13 @@ class EngineCore:
             chunks.sort(key=_one_token_rows_longest_first)
         previous = self.in_flight.sampled if self.in_flight is not None else None
         logits = self.runner.launch(chunks, previous.tokens if previous is not None else None)
-        verified = None
-        if any(chunk.draft for chunk in chunks):
-            verified, sampled = self.runner.verify(chunks, logits, self.speculative.forced_acceptance), None
-        else:
+        verified = verify_logits = sampled = None
+        if not any(chunk.draft for chunk in chunks):
             sampled = self.runner.sample_async(chunks, logits)
+        elif proposer is not None and proposer.reads_emitted_tokens:
+            verified = self.runner.verify(chunks, logits, self.speculative.forced_acceptance)
+        else:
+            verify_logits = logits
         if proposer is not None and proposer.reads_emitted_tokens:
             # The MTP head runs the step's kept positions with the tokens after them: read the tokens back now.
             if verified is None:
@@ -505,7 +516,7 @@ class EngineCore:
                 request.num_pending_tokens += 1
                 request.pending_row = row
                 row += 1
-        pending = PendingStep(chunks, sampled, verified)
+        pending = PendingStep(chunks, sampled, verified, verify_logits)
         self.in_flight = pending
         return pending
 
@@ -513,7 +524,9 @@ class EngineCore:
         """Read the launched step's tokens back and advance its requests. A request that ended after the launch
         (cancelled, or stopped by the front end while the step ran) is skipped and its token dropped."""
         chunks = pending.chunks
-        if pending.verified is not None:
+        if pending.verify_logits is not None:
+            emitted = iter(self.runner.verify(chunks, pending.verify_logits, self.speculative.forced_acceptance))
+        elif pending.verified is not None:
             emitted = iter(pending.verified)
         else:
             emitted = ([token] for token in (pending.sampled.to_host() if pending.sampled is not None else ()))

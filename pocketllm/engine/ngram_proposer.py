@@ -43,9 +43,21 @@ class NgramProposer(Proposer):
         self.max_n = max_n
         self.k = k
 
+    pipelines = True
+
     def propose(self, request: Request, limit: int) -> list[int]:
         """Up to ``min(k, limit)`` proposed next tokens of the request (empty when no n-gram recurs)."""
-        limit = min(self.k, limit)
+        return self._lookup(request, min(self.k, limit))
+
+    def propose_after_pending(self, request: Request, limit: int) -> list[int]:
+        """Up to ``min(k, limit)`` proposed tokens after the pending one: the match of the last known tokens
+        proposes the pending token and the tokens after it; the first is dropped (the step in flight samples
+        it), the rest go to a verify chunk that starts with the pending token."""
+        return self._lookup(request, min(self.k, limit) + 1)[1:]
+
+    def _lookup(self, request: Request, limit: int) -> list[int]:
+        """Up to ``limit`` tokens that followed the most recent earlier occurrence of the longest recurring tail
+        of the request's known tokens."""
         length = request.num_tokens
         if limit < 1 or length < self.min_n + 1:
             return []

@@ -19,9 +19,18 @@ class Proposer:
     # Whether ``advance`` needs the step's emitted tokens on the host as soon as the step is launched (the MTP
     # head runs the step's kept positions with the tokens after them).
     reads_emitted_tokens = False
+    # Whether the engine may schedule a step while the one before it runs (``propose_after_pending``); a proposer
+    # that runs a model of its own over every step's chunks (a draft model, the MTP head) needs each step's
+    # tokens first.
+    pipelines = False
 
     def propose(self, request: Request, limit: int) -> list[int]:
         """Up to ``limit`` proposed tokens following the request's tokens (empty: it decodes one token)."""
+        return []
+
+    def propose_after_pending(self, request: Request, limit: int) -> list[int]:
+        """Up to ``limit`` proposed tokens to follow the token the request's step in flight is sampling (not yet
+        on the host): guesses, which the verify step keeps only where the model agrees."""
         return []
 
     def fill(self, chunks: list[ScheduledChunk]) -> list[ScheduledChunk]:

@@ -157,18 +157,23 @@ class Scheduler:
 
     def _verify_chunk(self, request: Request, budget: int) -> ScheduledChunk | None:
         """A decode row as a verify chunk: the last token and the proposer's tokens, with their KV slots (None
-        when nothing is proposed, the request is constrained by a grammar or waits on a pending token, or the
-        slots are not free: then it decodes one token as usual, preempting if it must)."""
-        if request.num_pending_tokens or request.grammar is not None:
+        when nothing is proposed, the request is constrained by a grammar, or the slots are not free: then it
+        decodes one token as usual, preempting if it must). With the step before still in flight, the last token
+        is the one it samples (pending) and the proposals are the proposer's guesses after it."""
+        pending = request.num_pending_tokens
+        if request.grammar is not None or pending > 1:
             return None
         # Never propose past the budget: the step emits at most one token more than it accepts.
         room = budget - 1
         if request.params.max_tokens is not None:
-            room = min(room, request.params.max_tokens - len(request.output_token_ids) - 1)
-        room = min(room, self.limits.max_model_len - request.num_tokens - 1)
+            room = min(room, request.params.max_tokens - len(request.output_token_ids) - pending - 1)
+        room = min(room, self.limits.max_model_len - request.num_tokens - pending - 1)
         if request.speculative_window is not None:
             room = min(room, request.speculative_window)
-        draft = self.proposer.propose(request, room) if room > 0 else []
+        if room < 1:
+            return None
+        draft = self.proposer.propose_after_pending(request, room) if pending else self.proposer.propose(request,
+                                                                                                          room)
         if not draft or not self.blocks.can_allocate(request, 1 + len(draft)):
             return None
         self.blocks.allocate(request, 1 + len(draft))

@@ -107,10 +107,15 @@ def gather_host_batch(chunks: Sequence, block_size: int) -> HostBatch:
         start, count, end = chunk.start, chunk.num_tokens, chunk.end
         table = request.block_table
         if chunk.draft:
-            # A verify chunk: the last known token, then the proposals; every position is scored.
-            n_prompt = len(request.prompt_token_ids)
-            ids.append(request.prompt_token_ids[start] if start < n_prompt
-                       else request.output_token_ids[start - n_prompt])
+            # A verify chunk: the last token (known, or pending from the step in flight), then the proposals;
+            # every position is scored.
+            if chunk.last_token_pending:
+                pending.add(len(ids), request.pending_row)
+                ids.append(0)
+            else:
+                n_prompt = len(request.prompt_token_ids)
+                ids.append(request.prompt_token_ids[start] if start < n_prompt
+                           else request.output_token_ids[start - n_prompt])
             ids.extend(chunk.draft)
             positions.extend(range(start, end))
             slots.extend(table[p // block_size] * block_size + p % block_size for p in range(start, end))
