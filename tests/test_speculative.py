@@ -112,6 +112,12 @@ def test_ngram_proposer_takes_the_longest_most_recent_match():
     # The most recent earlier occurrence of "3" (index 4) is followed by 9.
     assert NgramProposer(1, 1, 2).propose(_lookup_request([3, 1, 2, 0, 3, 9, 3]), 5) == [9, 3]
     assert proposer.propose(_lookup_request(tokens), 0) == []
+    # With a token pending after the known ones: what followed the match, less its first token (the guess for
+    # the pending one). "5 6 7" is followed by 8 9 1 6: 8 is the guess, 9 1 6 the proposals.
+    assert proposer.propose_after_pending(_lookup_request(tokens), 10) == [9, 1, 6]
+    assert proposer.propose_after_pending(_lookup_request(tokens), 1) == [9]
+    assert proposer.propose_after_pending(_lookup_request([1, 2, 3, 4]), 5) == []
+    assert Proposer().propose_after_pending(_lookup_request(tokens), 5) == []
 
 
 @pytest.mark.parametrize("min_n,max_n", [(1, 4), (2, 3), (3, 3)])
@@ -411,6 +417,25 @@ def test_tiny_greedy_equal_with_pipelined_speculation(arch, regime, tiny_checkpo
     assert stats["after_pending"] > 0
     if regime == "preemption":
         assert stats["num_preemptions"] > 0
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3_5_text"])
+def test_tiny_one_request_pipelined_verify_steps(arch, tiny_checkpoint):
+    """One request, steps pipelined, proposals every other step: most verify chunks start with a pending token,
+    with proposals kept, rejected part way and all kept (Qwen3.5: its state rolled back after a pending first
+    token); the tokens are those without speculation."""
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    args = EngineArgs(model=tiny_checkpoint(arch), backend="torch", async_scheduling="on")
+    prompt = TINY_PROMPTS[2]
+    plain, _ = _generate(args, [prompt], params)
+    with LLM(args.replace(speculative_config=NGRAM)) as llm:
+        proposer = OracleProposer({tuple(prompt): plain[0].token_ids}, pause_every=2)
+        _with_proposer(llm, proposer)
+        spec = llm.generate([prompt], params)
+        stats = llm.stats()
+    assert spec[0].token_ids == plain[0].token_ids
+    assert proposer.after_pending >= 5
+    assert 0 < stats["spec_accepted_tokens"] < stats["spec_proposed_tokens"]
 
 
 @pytest.mark.gpu

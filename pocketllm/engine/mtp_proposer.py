@@ -29,6 +29,7 @@ from pocketllm.runner.model_runner import ModelRunner
 from pocketllm.runner.sampler import SamplingRow, argmax_rows
 from pocketllm.runner.spec_verify import draw_proposals
 from pocketllm.step.host_batch import HostBatch, token_slice
+from pocketllm.step.host_to_device import device_tensor
 from pocketllm.step.pending_inputs import PendingInputs
 from pocketllm.step.sampled import SampledToken
 from pocketllm.step.scheduled_chunk import ScheduledChunk
@@ -192,7 +193,7 @@ class MtpProposer(Proposer):
         state = [hidden]
 
         def forward(tokens: torch.Tensor, active: list[tuple[int, int]], depth: int) -> torch.Tensor:
-            keep = torch.tensor([row for row, _ in active], device=hidden.device)
+            keep = device_tensor([row for row, _ in active], torch.int64, hidden.device)
             # One more position each: the latest proposal after the position before it, on the head's own state.
             batch = head_batch([HeadRows(verifying[i].request, verifying[i].start + depth - 1, [self.PLACEHOLDER])
                                 for _, i in active], self.runner.block_size)

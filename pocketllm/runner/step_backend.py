@@ -20,6 +20,7 @@ import torch
 from pocketllm.distributed.step_channel import StepChannel
 from pocketllm.step.attention_metadata import AttentionMetadata
 from pocketllm.step.host_batch import HostBatch, gather_host_batch
+from pocketllm.step.host_to_device import device_tensor
 from pocketllm.step.scheduled_chunk import ScheduledChunk
 
 if TYPE_CHECKING:
@@ -79,18 +80,20 @@ class ReferenceStep(HostBatchStep):
         width = max(len(t) for t in host.tables)
         tables = [t + [0] * (width - len(t)) for t in host.tables]
         state = {}
+        # (Through pinned memory: a step launched while another runs, or a drafter's chained forward, does not
+        # make the host wait for the device.)
         if self.has_state:
-            state = {"state_slots": torch.tensor(host.state_slots, dtype=torch.int64, device=device),
+            state = {"state_slots": device_tensor(host.state_slots, torch.int64, device),
                      "state_slots_host": host.state_slots}
             if any(c >= 0 for c in host.state_checkpoints):
                 state["state_checkpoints_host"] = host.state_checkpoints
         meta = AttentionMetadata(
-            slot_mapping=torch.tensor(host.slots, dtype=torch.int64, device=device),
-            block_tables=torch.tensor(tables, dtype=torch.int64, device=device),
+            slot_mapping=device_tensor(host.slots, torch.int64, device),
+            block_tables=device_tensor(tables, torch.int64, device),
             query_start=host.query_start, context_lens=host.context_lens, block_size=self.block_size, **state)
-        ids = torch.tensor(host.input_ids, dtype=torch.int64, device=device)
+        ids = device_tensor(host.input_ids, torch.int64, device)
         host.pending.fill(ids, previous_tokens)
-        return ids, torch.tensor(host.positions, dtype=torch.int64, device=device), meta
+        return ids, device_tensor(host.positions, torch.int64, device), meta
 
     def sampled_hidden(self, host: HostBatch, previous_tokens: torch.Tensor | None = None) -> torch.Tensor | None:
         """Hidden states (after the final norm) of the host batch's sampling rows (None if none)."""
