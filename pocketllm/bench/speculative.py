@@ -78,10 +78,12 @@ def _run_sets(engine_args: EngineArgs, output_len: int, iters: int) -> dict[str,
             decode_steps = steps - iters * len(texts)
             accepted = after["spec_accepted_tokens"] - before["spec_accepted_tokens"]
             proposed = after["spec_proposed_tokens"] - before["spec_proposed_tokens"]
+            pipelined = after["spec_pipelined_verify_chunks"] - before["spec_pipelined_verify_chunks"]
             out[name] = {
                 "decode_tokens_per_s": statistics.median(rates), "runs_tokens_per_s": rates,
                 "decode_tokens": tokens, "decode_s": seconds, "outputs": outputs,
-                "verify_steps": verify, "proposed_tokens": proposed, "accepted_tokens": accepted,
+                "verify_steps": verify, "pipelined_verify_chunks": pipelined, "proposed_tokens": proposed,
+                "accepted_tokens": accepted,
                 "mean_acceptance_length": (1 + accepted / verify) if verify else None,
                 "steps": steps, "ms_per_step": 1000 * seconds / decode_steps if decode_steps > 0 else None,
             }
@@ -113,7 +115,8 @@ def run(args, engine_args: EngineArgs) -> dict[str, Any]:
         print(f"{name}: {a['decode_tokens_per_s']:.1f} → {b['decode_tokens_per_s']:.1f} decode tok/s "
               f"({'n/a' if speedup is None else f'{speedup:.2f}x'}); mean acceptance length "
               f"{'n/a' if length is None else f'{length:.2f}'} over {b['verify_steps']} verify steps of "
-              f"{b['steps']} steps; {_ms(a['ms_per_step'])} → {_ms(b['ms_per_step'])} a decode step; "
+              f"{b['steps']} steps ({b['pipelined_verify_chunks']} verify chunks scheduled while a step ran); "
+              f"{_ms(a['ms_per_step'])} → {_ms(b['ms_per_step'])} a decode step; "
               f"same tokens: {same}")
     load_after = common.load_average()
     print(f"load average before {load_before}, after {load_after}")

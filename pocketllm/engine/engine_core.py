@@ -260,8 +260,10 @@ class EngineCore:
         self.scheduler = Scheduler(limits, self.blocks, chunk, self.state_pool, self._proposer())
         self.requests: dict[str, Request] = {}
         self.num_steps = 0
-        # Speculative decoding: verify chunks run, tokens proposed, proposals accepted.
+        # Speculative decoding: verify chunks run, tokens proposed, proposals accepted; verify chunks scheduled
+        # while the step before ran (their first token pending).
         self.num_verify_chunks = self.num_proposed_tokens = self.num_accepted_tokens = 0
+        self.num_pipelined_verify_chunks = 0
         if self.runner.cuda_step is not None:
             self.runner.cuda_step.flat_replays = 0
 
@@ -440,6 +442,7 @@ class EngineCore:
             "spec_verify_chunks": self.num_verify_chunks,
             "spec_proposed_tokens": self.num_proposed_tokens,
             "spec_accepted_tokens": self.num_accepted_tokens,
+            "spec_pipelined_verify_chunks": self.num_pipelined_verify_chunks,
             # CUDA: steps of verify chunks the target replayed from graphs (``HostBatch.flattened``)
             "spec_graph_steps": self.runner.cuda_step.flat_replays if self.runner.cuda_step is not None else 0,
         }
@@ -497,6 +500,7 @@ class EngineCore:
         previous = self.in_flight.sampled if self.in_flight is not None else None
         logits = self.runner.launch(chunks, previous.tokens if previous is not None else None)
         verified = verify_logits = sampled = None
+        self.num_pipelined_verify_chunks += sum(1 for c in chunks if c.draft and c.last_token_pending)
         if not any(chunk.draft for chunk in chunks):
             sampled = self.runner.sample_async(chunks, logits)
         elif proposer is not None and proposer.reads_emitted_tokens:
