@@ -10,6 +10,7 @@ import json
 import math
 import random
 import threading
+from functools import partialmethod
 
 import pytest
 import torch
@@ -206,6 +207,47 @@ def _generate(args: EngineArgs, prompts: list, params: SamplingParams | list[Sam
     with LLM(args) as llm:
         outputs = llm.generate(prompts, params)
         return outputs, llm.stats()
+
+
+def recorded_drafts(proposer_class, monkeypatch) -> list:
+    """Every verify chunk's proposals ``proposer_class.fill`` puts in, in order, from now on."""
+    drafts: list = []
+    fill = proposer_class.fill
+
+    def recording(self, chunks):
+        filled = fill(self, chunks)
+        drafts.extend(c.draft for c in filled if c.draft)
+        return filled
+
+    monkeypatch.setattr(proposer_class, "fill", recording)
+    return drafts
+
+
+def assert_chained_on_the_device_equal(proposer_class, args: EngineArgs, speculative_config: dict, prompts: list,
+                                       params: SamplingParams, monkeypatch) -> dict:
+    """The chain CUDA takes by default (each drafter forward's input the previous one's argmax, left on the device
+    and read back once), forced on for the CPU: the tokens of the engine without speculation, and the very
+    proposals of the loop that reads every proposal back. Returns the chained run's stats."""
+    calls = []
+    chain = proposer_class._greedy_chain
+
+    def counted(self, *args):
+        calls.append(len(args[1]))
+        return chain(self, *args)
+
+    plain, _ = _generate(args, prompts, params)
+    spec = args.replace(speculative_config=speculative_config)
+    with monkeypatch.context() as patch:
+        host_drafts = recorded_drafts(proposer_class, patch)
+        host, _ = _generate(spec, prompts, params)
+    monkeypatch.setattr(proposer_class, "__init__", partialmethod(proposer_class.__init__, chain_on_device=True))
+    monkeypatch.setattr(proposer_class, "_greedy_chain", counted)
+    drafts = recorded_drafts(proposer_class, monkeypatch)
+    chained, stats = _generate(spec, prompts, params)
+    assert [o.token_ids for o in chained] == [o.token_ids for o in plain] == [o.token_ids for o in host]
+    assert calls and max(calls) > 1     # chained steps ran, some with several requests
+    assert drafts == host_drafts and max(len(d) for d in drafts) > 1
+    return stats
 
 
 def _cached_keys_are_real(llm: LLM, sequences: list[list[int]]) -> None:

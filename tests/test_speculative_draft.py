@@ -10,13 +10,17 @@ import asyncio
 import dataclasses
 import json
 import os
-from functools import partialmethod
 
 import pytest
 import torch
 from conftest import write_checkpoint
-from test_speculative import _chi_square_bound, _first_tokens, _generate, assert_same_distribution
-from test_speculative_mtp import recorded_drafts
+from test_speculative import (
+    _chi_square_bound,
+    _first_tokens,
+    _generate,
+    assert_chained_on_the_device_equal,
+    assert_same_distribution,
+)
 
 from pocketllm import LLM, AsyncLLM, EngineArgs, SamplingParams
 from pocketllm.engine.draft_proposer import DraftProposer
@@ -175,28 +179,11 @@ def test_tiny_greedy_proposals_chained_on_the_device(regime, tiny_checkpoint, ne
     """The draft loop CUDA takes by default (each draft forward's input the previous one's argmax, left on the
     device and read back once), forced on for the CPU: the tokens of the engine without speculation, and of the
     loop that reads every proposal back, and its very proposals."""
-    calls = []
-    chain = DraftProposer._greedy_chain
-
-    def counted(self, *args):
-        calls.append(len(args[1]))
-        return chain(self, *args)
-
     engine_extra, _ = REGIMES[regime]
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     args = EngineArgs(model=tiny_checkpoint("llama"), **engine_extra)
-    plain, _ = _generate(args, TINY_PROMPTS, params)
-    spec = args.replace(speculative_config=draft(near_llama, k=4))
-    with monkeypatch.context() as patch:
-        host_drafts = recorded_drafts(DraftProposer, patch)
-        host, _ = _generate(spec, TINY_PROMPTS, params)
-    monkeypatch.setattr(DraftProposer, "__init__", partialmethod(DraftProposer.__init__, chain_on_device=True))
-    monkeypatch.setattr(DraftProposer, "_greedy_chain", counted)
-    drafts = recorded_drafts(DraftProposer, monkeypatch)
-    chained, stats = _generate(spec, TINY_PROMPTS, params)
-    assert [o.token_ids for o in chained] == [o.token_ids for o in plain] == [o.token_ids for o in host]
-    assert calls and max(calls) > 1     # chained steps ran, some with several requests
-    assert drafts == host_drafts and max(len(d) for d in drafts) > 1
+    stats = assert_chained_on_the_device_equal(DraftProposer, args, draft(near_llama, k=4), TINY_PROMPTS, params,
+                                               monkeypatch)
     assert 0 < stats["spec_accepted_tokens"] < stats["spec_proposed_tokens"]
     if regime == "preemption":
         assert stats["num_preemptions"] > 0

@@ -7,13 +7,12 @@ from __future__ import annotations
 
 import json
 import os
-from functools import partialmethod
 
 import pytest
 import torch
 from conftest import write_checkpoint
 from safetensors.torch import load_file
-from test_speculative import _first_tokens, _generate, assert_same_distribution
+from test_speculative import _first_tokens, _generate, assert_chained_on_the_device_equal, assert_same_distribution
 
 from pocketllm import LLM, EngineArgs, SamplingParams
 from pocketllm.engine.mtp_proposer import MtpProposer
@@ -254,51 +253,12 @@ def test_greedy_equal_with_the_mtp_head(arch, regime, mtp_checkpoint, tiny_check
             assert stats["num_preemptions"] > 0
 
 
-def recorded_drafts(proposer_class, monkeypatch) -> list:
-    """Every verify chunk's proposals ``proposer_class.fill`` puts in, in order, from now on."""
-    drafts: list = []
-    fill = proposer_class.fill
-
-    def recording(self, chunks):
-        filled = fill(self, chunks)
-        drafts.extend(c.draft for c in filled if c.draft)
-        return filled
-
-    monkeypatch.setattr(proposer_class, "fill", recording)
-    return drafts
-
-
-def assert_chained_on_the_device_equal(args: EngineArgs, prompts: list, params: SamplingParams, monkeypatch) -> None:
-    """The chain CUDA takes by default (each head forward's input the previous one's argmax, left on the device
-    and read back once), forced on for the CPU: the tokens of the engine without speculation, and the very
-    proposals of the loop that reads every proposal back."""
-    calls = []
-    chain = MtpProposer._greedy_chain
-
-    def counted(self, *args):
-        calls.append(len(args[1]))
-        return chain(self, *args)
-
-    plain, _ = _generate(args, prompts, params)
-    spec = args.replace(speculative_config=mtp_spec())
-    with monkeypatch.context() as patch:
-        host_drafts = recorded_drafts(MtpProposer, patch)
-        host, _ = _generate(spec, prompts, params)
-    monkeypatch.setattr(MtpProposer, "__init__", partialmethod(MtpProposer.__init__, chain_on_device=True))
-    monkeypatch.setattr(MtpProposer, "_greedy_chain", counted)
-    drafts = recorded_drafts(MtpProposer, monkeypatch)
-    chained, stats = _generate(spec, prompts, params)
-    assert [o.token_ids for o in chained] == [o.token_ids for o in plain] == [o.token_ids for o in host]
-    assert calls and max(calls) > 1     # chained steps ran, some with several requests
-    assert drafts == host_drafts and max(len(d) for d in drafts) > 1
-
-
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("agree", [False, True])
 def test_greedy_proposals_chained_on_the_device(arch, agree, mtp_checkpoint, monkeypatch):
     params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
-    assert_chained_on_the_device_equal(EngineArgs(model=mtp_checkpoint(arch, agree), **KV), PROMPTS, params,
-                                       monkeypatch)
+    assert_chained_on_the_device_equal(MtpProposer, EngineArgs(model=mtp_checkpoint(arch, agree), **KV),
+                                       mtp_spec(), PROMPTS, params, monkeypatch)
 
 
 def test_a_verify_chunk_without_head_state_decodes_one_token(mtp_checkpoint, monkeypatch):

@@ -17,10 +17,11 @@ import pytest
 import torch
 from conftest import write_checkpoint
 from safetensors.torch import load_file
-from test_speculative import _first_tokens, _generate, assert_same_distribution
-from test_speculative_mtp import assert_chained_on_the_device_equal, mtp_spec
+from test_speculative import _first_tokens, _generate, assert_chained_on_the_device_equal, assert_same_distribution
+from test_speculative_mtp import mtp_spec
 
 from pocketllm import LLM, EngineArgs, SamplingParams
+from pocketllm.engine.mtp_proposer import MtpProposer
 from pocketllm.errors import UnsupportedFeatureError
 from pocketllm.runner.mtp_head import MtpHead
 
@@ -312,7 +313,8 @@ def test_greedy_equal_with_the_mtp_layer(regime, mtp_checkpoint):
 @pytest.mark.parametrize("agree", [False, True])
 def test_greedy_proposals_chained_on_the_device(agree, mtp_checkpoint, monkeypatch):
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
-    assert_chained_on_the_device_equal(EngineArgs(model=mtp_checkpoint(agree), **KV), PROMPTS, params, monkeypatch)
+    assert_chained_on_the_device_equal(MtpProposer, EngineArgs(model=mtp_checkpoint(agree), **KV), mtp_spec(),
+                                       PROMPTS, params, monkeypatch)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -500,13 +500,14 @@ class EngineCore:
         previous = self.in_flight.sampled if self.in_flight is not None else None
         logits = self.runner.launch(chunks, previous.tokens if previous is not None else None)
         verified = verify_logits = sampled = None
-        self.num_pipelined_verify_chunks += sum(1 for c in chunks if c.draft and c.last_token_pending)
         if not any(chunk.draft for chunk in chunks):
             sampled = self.runner.sample_async(chunks, logits)
-        elif proposer is not None and proposer.reads_emitted_tokens:
-            verified = self.runner.verify(chunks, logits, self.speculative.forced_acceptance)
         else:
-            verify_logits = logits
+            self.num_pipelined_verify_chunks += sum(1 for c in chunks if c.draft and c.last_token_pending)
+            if proposer.reads_emitted_tokens:
+                verified = self.runner.verify(chunks, logits, self.speculative.forced_acceptance)
+            else:
+                verify_logits = logits
         if proposer is not None and proposer.reads_emitted_tokens:
             # The MTP head runs the step's kept positions with the tokens after them: read the tokens back now.
             if verified is None:

@@ -38,12 +38,12 @@ class NgramProposer(Proposer):
     ``k`` tokens that followed the most recent earlier occurrence. Each request's ``NgramIndex`` is kept on the
     request (``Request.proposer_state``), so it goes away with the request."""
 
+    pipelines = True
+
     def __init__(self, min_n: int, max_n: int, k: int) -> None:
         self.min_n = min_n
         self.max_n = max_n
         self.k = k
-
-    pipelines = True
 
     def propose(self, request: Request, limit: int) -> list[int]:
         """Up to ``min(k, limit)`` proposed next tokens of the request (empty when no n-gram recurs)."""

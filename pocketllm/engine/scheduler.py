@@ -172,8 +172,8 @@ class Scheduler:
             room = min(room, request.speculative_window)
         if room < 1:
             return None
-        draft = self.proposer.propose_after_pending(request, room) if pending else self.proposer.propose(request,
-                                                                                                          room)
+        propose = self.proposer.propose_after_pending if pending else self.proposer.propose
+        draft = propose(request, room)
         if not draft or not self.blocks.can_allocate(request, 1 + len(draft)):
             return None
         self.blocks.allocate(request, 1 + len(draft))
