@@ -314,9 +314,9 @@ def test_fp8_cache_store_and_attention():
     every = codes.repeat(k_cache.numel() // len(codes) + 1)[:k_cache.numel()].view(fp8).view_as(k_cache)
     for keys, values in ((every, v_cache), (k_cache, every.flip(0))):
         for block_n, splits in ((32, 1), (64, 4), (128, 1), (128, 16)):
-            plain = paged_decode(q, keys, values, tables, ctx, head_dim ** -0.5, splits, block_n=block_n,
-                                 fp8_pairs=False)
-            paired = paged_decode(q, keys, values, tables, ctx, head_dim ** -0.5, splits, block_n=block_n)
+            plain = paged_decode(q, keys, values, tables, ctx, head_dim ** -0.5, splits, block_n=block_n)
+            paired = paged_decode(q, keys, values, tables, ctx, head_dim ** -0.5, splits, block_n=block_n,
+                                  fp8_pairs=True)
             assert _rel(paired, plain) < 1e-3, (block_n, splits)
     q_lens = [1, 17, 30, 64]
     q = torch.randn(sum(q_lens), heads, head_dim, dtype=torch.bfloat16, device=DEVICE)

@@ -472,8 +472,8 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     """One query token per sequence: ``q`` [B, H, D] (heads contiguous) → [B, H, D]. A split covers at least
     ``split_min`` context tokens (rounded up to whole KV tiles), so shorter contexts use fewer splits.
     ``window``: a sliding window (None: full attention). ``fp16_dots`` (default: for a float8 cache) runs the dot
-    products on float16 operands; ``fp8_pairs`` (default: on where it applies) widens a float8 cache's codes two at a
-    time where they are loaded (refused without float16 dots and a power-of-two head size).
+    products on float16 operands; ``fp8_pairs`` (default: off) widens a float8 cache's codes where they are
+    loaded (refused without float16 dots and a power-of-two head size).
 
     With ``num_splits`` > 1, ``counters`` (int32, at least B × KV heads, zero; left zero) count the finished
     splits of each (sequence, KV head), so that the last one merges the partial results in the same launch;
@@ -491,10 +491,8 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     part, lse, counters = _split_buffers(batch, num_heads, num_kv_heads, num_splits, head_dim, counters, out)
     fp8 = k_cache.element_size() == 1
     fp16_dots = fp8 if fp16_dots is None else fp16_dots
-    pairs = fp8 and fp16_dots and head_dim == d_pad
-    if fp8_pairs and not pairs:
+    if fp8_pairs and not (fp8 and fp16_dots and head_dim == d_pad):
         raise ValueError("fp8_pairs needs a float8 cache, float16 dot products and a power-of-two head size")
-    pairs = pairs and fp8_pairs is not False
     pdl, launch = launch_options(q, batch)
     grid = (num_kv_heads, batch, num_splits) if c.heads_first else (batch, num_kv_heads, num_splits)
     _decode_kernel[grid](
@@ -503,7 +501,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         NUM_KV_HEADS=num_kv_heads, GROUP=group, GROUP_PAD=max(16, _pow2(group)), HEAD_DIM=head_dim,
         D_PAD=d_pad, BLOCK_SIZE=block_size, BLOCK_N=c.block_n, SPLIT_MIN=split_min, SPLIT=num_splits > 1,
         S_PAD=_pow2(num_splits), PRECISION=_dot_precision(q.dtype), HEADS_FIRST=c.heads_first,
-        FP16_DOTS=fp16_dots, FP8_PAIRS=pairs, num_warps=c.num_warps, num_stages=c.num_stages, PDL=pdl,
+        FP16_DOTS=fp16_dots, FP8_PAIRS=bool(fp8_pairs), num_warps=c.num_warps, num_stages=c.num_stages, PDL=pdl,
         **launch)
     return out
 
