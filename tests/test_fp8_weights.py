@@ -38,8 +38,9 @@ def test_scaled_product_is_the_dequantised_product() -> None:
 
 
 def _fp8_reference_model(directory: str):
-    """transformers' fp32 model of ``directory`` with every decoder-layer linear weight replaced by its float8
-    round trip (what ``quantization="fp8"`` computes with; embedding and LM head untouched)."""
+    """transformers' fp32 model of ``directory`` with every decoder-layer linear weight and the LM head replaced
+    by its float8 round trip (what ``quantization="fp8"`` computes with; the embedding untouched, also where the
+    head is tied to it)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32, local_files_only=True).eval()
@@ -47,6 +48,8 @@ def _fp8_reference_model(directory: str):
         for module in model.model.layers.modules():
             if isinstance(module, torch.nn.Linear):
                 module.weight.copy_(dequantize_weight(*quantize_weight(module.weight)))
+        head = model.get_output_embeddings()
+        head.weight = torch.nn.Parameter(dequantize_weight(*quantize_weight(head.weight)), requires_grad=False)
     return model
 
 

@@ -32,6 +32,12 @@ def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return codes, scale
 
 
+def quantize_parameter(weight: torch.Tensor) -> tuple[torch.nn.Parameter, torch.Tensor]:
+    """``quantize_weight`` of ``weight``, its codes as a frozen parameter (a layer's new weight)."""
+    codes, scale = quantize_weight(weight.data)
+    return torch.nn.Parameter(codes, requires_grad=False), scale
+
+
 def dequantize_weight(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """``codes * scale[:, None]`` in ``dtype``."""
     return (codes.float() * scale[:, None]).to(dtype)

@@ -48,6 +48,22 @@ class ParallelLMHead(VocabParallelEmbedding):
     fused_rows = 0
     one_row = None
     fused_one_row = None
+    # Float8 weights (``quantize_fp8``): the weight holds e4m3 codes and this its per-row scales (float32).
+    weight_scale: torch.Tensor | None = None
+    compute_dtype: torch.dtype | None = None
+
+    def quantize_fp8(self) -> None:
+        """Hold the weight as float8 e4m3 codes with one scale per vocabulary row (``kernels/fp8.py``). A tied
+        embedding keeps the parameter it shared, so token lookups stay in the compute dtype."""
+        from pocketllm.kernels.fp8 import quantize_parameter
+
+        self.compute_dtype = self.weight.dtype
+        self.weight, self.weight_scale = quantize_parameter(self.weight)
+
+    @property
+    def logits_dtype(self) -> torch.dtype:
+        """The dtype of the logits (the compute dtype, also for float8 weights)."""
+        return self.compute_dtype or self.weight.dtype
 
     def _logits(self, out: torch.Tensor) -> torch.Tensor:
         return all_gather_last_dim(out)[..., : self.vocab_size]
@@ -60,7 +76,12 @@ class ParallelLMHead(VocabParallelEmbedding):
         if hidden.dim() == 2 and 0 < hidden.shape[0] <= self.skinny_rows and hidden.is_cuda:
             from pocketllm.kernels.gemv import skinny_linear
 
-            return self._logits(skinny_linear(hidden, self.weight, self.one_row, out))
+            return self._logits(skinny_linear(hidden, self.weight, self.one_row, out, self.weight_scale))
+        if self.weight_scale is not None:
+            from pocketllm.kernels.fp8 import scaled_product
+
+            logits = scaled_product(hidden, self.weight, self.weight_scale)
+            return self._logits(logits) if out is None else out.copy_(logits)
         if out is not None:
             return torch.matmul(hidden, self.weight.t(), out=out)
         return self._logits(F.linear(hidden, self.weight))
@@ -77,5 +98,5 @@ class ParallelLMHead(VocabParallelEmbedding):
         from pocketllm.kernels.gemv import skinny_rms_norm_linear
 
         logits, _ = skinny_rms_norm_linear(x, residual, norm.weight, norm.eps, self.weight, norm.offset,
-                                           self.fused_one_row, out)
+                                           self.fused_one_row, out, self.weight_scale)
         return self._logits(logits)

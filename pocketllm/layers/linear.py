@@ -75,12 +75,10 @@ class LinearBase(nn.Module):
 
     def quantize_fp8(self) -> None:
         """Hold the weight as float8 e4m3 codes with one scale per output row (``kernels/fp8.py``)."""
-        from pocketllm.kernels.fp8 import quantize_weight
+        from pocketllm.kernels.fp8 import quantize_parameter
 
-        codes, scale = quantize_weight(self.weight.data)
         self.compute_dtype = self.weight.dtype
-        self.weight = nn.Parameter(codes, requires_grad=False)
-        self.weight_scale = scale
+        self.weight, self.weight_scale = quantize_parameter(self.weight)
 
     def _product(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if x.dim() == 2 and 0 < x.shape[0] <= self.skinny_rows:

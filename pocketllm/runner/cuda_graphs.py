@@ -246,7 +246,7 @@ class CudaStepRunner:
         started = time.perf_counter()
         hybrid = self.state_padding_slot is not None
         if hybrid and flat_rows:   # a state slot runs its sequence's tokens in order: chains, where they run
-            flat_rows = self.chained = decode_runs_chains(self.device, self.model.lm_head.weight.dtype)
+            flat_rows = self.chained = decode_runs_chains(self.device, self.model.lm_head.logits_dtype)
         self.graph_width = -(-max_model_len // self.block_size)
         maxb, seg = max_num_seqs, _align(max_num_seqs)
         self.segment = seg
@@ -259,7 +259,7 @@ class CudaStepRunner:
             chain.fill_(self.state_padding_slot)
         self.pool = torch.cuda.graph_pool_handle()
         counters = self._counters(maxb)   # the graphs' metadata keeps this buffer alive
-        self.graph_logits = torch.empty(maxb, self.model.lm_head.vocab_size, dtype=self.model.lm_head.weight.dtype,
+        self.graph_logits = torch.empty(maxb, self.model.lm_head.vocab_size, dtype=self.model.lm_head.logits_dtype,
                                         device=self.device)
         settled = sorted(one_row_settings or {})
         for bs in reversed(graph_buckets(max_num_seqs)):
@@ -330,7 +330,7 @@ class CudaStepRunner:
         if self.state_padding_slot is not None:
             state.fill_(self.state_padding_slot)
             chain.fill_(self.state_padding_slot)
-        logits = torch.empty(1, self.model.lm_head.vocab_size, dtype=self.model.lm_head.weight.dtype,
+        logits = torch.empty(1, self.model.lm_head.vocab_size, dtype=self.model.lm_head.logits_dtype,
                              device=self.device)
         graph, _ = self._decode_graph(1, self._splits(1, [context]), (ids, pos, slots, ctx, state, chain,
                                                                       inputs[_SEGMENTS * seg:].view(1, width)),

@@ -164,7 +164,7 @@ class ModelRunner:
             from pocketllm.layers.fp8_weights import quantize_model_fp8
 
             count = quantize_model_fp8(self.model)
-            logger.info("fp8 weights: %d linear layers as float8 e4m3 with per-row scales", count)
+            logger.info("fp8 weights: %d linear layers and LM heads as float8 e4m3 with per-row scales", count)
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
         if self.device.type == "cpu":
