@@ -21,7 +21,8 @@ fi
 # SERVE_VOCAB: the served model's vocabulary size, with which the requests are `bench throughput`'s workload.
 serve_bench() {
   local name=$1 port=8010
-  PYTHONPATH=${2:+$2:}$PYTHONPATH $PY -m pocketllm serve --model ${SERVE_MODEL:-qwen3-0.6b} --load-format dummy \
+  # -P: `python -m` would put the working directory (this tree) ahead of PYTHONPATH's other tree
+  PYTHONPATH=${2:+$2:}$PYTHONPATH $PY -P -m pocketllm serve --model ${SERVE_MODEL:-qwen3-0.6b} --load-format dummy \
     --max-num-seqs 256 --max-num-batched-tokens 16384 --port $port > "$OUT/$name-server.log" 2>&1 &
   local server=$!
   if ! $PY -c "import os, sys, time, httpx
@@ -141,7 +142,8 @@ for stage in $stages; do
       for preset in ${AB_PRESETS:-qwen3.5-35b-a3b}; do
         for which in new base new base; do
           src=$PWD; [ $which = base ] && src=${AB_BASE:?AB_BASE names the other tree}
-          PYTHONPATH=$src:$PYTHONPATH timeout ${AB_TIMEOUT:-150} $PY -m pocketllm bench latency --model $preset \
+          # -P: without it `python -m` puts the working directory, this tree, ahead of AB_BASE
+          PYTHONPATH=$src:$PYTHONPATH timeout ${AB_TIMEOUT:-150} $PY -P -m pocketllm bench latency --model $preset \
             --load-format dummy > "$OUT/ab-$preset-$which.log" 2>&1
           echo "ab $preset $which: $(grep '^pocketllm:' "$OUT/ab-$preset-$which.log" | tail -1)" | tee -a "$OUT/bench.log"
         done
