@@ -84,6 +84,23 @@ def test_greedy_equals_transformers_on_the_quantised_weights(arch: str, tiny_che
                for q, u in zip(outputs, unquantised) for a, b in zip(q.logprobs, u.logprobs))
 
 
+def test_a_tied_head_gets_codes_of_its_own(tiny_checkpoint) -> None:
+    """Qwen3's tiny checkpoint ties its head to the embedding: with fp8 the head holds float8 codes, the
+    embedding keeps its rows, and the bytes a decode step reads count the head's codes and scales, not the
+    table (which is only looked up)."""
+    from pocketllm.engine.model_info import decode_weight_bytes
+
+    with LLM(EngineArgs(model=tiny_checkpoint("qwen3"), device="cpu", quantization="fp8", num_kv_blocks=16)) as llm:
+        model = llm._client.backend.core.runner.model
+        head, table = model.lm_head.weight, model.embed_tokens.weight
+        assert head.dtype == torch.float8_e4m3fn and table.dtype == torch.float32 and head.shape == table.shape
+        params = dict(model.named_parameters())
+        scales = sum(m.weight_scale.nbytes for m in model.modules() if getattr(m, "weight_scale", None) is not None)
+        read = sum(p.nbytes for name, p in params.items() if name != "embed_tokens.weight") + scales
+        assert decode_weight_bytes(model) == read
+        assert llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, temperature=0.0))[0].token_ids
+
+
 def test_fp8_refuses_what_it_does_not_cover(tiny_checkpoint) -> None:
     with pytest.raises(InvalidRequestError, match="quantization"):
         EngineArgs(quantization="int8")

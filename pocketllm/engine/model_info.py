@@ -45,8 +45,8 @@ def num_parameters(model: torch.nn.Module) -> int:
 def decode_weight_bytes(model: torch.nn.Module) -> int:
     """Bytes a batch-1 decode step reads from the weights: every parameter once, except an untied embedding
     table (one row per token is read from it) and routed experts (``top_k`` of ``num_experts`` per layer), plus
-    the layers held in a CPU weight format (bfloat16, int4), whose own LM head then replaces the tied table,
-    and the scales of float8 weights."""
+    the layers held in a CPU weight format (bfloat16, int4) or a float8 LM head, whose own head then replaces the
+    tied table, and the scales of float8 weights."""
     from pocketllm.layers.embedding import ParallelLMHead
     from pocketllm.layers.quantized_linear import CpuLinear, RescoredLMHead
 
@@ -54,6 +54,8 @@ def decode_weight_bytes(model: torch.nn.Module) -> int:
     # float8 weights (``quantization="fp8"``): their per-row scales, held beside the parameters
     total += sum(m.weight_scale.nbytes for m in model.modules() if getattr(m, "weight_scale", None) is not None)
     own_head = hasattr(model, "lm_head") and not isinstance(model.lm_head, ParallelLMHead)
+    # a float8 head (``quantization="fp8"``) holds codes of its own: the table tied to it is then only looked up
+    own_head = own_head or getattr(getattr(model, "lm_head", None), "weight_scale", None) is not None
     seen = set()
     tied = bool(getattr(model, "tie_word_embeddings", False)) and not own_head
     experts = {id(p): m.top_k / m.num_experts for m in model.modules() if type(m).__name__ == "FusedMoE"
