@@ -620,5 +620,18 @@ def test_bench_compares_with_and_without_speculation(tiny_checkpoint, monkeypatc
         assert entry["same_tokens"]
         assert entry["with"]["decode_tokens"] == entry["without"]["decode_tokens"] > 0
         assert entry["without"]["verify_steps"] == 0
+        assert "verify_step_ms_estimate" in entry
     assert result["speculative_config"] == NGRAM
-    assert "mean acceptance length" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "mean acceptance length" in printed and "a verify step about" in printed
+
+
+def test_bench_estimates_a_verify_step_from_the_steps_around_it():
+    """30 ms of decoding in 10 steps, 4 of them verify steps, where a plain step takes 2 ms: 6 plain steps take
+    12 ms, so a verify step 4.5 ms; no verify step (or no plain rate) gives no estimate."""
+    from pocketllm.bench.speculative import _verify_step_ms
+
+    without = {"ms_per_step": 2.0}
+    assert _verify_step_ms(without, {"decode_s": 0.030, "decode_steps": 10, "verify_steps": 4}) == pytest.approx(4.5)
+    assert _verify_step_ms(without, {"decode_s": 0.030, "decode_steps": 10, "verify_steps": 0}) is None
+    assert _verify_step_ms({"ms_per_step": None}, {"decode_s": 0.030, "decode_steps": 10, "verify_steps": 4}) is None

@@ -7,7 +7,8 @@ after the other, never side by side: two engines' threads in one process each ke
 that wait spinning, which halved the decode rate of both when they took turns prompt by prompt. Reported per set: decode
 tokens/s of both (decode tokens over the time from each prompt's first token to its last), the speed-up, the
 mean acceptance length (tokens a verify step emits: its accepted proposals plus the target's own token) and the
-mean time of a decode step (with speculation, a verify step and the draft model's forwards before it).
+mean time of a decode step (with speculation, a verify step and the draft model's forwards before it), and an
+estimate of a verify step's own time (``_verify_step_ms``).
 
 A checkpoint without a tokenizer (a dummy preset) runs each set's prompts as token ids instead (as many ids as
 the text has characters, drawn with a fixed seed). With random weights and ``"forced_acceptance": true`` (and
@@ -85,13 +86,24 @@ def _run_sets(engine_args: EngineArgs, output_len: int, iters: int) -> dict[str,
                 "verify_steps": verify, "pipelined_verify_chunks": pipelined, "proposed_tokens": proposed,
                 "accepted_tokens": accepted,
                 "mean_acceptance_length": (1 + accepted / verify) if verify else None,
-                "steps": steps, "ms_per_step": 1000 * seconds / decode_steps if decode_steps > 0 else None,
+                "steps": steps, "decode_steps": decode_steps,
+                "ms_per_step": 1000 * seconds / decode_steps if decode_steps > 0 else None,
             }
         return out
 
 
 def _ms(value: float | None) -> str:
     return "n/a" if value is None else f"{value:.2f} ms"
+
+
+def _verify_step_ms(without: dict[str, Any], with_: dict[str, Any]) -> float | None:
+    """What a verify step cost, estimated: the speculating run's decode time less its steps without proposals,
+    each at the mean step time of the run without speculation, over its verify steps (exact at batch 1 where a
+    step without proposals costs what a plain decode step does)."""
+    plain_ms, verify = without["ms_per_step"], with_["verify_steps"]
+    if plain_ms is None or not verify:
+        return None
+    return (1000 * with_["decode_s"] - (with_["decode_steps"] - verify) * plain_ms) / verify
 
 
 def run(args, engine_args: EngineArgs) -> dict[str, Any]:
@@ -108,16 +120,17 @@ def run(args, engine_args: EngineArgs) -> dict[str, Any]:
         a, b = plain[name], fast[name]
         same = a["outputs"] == b["outputs"]
         speedup = b["decode_tokens_per_s"] / a["decode_tokens_per_s"] if a["decode_tokens_per_s"] else None
+        verify_ms = _verify_step_ms(a, b)
         sets[name] = {"without": {k: v for k, v in a.items() if k != "outputs"},
                       "with": {k: v for k, v in b.items() if k != "outputs"},
-                      "speedup": speedup, "same_tokens": same}
+                      "speedup": speedup, "same_tokens": same, "verify_step_ms_estimate": verify_ms}
         length = b["mean_acceptance_length"]
         print(f"{name}: {a['decode_tokens_per_s']:.1f} → {b['decode_tokens_per_s']:.1f} decode tok/s "
               f"({'n/a' if speedup is None else f'{speedup:.2f}x'}); mean acceptance length "
               f"{'n/a' if length is None else f'{length:.2f}'} over {b['verify_steps']} verify steps of "
               f"{b['steps']} steps ({b['pipelined_verify_chunks']} verify chunks scheduled while a step ran); "
-              f"{_ms(a['ms_per_step'])} → {_ms(b['ms_per_step'])} a decode step; "
-              f"same tokens: {same}")
+              f"{_ms(a['ms_per_step'])} → {_ms(b['ms_per_step'])} a decode step, a verify step about "
+              f"{_ms(verify_ms)}; same tokens: {same}")
     load_after = common.load_average()
     print(f"load average before {load_before}, after {load_after}")
     result = {
