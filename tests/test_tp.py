@@ -77,6 +77,16 @@ def test_tp2_matches_tp1_greedy(tiny_checkpoint, arch: str) -> None:
     assert sharded == single
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_tp2_fp8_weights_match_tp1(tiny_checkpoint, arch: str) -> None:
+    """quantization="fp8" over two ranks: a row-parallel layer's rows are split across the ranks, and each row's
+    scale comes from the whole row (the maximum over the ranks), so the ranks hold TP=1's codes and scales."""
+    path = tiny_checkpoint(arch)
+    single, _ = greedy(engine_args(path, 1, quantization="fp8"))
+    sharded, _ = greedy(engine_args(path, 2, quantization="fp8"))
+    assert sharded == single
+
+
 def test_tp2_dummy_weights_and_replicated_kv_head_match_tp1(tmp_path) -> None:
     """Random weights: each rank keeps its shard of what one rank would draw; a single KV head (fewer KV heads
     than ranks) is replicated on both ranks."""

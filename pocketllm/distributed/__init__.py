@@ -62,6 +62,14 @@ def all_reduce(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+def max_over_ranks_(x: torch.Tensor) -> torch.Tensor:
+    """The element-wise maximum of ``x`` over the tensor-parallel group, in place; a no-op on one rank."""
+    if tp_size() > 1:
+        with lost_rank_is_fatal():
+            dist.all_reduce(x, op=dist.ReduceOp.MAX)
+    return x
+
+
 def all_gather_last_dim(x: torch.Tensor) -> torch.Tensor:
     """Concatenate each rank's ``x`` along the last dimension; identity on one rank."""
     size = tp_size()

@@ -22,19 +22,21 @@ FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
 
 
-def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_weight(weight: torch.Tensor, amax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(codes, scale)`` of ``weight`` [N, K]: one float32 scale per row (its largest magnitude over 448; an
-    all-zero row gets scale 1)."""
+    all-zero row gets scale 1). ``amax``: each row's largest magnitude, where the row is wider than ``weight``
+    (split over tensor-parallel ranks); default ``weight``'s own."""
     w = weight.float()
-    amax = w.abs().amax(dim=1)
+    amax = w.abs().amax(dim=1) if amax is None else amax.float()
     scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
     codes = (w / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
     return codes, scale
 
 
-def quantize_parameter(weight: torch.Tensor) -> tuple[torch.nn.Parameter, torch.Tensor]:
+def quantize_parameter(weight: torch.Tensor, amax: torch.Tensor | None = None
+                       ) -> tuple[torch.nn.Parameter, torch.Tensor]:
     """``quantize_weight`` of ``weight``, its codes as a frozen parameter (a layer's new weight)."""
-    codes, scale = quantize_weight(weight.data)
+    codes, scale = quantize_weight(weight.data, amax)
     return torch.nn.Parameter(codes, requires_grad=False), scale
 
 

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pocketllm.distributed import all_reduce, tp_rank, tp_size
+from pocketllm.distributed import all_reduce, max_over_ranks_, tp_rank, tp_size
 from pocketllm.errors import UnsupportedFeatureError
 from pocketllm.layers.activation import silu_and_mul
 from pocketllm.layers.decode_plan import ProductPlan
@@ -77,8 +77,11 @@ class LinearBase(nn.Module):
         """Hold the weight as float8 e4m3 codes with one scale per output row (``kernels/fp8.py``)."""
         from pocketllm.kernels.fp8 import quantize_parameter
 
+        amax = None
+        if self.tp_dim == 1 and self.tp_size > 1:   # each rank holds part of every row: scale the whole row
+            amax = max_over_ranks_(self.weight.data.float().abs().amax(dim=1))
         self.compute_dtype = self.weight.dtype
-        self.weight, self.weight_scale = quantize_parameter(self.weight)
+        self.weight, self.weight_scale = quantize_parameter(self.weight, amax)
 
     def _product(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if x.dim() == 2 and 0 < x.shape[0] <= self.skinny_rows:
