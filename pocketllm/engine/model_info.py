@@ -53,9 +53,10 @@ def decode_weight_bytes(model: torch.nn.Module) -> int:
     total = sum(m.weight_bytes() for m in model.modules() if isinstance(m, (CpuLinear, RescoredLMHead)))
     # float8 weights (``quantization="fp8"``): their per-row scales, held beside the parameters
     total += sum(m.weight_scale.nbytes for m in model.modules() if getattr(m, "weight_scale", None) is not None)
-    own_head = hasattr(model, "lm_head") and not isinstance(model.lm_head, ParallelLMHead)
-    # a float8 head (``quantization="fp8"``) holds codes of its own: the table tied to it is then only looked up
-    own_head = own_head or getattr(getattr(model, "lm_head", None), "weight_scale", None) is not None
+    # a head of a CPU weight format, or a float8 head (``quantization="fp8"``), holds weights of its own: a table
+    # tied to it is then only looked up
+    head = getattr(model, "lm_head", None)
+    own_head = head is not None and (not isinstance(head, ParallelLMHead) or head.weight_scale is not None)
     seen = set()
     tied = bool(getattr(model, "tie_word_embeddings", False)) and not own_head
     experts = {id(p): m.top_k / m.num_experts for m in model.modules() if type(m).__name__ == "FusedMoE"

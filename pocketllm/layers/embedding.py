@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pocketllm.distributed import all_gather_last_dim, all_reduce, tp_rank, tp_size
+from pocketllm.layers.float8_weight import Float8Weight
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -35,8 +36,9 @@ class VocabParallelEmbedding(nn.Module):
         return all_reduce(out)
 
 
-class ParallelLMHead(VocabParallelEmbedding):
-    """Projects hidden states to logits over the full vocabulary (gathered from every rank)."""
+class ParallelLMHead(Float8Weight, VocabParallelEmbedding):
+    """Projects hidden states to logits over the full vocabulary (gathered from every rank); ``quantize_fp8``
+    gives it codes of its own, so a tied embedding keeps its rows for lookups."""
 
     # What comes before the head: the model's final norm, which ``forward_normed`` runs in the product's
     # kernel up to ``fused_rows`` rows.
@@ -48,17 +50,6 @@ class ParallelLMHead(VocabParallelEmbedding):
     fused_rows = 0
     one_row = None
     fused_one_row = None
-    # Float8 weights (``quantize_fp8``): the weight holds e4m3 codes and this its per-row scales (float32).
-    weight_scale: torch.Tensor | None = None
-    compute_dtype: torch.dtype | None = None
-
-    def quantize_fp8(self) -> None:
-        """Hold the weight as float8 e4m3 codes with one scale per vocabulary row (``kernels/fp8.py``). A tied
-        embedding keeps the parameter it shared, so token lookups stay in the compute dtype."""
-        from pocketllm.kernels.fp8 import quantize_parameter
-
-        self.compute_dtype = self.weight.dtype
-        self.weight, self.weight_scale = quantize_parameter(self.weight)
 
     @property
     def logits_dtype(self) -> torch.dtype:

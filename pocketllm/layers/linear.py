@@ -10,6 +10,7 @@ from pocketllm.distributed import all_reduce, max_over_ranks_, tp_rank, tp_size
 from pocketllm.errors import UnsupportedFeatureError
 from pocketllm.layers.activation import silu_and_mul
 from pocketllm.layers.decode_plan import ProductPlan
+from pocketllm.layers.float8_weight import Float8Weight
 from pocketllm.layers.norm import RMSNorm
 
 
@@ -27,7 +28,7 @@ def _add_bias(out: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     return out if bias is None else out + bias
 
 
-class LinearBase(nn.Module):
+class LinearBase(Float8Weight, nn.Module):
     """A weight (and optional bias) split along ``tp_dim`` (0: output rows, 1: input columns, None: whole)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, tp_dim: int | None,
@@ -69,19 +70,12 @@ class LinearBase(nn.Module):
     # faster (None: not used), and whether the norm before it (if any) runs in that kernel too.
     silu_epilogue = None
     silu_epilogue_norm = False
-    # Float8 weights (``quantize_fp8``): the weight holds e4m3 codes and this its per-row scales (float32).
-    weight_scale: torch.Tensor | None = None
-    compute_dtype: torch.dtype | None = None
 
-    def quantize_fp8(self) -> None:
-        """Hold the weight as float8 e4m3 codes with one scale per output row (``kernels/fp8.py``)."""
-        from pocketllm.kernels.fp8 import quantize_parameter
-
-        amax = None
-        if self.tp_dim == 1 and self.tp_size > 1:   # each rank holds part of every row: scale the whole row
-            amax = max_over_ranks_(self.weight.data.float().abs().amax(dim=1))
-        self.compute_dtype = self.weight.dtype
-        self.weight, self.weight_scale = quantize_parameter(self.weight, amax)
+    def fp8_row_amax(self) -> torch.Tensor | None:
+        """A row split across ranks (``tp_dim`` 1) is scaled as a whole: its largest magnitude over the ranks."""
+        if self.tp_dim == 1 and self.tp_size > 1:
+            return max_over_ranks_(self.weight.data.float().abs().amax(dim=1))
+        return None
 
     def _product(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if x.dim() == 2 and 0 < x.shape[0] <= self.skinny_rows:
