@@ -208,6 +208,27 @@ def test_greedy_matches_transformers(regime, tiny_checkpoint, references):
         assert preemptions > 0, "the KV pool was meant to be small enough to force preemption"
 
 
+@pytest.mark.parametrize("regime", ["default", "preemption", "async-preemption"])
+def test_decode_steps_as_the_cuda_graphs_run_them(regime, tiny_checkpoint, references):
+    """The plain decode steps CUDA graphs replay (``runner/reference_graphs.py``), run eagerly here: each batch
+    padded to its graph bucket with copies of row 0 (five requests run as eight rows), every compressed history
+    padded for a 256-token context. The padding rows write what row 0 writes, so the tokens still equal
+    transformers'; a padding row with another token (one left pending under async scheduling), or a window
+    pooled where none closed, would change them."""
+    from pocketllm.runner.reference_graphs import ReferenceGraphStep
+
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    with LLM(EngineArgs(model=tiny_checkpoint(ARCH), **REGIMES[regime])) as llm:
+        core = llm._client.backend.core
+        step = ReferenceGraphStep(core.runner.reference_step, replay=False)
+        step.setup(core.args.max_num_seqs, core.max_model_len)
+        core.runner.host_step = step
+        core.runner.step_backends = [step]
+        outputs = llm.generate(_prompts(), params)
+    assert [o.token_ids for o in outputs] == references()
+    assert step.decode_steps >= NEW_TOKENS - 1 and step.replays == 0
+
+
 def test_shared_prefix_with_prefix_caching_asked_for(tiny_checkpoint, references):
     """The compressors' and the window's per-request state is not in the paged cache, so prefix caching is
     declared off for DeepSeek-V4: asking for it changes nothing, and nothing is 'cached'."""

@@ -822,18 +822,27 @@ def test_engine_bf16_diverges_only_at_near_ties(arch, kv):
 
 
 def test_deepseek_v4_runs_the_reference_step_on_cuda_and_refuses_a_float8_cache():
-    """DeepSeek-V4's attention is its own: on CUDA the runner takes the reference step (no Triton attention,
-    no decode graphs), so a float8 KV cache, which needs the kernel path, is refused by name."""
+    """DeepSeek-V4's attention is its own: on CUDA the runner takes the reference step (no Triton attention),
+    its plain decode steps replayed from CUDA graphs captured as they are first needed; a float8 KV cache, which
+    needs the kernel path, is refused by name."""
     _need_cuda()
     from pocketllm.config import EngineArgs
     from pocketllm.engine.engine_core import EngineCore
     from pocketllm.errors import UnsupportedFeatureError
+    from pocketllm.sampling_params import SamplingParams
 
     config, weights = _tiny_checkpoint("deepseek_v4")
     core = EngineCore(EngineArgs(device="cuda", dtype="bfloat16", num_kv_blocks=64, max_num_seqs=4), config,
                       weights, frozenset({2}))
     assert not core.runner.uses_kernels and core.runner.cuda_step is None
     assert next(core.runner.model.parameters()).is_cuda
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    for i, prompt in enumerate(PROMPTS[:3]):
+        core.add_request(f"r{i}", prompt, params)
+    while core.has_work():
+        core.step()
+    graphs = core.runner.host_step
+    assert graphs.replays > 0 and graphs.graphs, "decode steps replay the reference step's CUDA graphs"
     config, weights = _tiny_checkpoint("deepseek_v4")
     with pytest.raises(UnsupportedFeatureError, match="kv_cache_dtype='fp8'"):
         EngineCore(EngineArgs(device="cuda", dtype="bfloat16", kv_cache_dtype="fp8", num_kv_blocks=64), config,

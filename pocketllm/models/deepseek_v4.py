@@ -49,12 +49,13 @@ Where the per-request state lives
       and preemption (recompute) keep it consistent.
 
 The attention, its compressors and indexer, rotary and norms are in ``deepseek_v4_attention.py``; the decoder
-layer, hyper-connections and experts in ``deepseek_v4_blocks.py``. Runs on the
-PyTorch reference step on CPU and on CUDA (``kernel_step = False``: no CPU decode plan, no Triton
-attention or decode CUDA graphs, since its attention is its own; plain torch ops on the device, in the engine's
-dtype), on one rank. The multi-token-prediction layer (``mtp.*``) is loaded only when the model runner adds it
-(``add_mtp_head``, speculative ``method="mtp"``: ``deepseek_v4_mtp.py``), else skipped. Config features
-transformers' reference does not compute, or that we do not, are refused at load by name.
+layer, hyper-connections and experts in ``deepseek_v4_blocks.py``. Runs on the PyTorch reference step on CPU and
+on CUDA (``kernel_step = False``: no CPU decode plan and no Triton attention, since its attention is its own;
+plain torch ops on the device, in the engine's dtype), on one rank. On CUDA its plain decode steps replay CUDA
+graphs of that step (``runner/reference_graphs.py``). The multi-token-prediction layer (``mtp.*``) is loaded
+only when the model runner adds it (``add_mtp_head``, speculative ``method="mtp"``: ``deepseek_v4_mtp.py``),
+else skipped. Config features transformers' reference does not compute, or that we do not, are refused at load
+by name.
 """
 
 from __future__ import annotations
@@ -174,6 +175,8 @@ class DeepseekV4ForCausalLM(nn.Module):
 
     # On CUDA the model runner runs the reference step (this attention is not the Triton kernels').
     kernel_step = False
+    # Its decode step reads nothing from the host but the longest context (runner/reference_graphs.py).
+    reference_decode_graphs = True
     supports_mtp = True     # the checkpoint may carry an MTP layer (``add_mtp_head``)
 
     def __init__(self, config: Any) -> None:

@@ -203,37 +203,38 @@ class WindowPool(nn.Module):
     def state_names(self) -> tuple[str, ...]:
         return ("open_kv", "open_gate") + (("overlap_kv", "overlap_gate") if self.overlap else ())
 
-    def pool_rows(self, hidden: torch.Tensor, positions: torch.Tensor, host_positions: list[int],
-                  slots: torch.Tensor, tables: torch.Tensor, block_size: int, cache: torch.Tensor) -> None:
-        """``pool`` for a decode step: one new token per sequence (``hidden`` [B, H] at ``positions``, of which the
-        host holds a copy, in state ``slots``), each joining its sequence's open window; the windows they close are
-        pooled and paged into ``cache`` at their entry index, through the sequence's row of ``tables``."""
+    def pool_rows(self, hidden: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, tables: torch.Tensor,
+                  block_size: int, cache: torch.Tensor) -> None:
+        """``pool`` for a decode step: one new token per sequence (``hidden`` [B, H] at ``positions``, in state
+        ``slots``), each joining its sequence's open window; the windows they close are pooled and paged into
+        ``cache`` at their entry index, through the sequence's row of ``tables``. Nothing here depends on the
+        host (a CUDA graph replays it): every row pools its window and pages the entry, also where the window
+        stays open (that entry is not read until its window closes and overwrites it), and only the rows that
+        close a window move their overlap state on."""
         kv, gate = self.kv_proj(hidden).float(), self.gate_proj(hidden).float()
         held = positions % self.rate
         self.open_kv[slots, held] = kv
         self.open_gate[slots, held] = gate
-        closing = [b for b, p in enumerate(host_positions) if p % self.rate == self.rate - 1]
-        if not closing:
-            return
-        rows = torch.tensor(closing, device=hidden.device)
-        windows = [host_positions[b] // self.rate for b in closing]
-        kv, gate = self.open_kv[slots[rows]], self.open_gate[slots[rows]] + self.position_bias   # [c, rate, width]
+        window = positions // self.rate
+        kv, gate = self.open_kv[slots], self.open_gate[slots] + self.position_bias   # [B, rate, width]
         if self.overlap:
-            kv, gate = self._overlap_rows(kv, gate, slots[rows], windows)
+            kv, gate = self._overlap_rows(kv, gate, slots, window, held == self.rate - 1)
         weights = torch.softmax(gate, dim=1, dtype=torch.float32)
-        window = positions[rows] // self.rate
         entries = self.rotary(self.kv_norm((kv * weights).sum(dim=1)), window * self.rate)
-        write_rows(cache, table_slots(tables[rows], window[:, None], block_size).squeeze(1), entries)
+        write_rows(cache, table_slots(tables, window[:, None], block_size).squeeze(1), entries)
 
-    def _overlap_rows(self, kv: torch.Tensor, gate: torch.Tensor, slots: torch.Tensor,
-                      windows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """``_with_overlap`` for one closing window per row (rows of different sequences)."""
+    def _overlap_rows(self, kv: torch.Tensor, gate: torch.Tensor, slots: torch.Tensor, window: torch.Tensor,
+                      closing: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``_with_overlap`` for one window per row (rows of different sequences) whose index is ``window``
+        [B]; only the ``closing`` rows' states move on."""
         dim = self.dim
-        first = torch.tensor([w == 0 for w in windows], device=kv.device)[:, None, None]
-        previous_kv = torch.where(first, 0.0, self.overlap_kv[slots])
-        previous_gate = torch.where(first, float("-inf"), self.overlap_gate[slots])
-        self.overlap_kv[slots] = kv[:, :, :dim]
-        self.overlap_gate[slots] = gate[:, :, :dim]
+        first = (window == 0)[:, None, None]
+        held_kv, held_gate = self.overlap_kv[slots], self.overlap_gate[slots]
+        previous_kv = torch.where(first, 0.0, held_kv)
+        previous_gate = torch.where(first, float("-inf"), held_gate)
+        moves = closing[:, None, None]
+        self.overlap_kv[slots] = torch.where(moves, kv[:, :, :dim], held_kv)
+        self.overlap_gate[slots] = torch.where(moves, gate[:, :, :dim], held_gate)
         return (torch.cat((previous_kv, kv[..., dim:]), dim=1), torch.cat((previous_gate, gate[..., dim:]), dim=1))
 
     def _pool(self, kv: torch.Tensor, gate: torch.Tensor, slot: int, start: int) -> tuple[int, torch.Tensor]:
@@ -317,11 +318,11 @@ class Indexer(WindowPool):
 
 
     def select_rows(self, hidden: torch.Tensor, q_residual: torch.Tensor, positions: torch.Tensor,
-                    host_positions: list[int], slots: torch.Tensor, tables: torch.Tensor, block_size: int,
-                    counts: torch.Tensor, visible: torch.Tensor | None) -> torch.Tensor | None:
+                    slots: torch.Tensor, tables: torch.Tensor, block_size: int, counts: torch.Tensor,
+                    visible: torch.Tensor | None) -> torch.Tensor | None:
         """``select`` for a decode step (one query per sequence): which of each sequence's ``counts`` entries
         (``visible`` [B, n], None: none yet) its query keeps."""
-        self.pool_rows(hidden, positions, host_positions, slots, tables, block_size, self.keys.k_cache)
+        self.pool_rows(hidden, positions, slots, tables, block_size, self.keys.k_cache)
         if visible is None:
             return None
         keys, _ = entries_of_rows(self.keys.k_cache, tables, counts, visible.shape[1], block_size)
@@ -362,18 +363,17 @@ class Compressor(WindowPool):
 
 
     def history_rows(self, hidden: torch.Tensor, q_residual: torch.Tensor, positions: torch.Tensor,
-                     host_positions: list[int], slots: torch.Tensor, tables: torch.Tensor, block_size: int,
+                     longest: int, slots: torch.Tensor, tables: torch.Tensor, block_size: int,
                      cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | tuple[None, None]:
-        """``history`` for a decode step (one new token per sequence, at host ``positions``): every sequence's
-        entries so far, padded ([B, n, D]), and which of them its query attends ([B, n]); (None, None) while no
-        sequence has closed a window."""
-        self.pool_rows(hidden, positions, host_positions, slots, tables, block_size, cache)
+        """``history`` for a decode step (one new token per sequence at ``positions``, none of whose contexts
+        exceeds ``longest`` tokens): every sequence's entries so far, padded to those of a ``longest`` context
+        ([B, n, D]), and which of them its query attends ([B, n]); (None, None) while that is none."""
+        self.pool_rows(hidden, positions, slots, tables, block_size, cache)
         counts = (positions + 1) // self.rate
-        most = (max(host_positions) + 1) // self.rate
-        history, visible = entries_of_rows(cache, tables, counts, most, block_size)
+        history, visible = entries_of_rows(cache, tables, counts, longest // self.rate, block_size)
         if self.indexer is not None:
-            visible = self.indexer.select_rows(hidden, q_residual, positions, host_positions, slots, tables,
-                                               block_size, counts, visible)
+            visible = self.indexer.select_rows(hidden, q_residual, positions, slots, tables, block_size, counts,
+                                               visible)
         return history, visible
 
 
@@ -420,12 +420,12 @@ class DeepseekV4Attention(nn.Module):
     def _decode_rows(self, q: torch.Tensor, q_residual: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
                      meta: AttentionMetadata) -> torch.Tensor:
         """A decode step (one query per sequence, no verify chunk): every sequence at once, windows and
-        histories padded to the longest → [B, H, D]."""
-        host_positions = [length - 1 for length in meta.context_lens]
+        histories padded to the longest context the host lists (a CUDA graph's capture lists its context bucket
+        there; nothing else here reads the host) → [B, H, D]."""
         tables, block_size = meta.block_tables, meta.block_size
         history = visible = None
         if self.compressor is not None:
-            history, visible = self.compressor.history_rows(hidden, q_residual, positions, host_positions,
+            history, visible = self.compressor.history_rows(hidden, q_residual, positions, max(meta.context_lens),
                                                             meta.state_slots, tables, block_size,
                                                             self.attn.v_cache)
         offsets = torch.arange(1 - self.window, 1, device=q.device)

@@ -70,7 +70,7 @@ def _align(n: int) -> int:
     return -(-n // 16) * 16
 
 
-class _PinnedRing:
+class PinnedRing:
     """Two pinned int32 host buffers used in turn; a buffer is rewritten only after its last copy finished."""
 
     def __init__(self) -> None:
@@ -107,7 +107,7 @@ class CudaStepRunner:
         self.device = device
         self.block_size = block_size
         self.num_kv_heads = num_kv_heads
-        self.ring = _PinnedRing()
+        self.ring = PinnedRing()
         # Split-KV decode: finished-split counters per (sequence, KV head), zero between launches.
         self.split_counters = torch.zeros(0, dtype=torch.int32, device=device)
         self.eager_buffer = torch.empty(1 << 16, dtype=torch.int32, device=device)

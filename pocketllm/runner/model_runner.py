@@ -21,6 +21,7 @@ from pocketllm.layers.attention_backend import TritonAttentionBackend
 from pocketllm.models.registry import model_class
 from pocketllm.models.weights import init_dummy_weights, load_weights
 from pocketllm.runner.mtp_head import MtpHead
+from pocketllm.runner.reference_graphs import ReferenceGraphStep
 from pocketllm.runner.sampler import Sampler, SamplingRow
 from pocketllm.runner.spec_verify import verify
 from pocketllm.runner.step_backend import (
@@ -147,6 +148,10 @@ class ModelRunner:
             triton = TritonAttentionBackend()
             for layer in self.attention_layers:
                 layer.backend = triton
+        elif device.type == "cuda" and self.tp_size == 1 and getattr(self.model, "reference_decode_graphs", False):
+            # A model of its own attention whose reference decode step a graph can replay: its decode steps
+            # from CUDA graphs (``capture_cuda_graphs`` sets them up).
+            self.host_step = ReferenceGraphStep(self.reference_step)
         self.mtp_head = MtpHead(self.model, device, block_size) if mtp else None
         # CPU: the flat decode step (cpu_decode.py) goes first, set up by ``load``.
         self.step_backends: list[StepBackend] = [self.host_step]
@@ -262,6 +267,8 @@ class ModelRunner:
         tensor parallelism (the step's all-reduces run eagerly). ``flat_rows`` (speculative decoding): also those
         that verify chunks and other short chunks replay as decode rows (``CudaStepRunner.capture``)."""
         if self.cuda_step is None:
+            if isinstance(self.host_step, ReferenceGraphStep):
+                self.host_step.setup(max_num_seqs, max_model_len)
             return
         settings = self.choose_kernels()
         if self.tp_size > 1:
