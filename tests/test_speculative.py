@@ -423,7 +423,8 @@ def _assert_oracle_equal(args: EngineArgs, params: SamplingParams, plain: list, 
     return {**stats, "after_pending": oracle_proposer.after_pending}
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen3_5_text", "qwen3_5_moe_text"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "qwen3_moe", "mistral", "gemma3", "qwen3_5_text",
+                                  "qwen3_5_moe_text", "deepseek_v4"])
 @pytest.mark.parametrize("regime", ["default", "preemption", "penalties"])
 def test_tiny_greedy_equal_with_speculation(arch, regime, tiny_checkpoint):
     """Qwen3.5 (recurrent Gated DeltaNet state beside the KV cache): a rejected proposal rolls the request's state
