@@ -212,9 +212,10 @@ def test_greedy_matches_transformers(regime, tiny_checkpoint, references):
 def test_decode_steps_as_the_cuda_graphs_run_them(regime, tiny_checkpoint, references):
     """The plain decode steps CUDA graphs replay (``runner/reference_graphs.py``), run eagerly here: each batch
     padded to its graph bucket with copies of row 0 (five requests run as eight rows), every compressed history
-    padded for a 256-token context. The padding rows write what row 0 writes, so the tokens still equal
-    transformers'; a padding row with another token (one left pending under async scheduling), or a window
-    pooled where none closed, would change them."""
+    padded for a 256-token context (for ``max_model_len``, 120 tokens, in the preemption regimes). The padding
+    rows write what row 0 writes, so the tokens still equal transformers'; a padding row with another token (one
+    left pending under async scheduling), or a window's overlap state moved on where none closed, would change
+    them."""
     from pocketllm.runner.reference_graphs import ReferenceGraphStep
 
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)

@@ -831,18 +831,25 @@ def test_deepseek_v4_runs_the_reference_step_on_cuda_and_refuses_a_float8_cache(
     from pocketllm.errors import UnsupportedFeatureError
     from pocketllm.sampling_params import SamplingParams
 
-    config, weights = _tiny_checkpoint("deepseek_v4")
-    core = EngineCore(EngineArgs(device="cuda", dtype="bfloat16", num_kv_blocks=64, max_num_seqs=4), config,
-                      weights, frozenset({2}))
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+
+    def greedy(**options) -> tuple[list[list[int]], EngineCore]:
+        config, weights = _tiny_checkpoint("deepseek_v4")
+        core = EngineCore(EngineArgs(device="cuda", dtype="float32", num_kv_blocks=64, max_num_seqs=4, **options),
+                          config, weights, frozenset({2}))
+        core.runner.host_step.replays = 0   # (the warm-up's steps replayed graphs too)
+        requests = [core.add_request(f"r{i}", prompt, params) for i, prompt in enumerate(PROMPTS[:3])]
+        while core.has_work():
+            core.step()
+        return [list(r.output_token_ids) for r in requests], core
+
+    replayed, core = greedy()
     assert not core.runner.uses_kernels and core.runner.cuda_step is None
     assert next(core.runner.model.parameters()).is_cuda
-    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-    for i, prompt in enumerate(PROMPTS[:3]):
-        core.add_request(f"r{i}", prompt, params)
-    while core.has_work():
-        core.step()
-    graphs = core.runner.host_step
-    assert graphs.replays > 0 and graphs.graphs, "decode steps replay the reference step's CUDA graphs"
+    assert core.runner.host_step.replays > 0, "decode steps replay the reference step's CUDA graphs"
+    eager, core = greedy(enforce_eager=True)
+    assert core.runner.host_step.replays == 0
+    assert replayed == eager
     config, weights = _tiny_checkpoint("deepseek_v4")
     with pytest.raises(UnsupportedFeatureError, match="kv_cache_dtype='fp8'"):
         EngineCore(EngineArgs(device="cuda", dtype="bfloat16", kv_cache_dtype="fp8", num_kv_blocks=64), config,

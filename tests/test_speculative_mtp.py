@@ -341,9 +341,9 @@ def test_seeded_sampling_with_the_mtp_head_is_distribution_correct(mtp_checkpoin
 
 @pytest.mark.gpu
 def test_mtp_on_cuda_greedy_equal(mtp_checkpoint):
-    """On CUDA (float32; the target on the kernel path without decode graphs, the head's attention on the reference
-    path): greedy output equals the engine's without speculation, dense and MoE, with a random and an agreeing
-    head."""
+    """On CUDA (float32; the target on the kernel path, its verify steps replayed from the decode graphs, which keep
+    their rows' hidden states for the head; the head's attention on the reference path): greedy output equals the
+    engine's without speculation, dense and MoE, with a random and an agreeing head."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
     params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
@@ -354,6 +354,6 @@ def test_mtp_on_cuda_greedy_equal(mtp_checkpoint):
             plain, _ = _generate(args, PROMPTS, params)
             spec, stats = _generate(args.replace(speculative_config=mtp_spec()), PROMPTS, params)
             assert [o.token_ids for o in spec] == [o.token_ids for o in plain], (arch, agree)
-            assert stats["spec_verify_chunks"] > 0
+            assert stats["spec_verify_chunks"] > 0 and stats["spec_graph_steps"] > 0
             if agree:
                 assert stats["spec_accepted_tokens"] > 0

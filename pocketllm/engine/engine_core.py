@@ -191,9 +191,7 @@ class EngineCore:
         self.runner.allocate_kv_cache(num_blocks)
         if self.draft_runner is not None:
             self.draft_runner.allocate_kv_cache(num_blocks)
-        if mtp and not args.enforce_eager and self.device.type == "cuda":
-            logger.info("decode CUDA graphs off: the MTP head reads every step's hidden states")
-        elif not args.enforce_eager:
+        if not args.enforce_eager:
             # Speculating: verify chunks (and the draft's catch-up chunks) replay graphs as decode rows too.
             flat_rows = spec is not None
             self.runner.capture_cuda_graphs(args.max_num_seqs, max_model_len, flat_rows)

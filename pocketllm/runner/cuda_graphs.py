@@ -119,6 +119,9 @@ class CudaStepRunner:
         self.flat_replays = 0
         self.graph_logits: torch.Tensor | None = None
         self.graph_meta: dict[tuple[int, int], AttentionMetadata] = {}
+        # A model with an MTP head keeps each forward's hidden states for it (``mtp_target_hidden``): per graph
+        # (by id), the tensor its capture kept, which each replay rewrites.
+        self.kept_hidden: dict[int, torch.Tensor] = {}
         self.max_graph_bs = 0
         self.graph_width = 0
         self.chained = False   # hybrid models with speculation: graphs run recurrent states in chains
@@ -310,6 +313,9 @@ class CudaStepRunner:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=pool):
             self.model.logits_unnormed(*self.model.unnormed(ids[:bs], pos[:bs], meta), logits)
+        kept = getattr(self.model, "mtp_target_hidden", None)
+        if kept is not None:
+            self.kept_hidden[id(graph)] = kept
         return graph, meta
 
     def time_one_row_step(self, context: int, sample: Callable[[torch.Tensor], SampleResult],
@@ -380,5 +386,8 @@ class CudaStepRunner:
         self.ring.send(i, size, self.static)
         host.pending.fill(self.static[:n], previous_tokens)
         key = bs, self._splits(bs, host.context_lens)
-        (self.graphs if graphs is None else graphs)[key].replay()
+        graph = (self.graphs if graphs is None else graphs)[key]
+        graph.replay()
+        if id(graph) in self.kept_hidden:   # the MTP head reads this step's rows
+            self.model.mtp_target_hidden = self.kept_hidden[id(graph)][:n]
         return self.graph_logits[:n]

@@ -148,9 +148,11 @@ class ModelRunner:
             triton = TritonAttentionBackend()
             for layer in self.attention_layers:
                 layer.backend = triton
-        elif device.type == "cuda" and self.tp_size == 1 and getattr(self.model, "reference_decode_graphs", False):
-            # A model of its own attention whose reference decode step a graph can replay: its decode steps
-            # from CUDA graphs (``capture_cuda_graphs`` sets them up).
+        elif (device.type == "cuda" and kernels_available(device) and self.tp_size == 1
+              and getattr(self.model, "reference_decode_graphs", False)):
+            # A model of its own attention whose reference decode step a graph can replay (with the Triton
+            # kernels: its experts' PyTorch form reads the host): its decode steps from CUDA graphs
+            # (``capture_cuda_graphs`` sets them up).
             self.host_step = ReferenceGraphStep(self.reference_step)
         self.mtp_head = MtpHead(self.model, device, block_size) if mtp else None
         # CPU: the flat decode step (cpu_decode.py) goes first, set up by ``load``.

@@ -1,20 +1,21 @@
 """Decode CUDA graphs of the reference step, for a model whose attention is its own (DeepSeek-V4) and so runs
 the PyTorch reference forward on CUDA rather than the Triton kernel metadata of ``cuda_graphs.py``.
 
-A plain decode step (one token per sequence, every sequence sampling) of up to ``max_num_seqs`` sequences replays
-a graph of the next batch bucket up (``graph_buckets``) and of a context bucket: the power of two, from
-``MIN_CONTEXT_BUCKET``, that holds the step's longest context, since the compressed histories are padded to the
-entries of that context. A graph is captured the first time its pair of buckets is needed, right after the step
-that needed it ran eagerly on the same static inputs (that step's result stands; the capture only records), so
-short runs capture few graphs.
+A plain decode step (one token per sequence, every sequence sampling) of up to ``max_num_seqs`` sequences and
+contexts of up to ``MAX_CONTEXT_BUCKET`` tokens replays a graph of the next batch bucket up (``graph_buckets``) and
+of a context bucket: the power of two, from ``MIN_CONTEXT_BUCKET``, that holds the step's longest context, since
+the compressed histories are padded to the entries of that context. A graph is captured the first time its pair
+of buckets is needed, right after the step that needed it ran eagerly on the same static inputs (that step's
+result stands; the capture only records), so short runs capture few graphs. Every row pools its open window on
+every step (``WindowPool.pool_rows``), which costs the device little beside the step.
 
 Padding rows repeat row 0 (its token, position, KV slot, state slot and block table): a padding row computes
 what row 0 computes and writes the same values to the same places, so it changes nothing, where the kernel
 path's padding rows (slot -1, context 0) rely on kernels that skip them. The rows' inputs are int32 in one static
 buffer, filled by one host copy, and widened to int64 inside the graph.
 
-Steps of any other shape (prompt chunks, verify chunks, more sequences than the largest bucket) run the reference
-step eagerly.
+Steps of any other shape (prompt chunks, verify chunks, more sequences than the largest bucket, longer contexts)
+run the reference step eagerly, as do those of buckets whose capture failed.
 """
 
 from __future__ import annotations
@@ -34,6 +35,9 @@ logger = logging.getLogger("pocketllm.runner")
 
 # The smallest context bucket: shorter contexts share one graph per batch bucket.
 MIN_CONTEXT_BUCKET = 256
+# Steps with a longer context run eagerly: their padded histories would hold a graph's memory (kept for the
+# engine's life) of up to twice their entries, and their device time, not the launches, dominates them.
+MAX_CONTEXT_BUCKET = 8192
 # Segments of the static input buffer (each ``max_num_seqs`` rows, aligned): token ids, positions, KV slots,
 # state slots; then the block tables.
 _SEGMENTS = 4
@@ -59,6 +63,8 @@ class ReferenceGraphStep(HostBatchStep):
         self.replay = replay
         self.buckets: list[int] = []     # empty until ``setup``: every step runs eagerly
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self.kept_hidden: dict[tuple[int, int], torch.Tensor] = {}
+        self.failed: set[tuple[int, int]] = set()   # buckets whose capture failed: their steps run eagerly
         self.decode_steps = 0    # plain decode steps run over the static inputs, replayed or not
         self.replays = 0         # of which replayed from a graph
         self.ring = PinnedRing() if self.device.type == "cuda" else None
@@ -79,29 +85,36 @@ class ReferenceGraphStep(HostBatchStep):
     def run(self, host: HostBatch, previous_tokens: torch.Tensor | None = None) -> torch.Tensor | None:
         n = host.num_seqs
         if (self.buckets and host.is_plain_decode and n <= self.buckets[-1]
-                and all(c < 0 for c in host.state_checkpoints) and max(len(t) for t in host.tables) <= self.width):
-            return self._decode(host, previous_tokens)
+                and max(host.context_lens) <= MAX_CONTEXT_BUCKET and all(c < 0 for c in host.state_checkpoints)
+                and max(len(t) for t in host.tables) <= self.width):
+            key = next(b for b in self.buckets if b >= n), context_bucket(max(host.context_lens), self.max_model_len)
+            if key not in self.failed:
+                return self._decode(host, previous_tokens, key)
         return self.reference.run(host, previous_tokens)
 
-    def _decode(self, host: HostBatch, previous_tokens: torch.Tensor | None) -> torch.Tensor:
-        """A plain decode step through the graph of its buckets (captured now if it is the first such step)."""
-        n = host.num_seqs
-        bs = next(b for b in self.buckets if b >= n)
+    def _decode(self, host: HostBatch, previous_tokens: torch.Tensor | None, key: tuple[int, int]) -> torch.Tensor:
+        """A plain decode step through the graph of its buckets ``key`` (captured now if it is the first such
+        step)."""
+        n, bs = host.num_seqs, key[0]
         self.decode_steps += 1
         self._send(host, bs)
         ids = self.static[:bs]
         host.pending.fill(ids[:n], previous_tokens)
         if bs > n:   # padding rows take row 0's token, which may have been pending until now
             ids[n:].copy_(ids[:1].expand(bs - n))
-        key = bs, context_bucket(max(host.context_lens), self.max_model_len)
         graph = self.graphs.get(key)
         if graph is not None:
             graph.replay()
             self.replays += 1
+            if key in self.kept_hidden:   # the MTP head reads this step's rows
+                self.model.mtp_target_hidden = self.kept_hidden[key][:n]
         else:
             self._forward(*key)
             if self.replay:
+                kept = getattr(self.model, "mtp_target_hidden", None)
                 self._capture(*key)
+                if kept is not None:   # this step's own rows, not the capture's (recorded, never computed)
+                    self.model.mtp_target_hidden = kept[:n]
         return self.logits[:n]
 
     def _send(self, host: HostBatch, bs: int) -> None:
@@ -116,6 +129,7 @@ class ReferenceGraphStep(HostBatchStep):
         for k, values in enumerate((host.input_ids, host.positions, host.slots, state)):
             buf[k * seg:k * seg + n] = values
             buf[k * seg + n:k * seg + bs] = values[0]
+        # (Past a table's length a row keeps ids of earlier steps: only entries of its own context are read.)
         tables = buf[_SEGMENTS * seg:size].reshape(bs, width)
         for row, table in enumerate(host.tables):
             tables[row, :len(table)] = table
@@ -140,12 +154,23 @@ class ReferenceGraphStep(HostBatchStep):
         self.logits[:bs].copy_(self.model.compute_logits(self.model(ids, positions, meta)))
 
     def _capture(self, bs: int, context: int) -> None:
+        """Record the graph of ``_forward(bs, context)``; where that fails (out of memory, say), the buckets' steps
+        run eagerly from then on."""
         started = time.perf_counter()
         torch.cuda.synchronize(self.device)
         graph = torch.cuda.CUDAGraph()
-        # (thread_local: a capture during serving does not fail on another thread's CUDA call)
-        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-            self._forward(bs, context)
+        try:
+            # (thread_local: a capture during serving does not fail on another thread's CUDA call)
+            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+                self._forward(bs, context)
+        except RuntimeError as error:
+            self.failed.add((bs, context))
+            logger.warning("the decode CUDA graph of %d rows, histories padded for %d tokens, could not be "
+                           "captured (%s): those steps run eagerly", bs, context, str(error).splitlines()[0])
+            return
         self.graphs[bs, context] = graph
+        kept = getattr(self.model, "mtp_target_hidden", None)
+        if kept is not None:   # with an MTP head: the rows' hidden states the capture kept, rewritten by a replay
+            self.kept_hidden[bs, context] = kept
         logger.info("captured the decode CUDA graph of %d rows, histories padded for %d tokens, in %.2f s",
                     bs, context, time.perf_counter() - started)
