@@ -208,6 +208,20 @@ def test_greedy_matches_transformers(regime, tiny_checkpoint, references):
         assert preemptions > 0, "the KV pool was meant to be small enough to force preemption"
 
 
+def use_graph_steps(llm: LLM):
+    """Run the engine's steps through the step CUDA graphs take on a GPU (``ReferenceGraphStep``), eagerly: the
+    shapes they record, replayed on CPU. Returns that step."""
+    from pocketllm.runner.reference_graphs import ReferenceGraphStep
+
+    core = llm._client.backend.core
+    step = ReferenceGraphStep(core.runner.reference_step, replay=False)
+    step.setup(core.args.max_num_seqs, core.max_model_len)
+    step.scratch_slot = core.runner.num_state_slots   # (as ``allocate_state_pool`` sets it on CUDA)
+    core.runner.host_step = step
+    core.runner.step_backends = [step]
+    return step
+
+
 @pytest.mark.parametrize("regime", ["default", "preemption", "async-preemption"])
 def test_decode_steps_as_the_cuda_graphs_run_them(regime, tiny_checkpoint, references):
     """The plain decode steps CUDA graphs replay (``runner/reference_graphs.py``), run eagerly here: each batch
@@ -216,18 +230,12 @@ def test_decode_steps_as_the_cuda_graphs_run_them(regime, tiny_checkpoint, refer
     rows write what row 0 writes, so the tokens still equal transformers'; a padding row with another token (one
     left pending under async scheduling), or a window's overlap state moved on where none closed, would change
     them."""
-    from pocketllm.runner.reference_graphs import ReferenceGraphStep
-
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
     with LLM(EngineArgs(model=tiny_checkpoint(ARCH), **REGIMES[regime])) as llm:
-        core = llm._client.backend.core
-        step = ReferenceGraphStep(core.runner.reference_step, replay=False)
-        step.setup(core.args.max_num_seqs, core.max_model_len)
-        core.runner.host_step = step
-        core.runner.step_backends = [step]
+        step = use_graph_steps(llm)
         outputs = llm.generate(_prompts(), params)
     assert [o.token_ids for o in outputs] == references()
-    assert step.decode_steps >= NEW_TOKENS - 1 and step.replays == 0
+    assert step.grid_steps >= NEW_TOKENS - 1 and step.verify_steps == step.replays == 0
 
 
 def test_shared_prefix_with_prefix_caching_asked_for(tiny_checkpoint, references):

@@ -482,11 +482,12 @@ def test_tiny_one_request_pipelined_verify_steps(arch, tiny_checkpoint):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("arch", ["llama", "qwen3_5_text", "qwen3_5_moe_text"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3_5_text", "qwen3_5_moe_text", "deepseek_v4"])
 def test_cuda_greedy_equal_with_speculation(arch, tiny_checkpoint):
     """On CUDA (float32, the kernel path: verify steps replayed from graphs as decode rows; on Qwen3.5 a verify
-    chunk's rows run the recurrent state in order and checkpoint it after each position), speculating with
-    often-right proposals gives the tokens of the same engine without speculation."""
+    chunk's rows run the recurrent state in order and checkpoint it after each position; DeepSeek-V4: the
+    reference step's graphs of grids), speculating with often-right proposals gives the tokens of the same engine
+    without speculation."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
     params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)

@@ -17,6 +17,7 @@ import pytest
 import torch
 from conftest import write_checkpoint
 from safetensors.torch import load_file
+from test_deepseek_v4_model import use_graph_steps
 from test_speculative import _first_tokens, _generate, assert_chained_on_the_device_equal, assert_same_distribution
 from test_speculative_mtp import mtp_spec
 
@@ -308,6 +309,55 @@ def test_greedy_equal_with_the_mtp_layer(regime, mtp_checkpoint):
             assert 0 < stats["spec_accepted_tokens"] < stats["spec_proposed_tokens"]
         if regime == "preemption":
             assert stats["num_preemptions"] > 0
+
+
+@pytest.mark.parametrize("regime", ["default", "preemption"])
+def test_greedy_equal_with_verify_steps_as_the_cuda_graphs_run_them(regime, mtp_checkpoint):
+    """Verify steps as CUDA graphs run them (``runner/reference_graphs.py``), eagerly here: a step's chunks laid out
+    as a grid (as many rows for each sequence as its longest chunk, a chunk's rows past its end repeating its last
+    one, the sequences padded to the bucket with copies of the first), each position's states copied to its
+    checkpoint inside the grid. With the agreeing MTP layer (proposals kept, some rejected: the compressed layers'
+    states rolled back to those checkpoints) the tokens are those of the engine without speculation."""
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    args = EngineArgs(model=mtp_checkpoint(True), **REGIMES[regime])
+    plain, _ = _generate(args, PROMPTS, params)
+    with LLM(args.replace(speculative_config=mtp_spec())) as llm:
+        step = use_graph_steps(llm)
+        spec = llm.generate(PROMPTS, params)
+        stats = llm.stats()
+    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+    assert step.verify_steps > 0 and 0 < stats["spec_accepted_tokens"] < stats["spec_proposed_tokens"]
+    if regime == "preemption":
+        assert stats["num_preemptions"] > 0
+
+
+@pytest.mark.parametrize("regime", ["default", "preemption", "pipelined"])
+def test_greedy_equal_with_mixed_verify_grids(regime, tiny_checkpoint):
+    """Grids of verify chunks of different lengths beside plain decode rows (an oracle proposer that proposes up to
+    four tokens, some wrong, and nothing every other call), run as the CUDA graphs run them: the rows past a
+    shorter chunk repeat its last position, whose window may close there, without paging that window's entry
+    again. Pipelined (``async_scheduling="on"``): a verify chunk's first token is still pending when its grid is
+    laid out. The tokens are those of the engine without speculation."""
+    from test_speculative import NGRAM, OracleProposer
+
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    engine = {**KV, "async_scheduling": "on"} if regime == "pipelined" else REGIMES[regime]
+    args = EngineArgs(model=tiny_checkpoint(ARCH), **engine)
+    plain, _ = _generate(args, PROMPTS, params)
+    with LLM(args.replace(speculative_config=NGRAM)) as llm:
+        step = use_graph_steps(llm)
+        # (Pipelined: proposals only while a plain step runs, so that every verify chunk starts with a pending
+        # token, in every sequence of its grid.)
+        llm._client.backend.core.scheduler.proposer = OracleProposer(
+            {tuple(p): o.token_ids for p, o in zip(PROMPTS, plain)}, pause_every=1 if regime == "pipelined" else 2)
+        spec = llm.generate(PROMPTS, params)
+        stats = llm.stats()
+    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+    assert step.verify_steps > 0 and 0 < stats["spec_accepted_tokens"] < stats["spec_proposed_tokens"]
+    if regime == "preemption":
+        assert stats["num_preemptions"] > 0
+    if regime == "pipelined":
+        assert stats["spec_pipelined_verify_chunks"] > 0
 
 
 @pytest.mark.parametrize("agree", [False, True])

@@ -262,8 +262,7 @@ class EngineCore:
         # while the step before ran (their first token pending).
         self.num_verify_chunks = self.num_proposed_tokens = self.num_accepted_tokens = 0
         self.num_pipelined_verify_chunks = 0
-        if self.runner.cuda_step is not None:
-            self.runner.cuda_step.flat_replays = 0
+        self.runner.reset_graph_verify_steps()
 
     def warm_up(self) -> None:
         """Run a few short requests through the engine, then start again from a fresh state: the shapes of a
@@ -441,8 +440,8 @@ class EngineCore:
             "spec_proposed_tokens": self.num_proposed_tokens,
             "spec_accepted_tokens": self.num_accepted_tokens,
             "spec_pipelined_verify_chunks": self.num_pipelined_verify_chunks,
-            # CUDA: steps of verify chunks the target replayed from graphs (``HostBatch.flattened``)
-            "spec_graph_steps": self.runner.cuda_step.flat_replays if self.runner.cuda_step is not None else 0,
+            # CUDA: steps of verify chunks the target replayed from graphs (``HostBatch.flattened``; DeepSeek-V4: grids)
+            "spec_graph_steps": self.runner.graph_verify_steps,
         }
 
     def has_work(self) -> bool:

@@ -204,24 +204,46 @@ class WindowPool(nn.Module):
         return ("open_kv", "open_gate") + (("overlap_kv", "overlap_gate") if self.overlap else ())
 
     def pool_rows(self, hidden: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, tables: torch.Tensor,
-                  block_size: int, cache: torch.Tensor) -> None:
-        """``pool`` for a decode step: one new token per sequence (``hidden`` [B, H] at ``positions``, in state
-        ``slots``), each joining its sequence's open window; the windows they close are pooled and paged into
-        ``cache`` at their entry index, through the sequence's row of ``tables``. Nothing here depends on the
-        host (a CUDA graph replays it): every row pools its window and pages the entry, also where the window
-        stays open (that entry is not read until its window closes and overwrites it), and only the rows that
-        close a window move their overlap state on."""
+                  block_size: int, cache: torch.Tensor, grid: AttentionMetadata | None = None) -> None:
+        """``pool`` for rows of one new token each (``hidden`` [R, H] at ``positions``, in state ``slots``), each
+        joining its sequence's open window; the windows they close are pooled and paged into ``cache`` at their
+        entry index, through the row's ``tables``. Nothing here depends on the host (a CUDA graph replays it).
+        With ``grid`` (a grid step's metadata, ``grid_real`` set) the rows are pooled one position of every
+        sequence at a time, and after each the states are copied to the rows' ``grid_checkpoints``."""
         kv, gate = self.kv_proj(hidden).float(), self.gate_proj(hidden).float()
+        if grid is None or grid.grid_real is None:
+            self._pool_pass(kv, gate, positions, slots, tables, block_size, cache, None)
+            return
+        width = grid.grid_len
+        for j in range(width):
+            rows = slice(j, None, width)
+            self._pool_pass(kv[rows], gate[rows], positions[rows], slots[rows], tables[rows], block_size, cache,
+                            grid.grid_real[rows])
+            if width > 1:
+                for name in self.state_names():
+                    state = getattr(self, name)
+                    state[grid.grid_checkpoints[rows]] = state[slots[rows]]
+
+    def _pool_pass(self, kv: torch.Tensor, gate: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+                   tables: torch.Tensor, block_size: int, cache: torch.Tensor, real: torch.Tensor | None) -> None:
+        """One position of each sequence (projected rows ``kv``, ``gate`` [B, width], float32; ``real`` None: all
+        rows are real): every row pools its window and pages the entry, also where the window stays open (that
+        entry is not read until its window closes and overwrites it); only real rows that close a window move
+        their overlap state on, and a row that is not real writes back the entry there."""
         held = positions % self.rate
         self.open_kv[slots, held] = kv
         self.open_gate[slots, held] = gate
         window = positions // self.rate
         kv, gate = self.open_kv[slots], self.open_gate[slots] + self.position_bias   # [B, rate, width]
         if self.overlap:
-            kv, gate = self._overlap_rows(kv, gate, slots, window, held == self.rate - 1)
+            closing = held == self.rate - 1
+            kv, gate = self._overlap_rows(kv, gate, slots, window, closing if real is None else closing & real)
         weights = torch.softmax(gate, dim=1, dtype=torch.float32)
         entries = self.rotary(self.kv_norm((kv * weights).sum(dim=1)), window * self.rate)
-        write_rows(cache, table_slots(tables, window[:, None], block_size).squeeze(1), entries)
+        target = table_slots(tables, window[:, None], block_size).squeeze(1)
+        if real is not None:
+            entries = torch.where(real[:, None], entries, read_rows(cache, target).float())
+        write_rows(cache, target, entries)
 
     def _overlap_rows(self, kv: torch.Tensor, gate: torch.Tensor, slots: torch.Tensor, window: torch.Tensor,
                       closing: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -319,10 +341,10 @@ class Indexer(WindowPool):
 
     def select_rows(self, hidden: torch.Tensor, q_residual: torch.Tensor, positions: torch.Tensor,
                     slots: torch.Tensor, tables: torch.Tensor, block_size: int, counts: torch.Tensor,
-                    visible: torch.Tensor | None) -> torch.Tensor | None:
+                    visible: torch.Tensor | None, grid: AttentionMetadata | None = None) -> torch.Tensor | None:
         """``select`` for a decode step (one query per sequence): which of each sequence's ``counts`` entries
         (``visible`` [B, n], None: none yet) its query keeps."""
-        self.pool_rows(hidden, positions, slots, tables, block_size, self.keys.k_cache)
+        self.pool_rows(hidden, positions, slots, tables, block_size, self.keys.k_cache, grid)
         if visible is None:
             return None
         keys, _ = entries_of_rows(self.keys.k_cache, tables, counts, visible.shape[1], block_size)
@@ -364,16 +386,17 @@ class Compressor(WindowPool):
 
     def history_rows(self, hidden: torch.Tensor, q_residual: torch.Tensor, positions: torch.Tensor,
                      longest: int, slots: torch.Tensor, tables: torch.Tensor, block_size: int,
-                     cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | tuple[None, None]:
+                     cache: torch.Tensor, grid: AttentionMetadata | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor] | tuple[None, None]:
         """``history`` for a decode step (one new token per sequence at ``positions``, none of whose contexts
         exceeds ``longest`` tokens): every sequence's entries so far, padded to those of a ``longest`` context
         ([B, n, D]), and which of them its query attends ([B, n]); (None, None) while that is none."""
-        self.pool_rows(hidden, positions, slots, tables, block_size, cache)
+        self.pool_rows(hidden, positions, slots, tables, block_size, cache, grid)
         counts = (positions + 1) // self.rate
         history, visible = entries_of_rows(cache, tables, counts, longest // self.rate, block_size)
         if self.indexer is not None:
             visible = self.indexer.select_rows(hidden, q_residual, positions, slots, tables, block_size, counts,
-                                               visible)
+                                               visible, grid)
         return history, visible
 
 
@@ -419,15 +442,15 @@ class DeepseekV4Attention(nn.Module):
 
     def _decode_rows(self, q: torch.Tensor, q_residual: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
                      meta: AttentionMetadata) -> torch.Tensor:
-        """A decode step (one query per sequence, no verify chunk): every sequence at once, windows and
-        histories padded to the longest context the host lists (a CUDA graph's capture lists its context bucket
-        there; nothing else here reads the host) → [B, H, D]."""
+        """A decode step (one query per sequence, no verify chunk; or a grid of short chunks, one query a row):
+        every row at once, windows and histories padded to the longest context the host lists (a CUDA graph's
+        capture lists its context bucket there; nothing else here reads the host) → [B, H, D]."""
         tables, block_size = meta.block_tables, meta.block_size
         history = visible = None
         if self.compressor is not None:
             history, visible = self.compressor.history_rows(hidden, q_residual, positions, max(meta.context_lens),
                                                             meta.state_slots, tables, block_size,
-                                                            self.attn.v_cache)
+                                                            self.attn.v_cache, meta)
         offsets = torch.arange(1 - self.window, 1, device=q.device)
         key_positions = positions[:, None] + offsets[None, :]                       # [B, window]
         allowed = key_positions >= 0

@@ -196,6 +196,19 @@ class ModelRunner:
                                       param="cpu_compile")
 
     @property
+    def graph_verify_steps(self) -> int:
+        """Steps of verify chunks replayed from CUDA graphs (since ``reset_graph_verify_steps``)."""
+        if self.cuda_step is not None:
+            return self.cuda_step.flat_replays
+        return self.host_step.verify_replays if isinstance(self.host_step, ReferenceGraphStep) else 0
+
+    def reset_graph_verify_steps(self) -> None:
+        if self.cuda_step is not None:
+            self.cuda_step.flat_replays = 0
+        if isinstance(self.host_step, ReferenceGraphStep):
+            self.host_step.verify_replays = 0
+
+    @property
     def uses_kernels(self) -> bool:
         """Whether steps run the Triton kernels (CUDA with Triton, a model with attention layers that takes the
         kernel step)."""
@@ -425,6 +438,8 @@ class ModelRunner:
                                                  device=self.device))
         if self.cuda_step is not None:
             self.cuda_step.state_padding_slot = num_slots
+        if isinstance(self.host_step, ReferenceGraphStep):
+            self.host_step.scratch_slot = num_slots
 
     def restore_state(self, slot: int, checkpoint: int) -> None:
         """Roll every state layer's ``slot`` back to the state held in slot ``checkpoint`` (a verify chunk's

@@ -1,21 +1,25 @@
 """Decode CUDA graphs of the reference step, for a model whose attention is its own (DeepSeek-V4) and so runs
 the PyTorch reference forward on CUDA rather than the Triton kernel metadata of ``cuda_graphs.py``.
 
-A plain decode step (one token per sequence, every sequence sampling) of up to ``max_num_seqs`` sequences and
-contexts of up to ``MAX_CONTEXT_BUCKET`` tokens replays a graph of the next batch bucket up (``graph_buckets``) and
-of a context bucket: the power of two, from ``MIN_CONTEXT_BUCKET``, that holds the step's longest context, since
-the compressed histories are padded to the entries of that context. A graph is captured the first time its pair
-of buckets is needed, right after the step that needed it ran eagerly on the same static inputs (that step's
-result stands; the capture only records), so short runs capture few graphs. Every row pools its open window on
-every step (``WindowPool.pool_rows``), which costs the device little beside the step.
+A step of short chunks in which every token samples (plain decode rows; speculative verify chunks, each with its
+state checkpoints) runs as a grid: ``L`` rows for each sequence (``L``: the step's longest chunk), row
+``s * L + j`` the ``j``-th position of sequence ``s``, each row a query of its own. The grid's sequences are padded
+to a batch bucket (``graph_buckets``) with copies of sequence 0, and a sequence's rows past its chunk repeat its
+last row. Such a row computes what the row it repeats computes and writes the same keys to the same slots, while
+the model's state updates skip it (``AttentionMetadata.grid_real``), so it changes nothing; a verify chunk's
+states after each position go to its checkpoint slots (``grid_checkpoints``; scratch for the other rows).
 
-Padding rows repeat row 0 (its token, position, KV slot, state slot and block table): a padding row computes
-what row 0 computes and writes the same values to the same places, so it changes nothing, where the kernel
-path's padding rows (slot -1, context 0) rely on kernels that skip them. The rows' inputs are int32 in one static
-buffer, filled by one host copy, and widened to int64 inside the graph.
+A grid of up to ``max_num_seqs`` rows with contexts of up to ``MAX_CONTEXT_BUCKET`` tokens replays the graph of
+its (batch bucket, ``L``, context bucket): the context bucket is the power of two, from ``MIN_CONTEXT_BUCKET``,
+that holds the step's longest context, since the compressed histories are padded to the entries of that context.
+A graph is captured the first time its buckets are needed, right after the step that needed them ran eagerly on
+the same static inputs (that step's result stands; the capture only records), so short runs capture few graphs.
+Every row pools its open window on every step (``WindowPool.pool_rows``), which costs the device little beside
+the step. The rows' inputs are int32 in one static buffer, filled by one host copy, and widened to int64 inside
+the graph.
 
-Steps of any other shape (prompt chunks, verify chunks, more sequences than the largest bucket, longer contexts)
-run the reference step eagerly, as do those of buckets whose capture failed.
+Steps of any other shape (prompt chunks, more rows than ``max_num_seqs``, longer contexts) run the reference step
+eagerly, as do those of buckets whose capture failed.
 """
 
 from __future__ import annotations
@@ -30,6 +34,8 @@ from pocketllm.runner.cuda_graphs import PinnedRing, graph_buckets
 from pocketllm.runner.step_backend import HostBatchStep, ReferenceStep
 from pocketllm.step.attention_metadata import AttentionMetadata
 from pocketllm.step.host_batch import HostBatch
+from pocketllm.step.host_to_device import device_tensor
+from pocketllm.step.pending_inputs import PendingInputs
 
 logger = logging.getLogger("pocketllm.runner")
 
@@ -38,9 +44,12 @@ MIN_CONTEXT_BUCKET = 256
 # Steps with a longer context run eagerly: their padded histories would hold a graph's memory (kept for the
 # engine's life) of up to twice their entries, and their device time, not the launches, dominates them.
 MAX_CONTEXT_BUCKET = 8192
-# Segments of the static input buffer (each ``max_num_seqs`` rows, aligned): token ids, positions, KV slots,
-# state slots; then the block tables.
-_SEGMENTS = 4
+# Segments of the static input buffer (each ``max_num_seqs`` rows, aligned): token ids, the row each row takes its
+# token from (itself, or the row it repeats), positions, KV slots, state slots, whether the row is real, its
+# checkpoint slot; then the block tables.
+_SEGMENTS = 7
+# A step whose chunks are longer runs eagerly.
+MAX_GRID_LEN = 16
 
 
 def context_bucket(longest: int, max_model_len: int) -> int:
@@ -52,8 +61,8 @@ def context_bucket(longest: int, max_model_len: int) -> int:
 
 
 class ReferenceGraphStep(HostBatchStep):
-    """The reference step with its plain decode steps replayed from CUDA graphs (``replay=False``: the padded
-    static-input forward runs eagerly every step instead, which is how the tests check the padding on CPU)."""
+    """The reference step with its grid steps replayed from CUDA graphs (``replay=False``: the padded static-input
+    forward runs eagerly every step instead, which is how the tests check the grids on CPU)."""
 
     def __init__(self, reference: ReferenceStep, replay: bool = True) -> None:
         super().__init__(reference.block_size, reference.step_channel)
@@ -62,16 +71,20 @@ class ReferenceGraphStep(HostBatchStep):
         self.device = reference.device
         self.replay = replay
         self.buckets: list[int] = []     # empty until ``setup``: every step runs eagerly
-        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
-        self.kept_hidden: dict[tuple[int, int], torch.Tensor] = {}
-        self.failed: set[tuple[int, int]] = set()   # buckets whose capture failed: their steps run eagerly
-        self.decode_steps = 0    # plain decode steps run over the static inputs, replayed or not
+        # The state pool's scratch slot (``ModelRunner.allocate_state_pool``); None: verify chunks run eagerly.
+        self.scratch_slot: int | None = None
+        self.graphs: dict[tuple[int, int, int], torch.cuda.CUDAGraph] = {}
+        self.kept_hidden: dict[tuple[int, int, int], torch.Tensor] = {}
+        self.failed: set[tuple[int, int, int]] = set()   # buckets whose capture failed: their steps run eagerly
+        self.grid_steps = 0      # steps run over the static inputs, replayed or not
+        self.verify_steps = 0    # of which with verify chunks
         self.replays = 0         # of which replayed from a graph
+        self.verify_replays = 0  # of which both
         self.ring = PinnedRing() if self.device.type == "cuda" else None
 
     def setup(self, max_num_seqs: int, max_model_len: int) -> None:
-        """The static inputs and logits for batches of up to ``max_num_seqs`` sequences of up to
-        ``max_model_len`` tokens; graphs are captured as steps need them."""
+        """The static inputs and logits for grids of up to ``max_num_seqs`` rows of up to ``max_model_len``
+        tokens; graphs are captured as steps need them."""
         self.max_model_len = max_model_len
         self.width = -(-max_model_len // self.block_size)
         self.segment = -(-max_num_seqs // 16) * 16
@@ -83,94 +96,144 @@ class ReferenceGraphStep(HostBatchStep):
         self.buckets = graph_buckets(max_num_seqs)
 
     def run(self, host: HostBatch, previous_tokens: torch.Tensor | None = None) -> torch.Tensor | None:
-        n = host.num_seqs
-        if (self.buckets and host.is_plain_decode and n <= self.buckets[-1]
-                and max(host.context_lens) <= MAX_CONTEXT_BUCKET and all(c < 0 for c in host.state_checkpoints)
-                and max(len(t) for t in host.tables) <= self.width):
-            key = next(b for b in self.buckets if b >= n), context_bucket(max(host.context_lens), self.max_model_len)
-            if key not in self.failed:
-                return self._decode(host, previous_tokens, key)
-        return self.reference.run(host, previous_tokens)
+        key = self._grid_key(host)
+        if key is None or key in self.failed:
+            return self.reference.run(host, previous_tokens)
+        return self._grid(host, previous_tokens, key)
 
-    def _decode(self, host: HostBatch, previous_tokens: torch.Tensor | None, key: tuple[int, int]) -> torch.Tensor:
-        """A plain decode step through the graph of its buckets ``key`` (captured now if it is the first such
-        step)."""
-        n, bs = host.num_seqs, key[0]
-        self.decode_steps += 1
-        self._send(host, bs)
-        ids = self.static[:bs]
-        host.pending.fill(ids[:n], previous_tokens)
-        if bs > n:   # padding rows take row 0's token, which may have been pending until now
-            ids[n:].copy_(ids[:1].expand(bs - n))
+    def _grid_key(self, host: HostBatch) -> tuple[int, int, int] | None:
+        """(batch bucket, rows a sequence, context bucket) of the grid the step runs as; None: it runs eagerly."""
+        if not self.buckets or len(host.sample_index) != host.num_tokens:
+            return None
+        length = host.max_query_len
+        checkpoints = host.state_checkpoints or [-1] * host.num_seqs
+        if length > MAX_GRID_LEN or (length > 1 and self.scratch_slot is None) or (length > 1 and any(
+                end - start > 1 and checkpoint < 0
+                for start, end, checkpoint in zip(host.query_start, host.query_start[1:], checkpoints))):
+            return None   # (a chunk of several positions without checkpoints: not a verify chunk)
+        longest = max(host.context_lens)
+        if (host.num_seqs * length > self.buckets[-1] or longest > MAX_CONTEXT_BUCKET
+                or max(len(t) for t in host.tables) > self.width):
+            return None
+        bucket = next(b for b in self.buckets if b >= host.num_seqs * length)
+        return bucket // length, length, context_bucket(longest, self.max_model_len)
+
+    def _grid(self, host: HostBatch, previous_tokens: torch.Tensor | None, key: tuple[int, int, int]
+              ) -> torch.Tensor:
+        """A grid step through the graph of its buckets ``key`` (captured now if it is the first such step);
+        the logits of the host batch's rows, in its order."""
+        seqs, length, _ = key
+        self.grid_steps += 1
+        self.verify_steps += length > 1
+        rows = self._send(host, seqs, length)
+        pending = PendingInputs()
+        for position, row in zip(host.pending.positions, host.pending.rows):
+            pending.add(rows[position], row)
+        pending.fill(self.static[:seqs * length], previous_tokens)
         graph = self.graphs.get(key)
         if graph is not None:
             graph.replay()
             self.replays += 1
-            if key in self.kept_hidden:   # the MTP head reads this step's rows
-                self.model.mtp_target_hidden = self.kept_hidden[key][:n]
+            self.verify_replays += length > 1
+            kept = self.kept_hidden.get(key)
         else:
             self._forward(*key)
+            kept = getattr(self.model, "mtp_target_hidden", None)   # this step's own rows (a capture's are not)
             if self.replay:
-                kept = getattr(self.model, "mtp_target_hidden", None)
                 self._capture(*key)
-                if kept is not None:   # this step's own rows, not the capture's (recorded, never computed)
-                    self.model.mtp_target_hidden = kept[:n]
-        return self.logits[:n]
+        if rows == list(range(len(rows))):
+            logits = self.logits[:len(rows)]
+        else:   # (a new tensor: the static logits are the next step's)
+            index = device_tensor(rows, torch.int64, self.device)
+            logits = self.logits.index_select(0, index)
+            kept = None if kept is None else kept.index_select(0, index)
+        if kept is not None:   # the MTP head reads this step's rows
+            self.model.mtp_target_hidden = kept[:len(rows)]
+        return logits
 
-    def _send(self, host: HostBatch, bs: int) -> None:
-        """The host batch's rows, then ``bs - n`` copies of its row 0, into the static inputs."""
-        n, seg, width = host.num_seqs, self.segment, self.width
-        size = _SEGMENTS * seg + bs * width
+    def _send(self, host: HostBatch, seqs: int, length: int) -> list[int]:
+        """The host batch laid out as a grid of ``seqs`` sequences of ``length`` rows, into the static inputs;
+        returns the grid row of each of its rows."""
+        rows = seqs * length
+        seg, width = self.segment, self.width
+        size = _SEGMENTS * seg + rows * width
         if self.ring is not None:
             turn, buf = self.ring.take(size)
         else:
             turn, buf = None, np.zeros(size, dtype=np.int32)
+        n, starts = host.num_seqs, host.query_start
+        checkpoints = host.state_checkpoints or [-1] * n
         state = host.state_slots or [0] * n
-        for k, values in enumerate((host.input_ids, host.positions, host.slots, state)):
-            buf[k * seg:k * seg + n] = values
-            buf[k * seg + n:k * seg + bs] = values[0]
+        # Per grid row: the host row it takes its inputs from (itself, or the row it repeats), whether it is that
+        # row, and where its states go after it. The sequences past the batch's repeat sequence 0.
+        source, real, checkpoint = [], [], []
+        scratch = -1 if self.scratch_slot is None else self.scratch_slot   # (read only by grids of several rows)
+        for s in range(seqs):
+            c = s if s < n else 0
+            start, chunk = starts[c], starts[c + 1] - starts[c]
+            for j in range(length):
+                source.append(start + min(j, chunk - 1))
+                real.append(int(j < chunk))
+                keep = j < chunk - 1 and checkpoints[c] >= 0
+                checkpoint.append(checkpoints[c] + j if keep else scratch)
+        grid_row = [s * length + j for s in range(n) for j in range(starts[s + 1] - starts[s])]
+        fetch = np.asarray(source)
+        # Token ids: the real rows' (pending ones filled on the device afterwards); every row then takes the token
+        # of the row it repeats, inside the graph.
+        owner = [grid_row[t] for t in source]
+        sequence_of = np.repeat(np.arange(n), np.diff(host.query_start))
+        for k, values in enumerate((np.asarray(host.input_ids)[fetch], owner, np.asarray(host.positions)[fetch],
+                                    np.asarray(host.slots)[fetch], np.asarray(state)[sequence_of[fetch]], real,
+                                    checkpoint)):
+            buf[k * seg:k * seg + rows] = values
         # (Past a table's length a row keeps ids of earlier steps: only entries of its own context are read.)
-        tables = buf[_SEGMENTS * seg:size].reshape(bs, width)
-        for row, table in enumerate(host.tables):
+        tables = buf[_SEGMENTS * seg:size].reshape(rows, width)
+        for row, t in enumerate(source):
+            table = host.tables[sequence_of[t]]
             tables[row, :len(table)] = table
-        tables[n:] = tables[0]
         if self.ring is not None:
             self.ring.send(turn, size, self.static)
         else:
             self.static[:size].copy_(torch.from_numpy(buf))
+        return grid_row
 
-    def _forward(self, bs: int, context: int) -> None:
-        """The model over the first ``bs`` static rows, its histories padded for ``context`` tokens, into the
-        static logits (what a graph records)."""
-        seg = self.segment
-        ids, positions, slots, state = (self.static[k * seg:k * seg + bs].long() for k in range(_SEGMENTS))
-        tables = self.static[_SEGMENTS * seg:_SEGMENTS * seg + bs * self.width].view(bs, self.width).long()
+    def _forward(self, seqs: int, length: int, context: int) -> None:
+        """The model over the grid of the first ``seqs * length`` static rows, its histories padded for
+        ``context`` tokens, into the static logits (what a graph records)."""
+        seg, rows = self.segment, seqs * length
+        ids, owner, positions, slots, state, real, checkpoints = (
+            self.static[k * seg:k * seg + rows] for k in range(_SEGMENTS))
+        tables = self.static[_SEGMENTS * seg:_SEGMENTS * seg + rows * self.width].view(rows, self.width).long()
         # The host lists give the padding of the compressed histories (every context as the bucket's) and the
-        # decode shape; the state slots' host copy is not read on a decode step.
-        meta = AttentionMetadata(slot_mapping=slots, block_tables=tables, query_start=list(range(bs + 1)),
-                                 context_lens=[context] * bs, block_size=self.block_size,
-                                 state_slots=state if self.reference.has_state else None,
-                                 state_slots_host=[0] * bs if self.reference.has_state else None)
-        self.logits[:bs].copy_(self.model.compute_logits(self.model(ids, positions, meta)))
+        # grid's shape; the state slots' host copy is not read on a grid step.
+        stateful = self.reference.has_state
+        meta = AttentionMetadata(slot_mapping=slots.long(), block_tables=tables, query_start=list(range(rows + 1)),
+                                 context_lens=[context] * rows, block_size=self.block_size,
+                                 state_slots=state.long() if stateful else None,
+                                 state_slots_host=[0] * rows if stateful else None, grid_len=length,
+                                 grid_real=real.bool(), grid_checkpoints=checkpoints.long())
+        hidden = self.model(ids.long().index_select(0, owner.long()), positions.long(), meta)
+        self.logits[:rows].copy_(self.model.compute_logits(hidden))
 
-    def _capture(self, bs: int, context: int) -> None:
-        """Record the graph of ``_forward(bs, context)``; where that fails (out of memory, say), the buckets' steps
-        run eagerly from then on."""
+    def _capture(self, seqs: int, length: int, context: int) -> None:
+        """Record the graph of ``_forward(seqs, length, context)``; where that fails (out of memory, say), the
+        buckets' steps run eagerly from then on."""
+        key = seqs, length, context
         started = time.perf_counter()
         torch.cuda.synchronize(self.device)
         graph = torch.cuda.CUDAGraph()
         try:
             # (thread_local: a capture during serving does not fail on another thread's CUDA call)
             with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-                self._forward(bs, context)
+                self._forward(*key)
         except RuntimeError as error:
-            self.failed.add((bs, context))
-            logger.warning("the decode CUDA graph of %d rows, histories padded for %d tokens, could not be "
-                           "captured (%s): those steps run eagerly", bs, context, str(error).splitlines()[0])
+            self.failed.add(key)
+            logger.warning("the CUDA graph of %d sequences of %d rows, histories padded for %d tokens, could not "
+                           "be captured (%s): those steps run eagerly", *key, str(error).splitlines()[0])
             return
-        self.graphs[bs, context] = graph
+        self.graphs[key] = graph
         kept = getattr(self.model, "mtp_target_hidden", None)
         if kept is not None:   # with an MTP head: the rows' hidden states the capture kept, rewritten by a replay
-            self.kept_hidden[bs, context] = kept
-        logger.info("captured the decode CUDA graph of %d rows, histories padded for %d tokens, in %.2f s",
-                    bs, context, time.perf_counter() - started)
+            self.kept_hidden[key] = kept
+        logger.info("captured the CUDA graph of %d sequences of %d rows, histories padded for %d tokens, in %.2f s",
+                    *key, time.perf_counter() - started)

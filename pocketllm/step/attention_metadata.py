@@ -46,6 +46,13 @@ class AttentionMetadata:
     # the slot it reads its states from when it starts a chain, -1 when it continues the row before it (one
     # sequence's positions, ``HostBatch.flattened``); ``state_slots`` then says where each row's states go.
     state_chain: torch.Tensor | None = None         # [num_seqs] int32
+    # DeepSeek-V4 steps of short chunks laid out as a grid (``runner/reference_graphs.py``): each row one query, the
+    # rows ``grid_len`` consecutive positions of each sequence in turn (row ``s * grid_len + j``). ``grid_real``:
+    # the step's own rows (the others repeat their sequence's last one and change no state); ``grid_checkpoints``:
+    # the state slot each row's states are copied to after it (its verify chunk's checkpoint, else scratch).
+    grid_len: int = 1
+    grid_real: torch.Tensor | None = None           # [num_seqs] bool
+    grid_checkpoints: torch.Tensor | None = None    # [num_seqs] int64
 
     @property
     def uses_kernels(self) -> bool:
