@@ -86,7 +86,7 @@ class ReferenceGraphStep(HostBatchStep):
         """The static inputs and logits for grids of up to ``max_num_seqs`` rows of up to ``max_model_len``
         tokens; graphs are captured as steps need them."""
         self.max_model_len = max_model_len
-        self.width = -(-max_model_len // self.block_size)
+        self.width = -(-min(max_model_len, MAX_CONTEXT_BUCKET) // self.block_size)   # (longer steps run eagerly)
         self.segment = -(-max_num_seqs // 16) * 16
         self.static = torch.zeros(_SEGMENTS * self.segment + max_num_seqs * self.width, dtype=torch.int32,
                                   device=self.device)
