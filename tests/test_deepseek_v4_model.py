@@ -235,7 +235,7 @@ def test_decode_steps_as_the_cuda_graphs_run_them(regime, tiny_checkpoint, refer
         step = use_graph_steps(llm)
         outputs = llm.generate(_prompts(), params)
     assert [o.token_ids for o in outputs] == references()
-    assert step.grid_steps >= NEW_TOKENS - 1 and step.verify_steps == step.replays == 0
+    assert step.grid_steps >= NEW_TOKENS - 1
 
 
 def test_shared_prefix_with_prefix_caching_asked_for(tiny_checkpoint, references):

@@ -343,17 +343,21 @@ def test_seeded_sampling_with_the_mtp_head_is_distribution_correct(mtp_checkpoin
 def test_mtp_on_cuda_greedy_equal(mtp_checkpoint):
     """On CUDA (float32; the target on the kernel path, its verify steps replayed from the decode graphs, which keep
     their rows' hidden states for the head; the head's attention on the reference path): greedy output equals the
-    engine's without speculation, dense and MoE, with a random and an agreeing head."""
+    engine's without speculation, dense and MoE, with a random and an agreeing head; and the head proposes and
+    keeps what it does when every step runs eagerly (it read the graphs' hidden states of the right rows)."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
     params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    counts = ("spec_verify_chunks", "spec_proposed_tokens", "spec_accepted_tokens")
     for arch in ARCHS:
         for agree in (False, True):
             args = EngineArgs(model=mtp_checkpoint(arch, agree), device="cuda", dtype="float32", max_num_seqs=8,
                               **KV)
             plain, _ = _generate(args, PROMPTS, params)
             spec, stats = _generate(args.replace(speculative_config=mtp_spec()), PROMPTS, params)
+            _, eager = _generate(args.replace(speculative_config=mtp_spec(), enforce_eager=True), PROMPTS, params)
             assert [o.token_ids for o in spec] == [o.token_ids for o in plain], (arch, agree)
             assert stats["spec_verify_chunks"] > 0 and stats["spec_graph_steps"] > 0
+            assert [stats[c] for c in counts] == [eager[c] for c in counts], (arch, agree)
             if agree:
                 assert stats["spec_accepted_tokens"] > 0

@@ -317,18 +317,41 @@ def test_greedy_equal_with_verify_steps_as_the_cuda_graphs_run_them(regime, mtp_
     as a grid (as many rows for each sequence as its longest chunk, a chunk's rows past its end repeating its last
     one, the sequences padded to the bucket with copies of the first), each position's states copied to its
     checkpoint inside the grid. With the agreeing MTP layer (proposals kept, some rejected: the compressed layers'
-    states rolled back to those checkpoints) the tokens are those of the engine without speculation."""
+    states rolled back to those checkpoints) the tokens are those of the engine without speculation, and the
+    layer, reading the grid's hidden states back in the batch's order, proposes and keeps what it does when the
+    steps run as the batch lists them."""
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     args = EngineArgs(model=mtp_checkpoint(True), **REGIMES[regime])
     plain, _ = _generate(args, PROMPTS, params)
+    eager, eager_stats = _generate(args.replace(speculative_config=mtp_spec()), PROMPTS, params)
     with LLM(args.replace(speculative_config=mtp_spec())) as llm:
         step = use_graph_steps(llm)
         spec = llm.generate(PROMPTS, params)
         stats = llm.stats()
-    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+    assert [o.token_ids for o in spec] == [o.token_ids for o in plain] == [o.token_ids for o in eager]
     assert step.verify_steps > 0 and 0 < stats["spec_accepted_tokens"] < stats["spec_proposed_tokens"]
+    counts = ("spec_verify_chunks", "spec_proposed_tokens", "spec_accepted_tokens")
+    assert [stats[c] for c in counts] == [eager_stats[c] for c in counts]
     if regime == "preemption":
         assert stats["num_preemptions"] > 0
+
+
+@pytest.mark.gpu
+def test_mtp_on_cuda_replays_verify_grids(mtp_checkpoint):
+    """On CUDA (float32): the target's decode and verify steps replayed from the reference step's graphs give the
+    tokens of the engine without speculation, and the agreeing MTP layer proposes and keeps what it does with
+    every step eager."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    args = EngineArgs(model=mtp_checkpoint(True), device="cuda", dtype="float32", num_kv_blocks=128, max_num_seqs=8)
+    plain, _ = _generate(args, PROMPTS, params)
+    spec, stats = _generate(args.replace(speculative_config=mtp_spec()), PROMPTS, params)
+    _, eager = _generate(args.replace(speculative_config=mtp_spec(), enforce_eager=True), PROMPTS, params)
+    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+    assert stats["spec_graph_steps"] > 0 and eager["spec_graph_steps"] == 0
+    counts = ("spec_verify_chunks", "spec_proposed_tokens", "spec_accepted_tokens")
+    assert [stats[c] for c in counts] == [eager[c] for c in counts]
 
 
 @pytest.mark.parametrize("regime", ["default", "preemption", "pipelined"])

@@ -237,6 +237,7 @@ class WindowPool(nn.Module):
         kv, gate = self.open_kv[slots], self.open_gate[slots] + self.position_bias   # [B, rate, width]
         if self.overlap:
             closing = held == self.rate - 1
+            # (A row that is not real would only set the overlap state to what its real row set: masked for clarity.)
             kv, gate = self._overlap_rows(kv, gate, slots, window, closing if real is None else closing & real)
         weights = torch.softmax(gate, dim=1, dtype=torch.float32)
         entries = self.rotary(self.kv_norm((kv * weights).sum(dim=1)), window * self.rate)

@@ -119,9 +119,9 @@ class CudaStepRunner:
         self.flat_replays = 0
         self.graph_logits: torch.Tensor | None = None
         self.graph_meta: dict[tuple[int, int], AttentionMetadata] = {}
-        # A model with an MTP head keeps each forward's hidden states for it (``mtp_target_hidden``): per graph
-        # (by id), the tensor its capture kept, which each replay rewrites.
-        self.kept_hidden: dict[int, torch.Tensor] = {}
+        # A model with an MTP head keeps each forward's hidden states for it (``mtp_target_hidden``): every graph
+        # copies its rows' into this one static buffer (allocated at the first capture, the largest bucket's).
+        self.graph_hidden: torch.Tensor | None = None
         self.max_graph_bs = 0
         self.graph_width = 0
         self.chained = False   # hybrid models with speculation: graphs run recurrent states in chains
@@ -294,10 +294,11 @@ class CudaStepRunner:
         self.graph_meta[bs, splits] = meta
 
     def _decode_graph(self, bs: int, splits: int, inputs: tuple[torch.Tensor, ...], counters: torch.Tensor,
-                      logits: torch.Tensor, pool, rows_share_context: bool = False
+                      logits: torch.Tensor, pool, rows_share_context: bool = False, keep_hidden: bool = True
                       ) -> tuple[torch.cuda.CUDAGraph, AttentionMetadata]:
         """A graph of the decode step of ``bs`` rows over the static ``inputs`` (as ``_capture_one``) writing
-        ``logits``, captured into ``pool`` (None: a pool of its own) after one eager run, and its metadata
+        ``logits`` (and, for a model with an MTP head and ``keep_hidden``, its rows' hidden states into
+        ``graph_hidden``), captured into ``pool`` (None: a pool of its own) after one eager run, and its metadata
         (``rows_share_context``: rows of a flattened step)."""
         ids, pos, slots, ctx, state, chain, tables = inputs
         hybrid = self.state_padding_slot is not None
@@ -309,13 +310,17 @@ class CudaStepRunner:
             state_slots_host=[self.state_padding_slot] * bs if hybrid else None,
             rows_share_context=rows_share_context, state_chain=chain[:bs] if self.chained else None)
         self.model.logits_unnormed(*self.model.unnormed(ids[:bs], pos[:bs], meta), logits)  # compile, warm up
+        kept = getattr(self.model, "mtp_target_hidden", None) if keep_hidden else None
+        if kept is not None and self.graph_hidden is None:
+            self.graph_hidden = torch.empty((bs, *kept.shape[1:]), dtype=kept.dtype, device=self.device)
+        if kept is not None and self.graph_hidden.shape[0] < bs:
+            raise RuntimeError("decode graphs are captured largest bucket first")
         torch.cuda.synchronize(self.device)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=pool):
             self.model.logits_unnormed(*self.model.unnormed(ids[:bs], pos[:bs], meta), logits)
-        kept = getattr(self.model, "mtp_target_hidden", None)
-        if kept is not None:
-            self.kept_hidden[id(graph)] = kept
+            if kept is not None:
+                self.graph_hidden[:bs].copy_(self.model.mtp_target_hidden)
         return graph, meta
 
     def time_one_row_step(self, context: int, sample: Callable[[torch.Tensor], SampleResult],
@@ -340,7 +345,7 @@ class CudaStepRunner:
                              device=self.device)
         graph, _ = self._decode_graph(1, self._splits(1, [context]), (ids, pos, slots, ctx, state, chain,
                                                                       inputs[_SEGMENTS * seg:].view(1, width)),
-                                      self._counters(1), logits, None)
+                                      self._counters(1), logits, None, keep_hidden=False)
         staged = inputs.cpu().pin_memory()
 
         def timed(steps: int) -> float:
@@ -358,9 +363,7 @@ class CudaStepRunner:
 
         timed(3)
         steps = max(3, min(60, int(block_ms / timed(3))))
-        best = min(timed(steps) for _ in range(3))   # the least of three runs of ~block_ms
-        self.kept_hidden.pop(id(graph), None)        # (a throwaway graph)
-        return best
+        return min(timed(steps) for _ in range(3))   # the least of three runs of ~block_ms
 
     def _replay(self, host: HostBatch, previous_tokens: torch.Tensor | None,
                 graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] | None = None) -> torch.Tensor:
@@ -388,8 +391,7 @@ class CudaStepRunner:
         self.ring.send(i, size, self.static)
         host.pending.fill(self.static[:n], previous_tokens)
         key = bs, self._splits(bs, host.context_lens)
-        graph = (self.graphs if graphs is None else graphs)[key]
-        graph.replay()
-        if id(graph) in self.kept_hidden:   # the MTP head reads this step's rows
-            self.model.mtp_target_hidden = self.kept_hidden[id(graph)][:n]
+        (self.graphs if graphs is None else graphs)[key].replay()
+        if self.graph_hidden is not None:   # the MTP head reads this step's rows
+            self.model.mtp_target_hidden = self.graph_hidden[:n]
         return self.graph_logits[:n]

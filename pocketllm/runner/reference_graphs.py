@@ -74,7 +74,8 @@ class ReferenceGraphStep(HostBatchStep):
         # The state pool's scratch slot (``ModelRunner.allocate_state_pool``); None: verify chunks run eagerly.
         self.scratch_slot: int | None = None
         self.graphs: dict[tuple[int, int, int], torch.cuda.CUDAGraph] = {}
-        self.kept_hidden: dict[tuple[int, int, int], torch.Tensor] = {}
+        # With an MTP head: the rows' hidden states (``mtp_target_hidden``) of every grid step, static.
+        self.hidden: torch.Tensor | None = None
         self.failed: set[tuple[int, int, int]] = set()   # buckets whose capture failed: their steps run eagerly
         self.grid_steps = 0      # steps run over the static inputs, replayed or not
         self.verify_steps = 0    # of which with verify chunks
@@ -135,12 +136,11 @@ class ReferenceGraphStep(HostBatchStep):
             graph.replay()
             self.replays += 1
             self.verify_replays += length > 1
-            kept = self.kept_hidden.get(key)
         else:
             self._forward(*key)
-            kept = getattr(self.model, "mtp_target_hidden", None)   # this step's own rows (a capture's are not)
             if self.replay:
                 self._capture(*key)
+        kept = None if self.hidden is None else self.hidden[:seqs * length]
         if rows == list(range(len(rows))):
             logits = self.logits[:len(rows)]
         else:   # (a new tensor: the static logits are the next step's)
@@ -186,11 +186,11 @@ class ReferenceGraphStep(HostBatchStep):
                                     np.asarray(host.slots)[fetch], np.asarray(state)[sequence_of[fetch]], real,
                                     checkpoint)):
             buf[k * seg:k * seg + rows] = values
-        # (Past a table's length a row keeps ids of earlier steps: only entries of its own context are read.)
         tables = buf[_SEGMENTS * seg:size].reshape(rows, width)
-        for row, t in enumerate(source):
+        for row, t in enumerate(source):   # (zero past a table: its padded history reads entry 0 there)
             table = host.tables[sequence_of[t]]
             tables[row, :len(table)] = table
+            tables[row, len(table):] = 0
         if self.ring is not None:
             self.ring.send(turn, size, self.static)
         else:
@@ -214,6 +214,12 @@ class ReferenceGraphStep(HostBatchStep):
                                  grid_real=real.bool(), grid_checkpoints=checkpoints.long())
         hidden = self.model(ids.long().index_select(0, owner.long()), positions.long(), meta)
         self.logits[:rows].copy_(self.model.compute_logits(hidden))
+        kept = getattr(self.model, "mtp_target_hidden", None)
+        if kept is not None:
+            if self.hidden is None:   # (a key's first step runs eagerly: never allocated inside a capture)
+                self.hidden = torch.empty((self.logits.shape[0], *kept.shape[1:]), dtype=kept.dtype,
+                                          device=self.device)
+            self.hidden[:rows].copy_(kept)
 
     def _capture(self, seqs: int, length: int, context: int) -> None:
         """Record the graph of ``_forward(seqs, length, context)``; where that fails (out of memory, say), the
@@ -232,8 +238,5 @@ class ReferenceGraphStep(HostBatchStep):
                            "be captured (%s): those steps run eagerly", *key, str(error).splitlines()[0])
             return
         self.graphs[key] = graph
-        kept = getattr(self.model, "mtp_target_hidden", None)
-        if kept is not None:   # with an MTP head: the rows' hidden states the capture kept, rewritten by a replay
-            self.kept_hidden[key] = kept
         logger.info("captured the CUDA graph of %d sequences of %d rows, histories padded for %d tokens, in %.2f s",
                     *key, time.perf_counter() - started)
