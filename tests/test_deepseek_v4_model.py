@@ -222,20 +222,22 @@ def use_graph_steps(llm: LLM):
     return step
 
 
-@pytest.mark.parametrize("regime", ["default", "preemption", "async-preemption"])
+@pytest.mark.parametrize("regime", ["default", "prefill-budget-16", "preemption", "async-preemption"])
 def test_decode_steps_as_the_cuda_graphs_run_them(regime, tiny_checkpoint, references):
     """The plain decode steps CUDA graphs replay (``runner/reference_graphs.py``), run eagerly here: each batch
     padded to its graph bucket with copies of row 0 (five requests run as eight rows), every compressed history
     padded for a 256-token context (for ``max_model_len``, 120 tokens, in the preemption regimes). The padding
     rows write what row 0 writes, so the tokens still equal transformers'; a padding row with another token (one
     left pending under async scheduling), or a window's overlap state moved on where none closed, would change
-    them."""
+    them. With a small prefill budget, prompt chunks run eagerly beside the decode rows' grid."""
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
     with LLM(EngineArgs(model=tiny_checkpoint(ARCH), **REGIMES[regime])) as llm:
         step = use_graph_steps(llm)
         outputs = llm.generate(_prompts(), params)
     assert [o.token_ids for o in outputs] == references()
     assert step.grid_steps >= NEW_TOKENS - 1
+    if regime == "prefill-budget-16":
+        assert step.split_steps > 0
 
 
 def test_shared_prefix_with_prefix_caching_asked_for(tiny_checkpoint, references):

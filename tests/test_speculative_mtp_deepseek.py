@@ -354,13 +354,14 @@ def test_mtp_on_cuda_replays_verify_grids(mtp_checkpoint):
     assert [stats[c] for c in counts] == [eager[c] for c in counts]
 
 
-@pytest.mark.parametrize("regime", ["default", "preemption", "pipelined"])
+@pytest.mark.parametrize("regime", ["default", "chunked-5", "preemption", "pipelined"])
 def test_greedy_equal_with_mixed_verify_grids(regime, tiny_checkpoint):
     """Grids of verify chunks of different lengths beside plain decode rows (an oracle proposer that proposes up to
     four tokens, some wrong, and nothing every other call), run as the CUDA graphs run them: the rows past a
     shorter chunk repeat its last position, whose window may close there, without paging that window's entry
     again. Pipelined (``async_scheduling="on"``): a verify chunk's first token is still pending when its grid is
-    laid out. The tokens are those of the engine without speculation."""
+    laid out. With a 5-token prefill budget, prompt chunks run eagerly beside the grid. The tokens are those of
+    the engine without speculation."""
     from test_speculative import NGRAM, OracleProposer
 
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
@@ -381,6 +382,8 @@ def test_greedy_equal_with_mixed_verify_grids(regime, tiny_checkpoint):
         assert stats["num_preemptions"] > 0
     if regime == "pipelined":
         assert stats["spec_pipelined_verify_chunks"] > 0
+    if regime == "chunked-5":
+        assert step.split_steps > 0
 
 
 @pytest.mark.parametrize("agree", [False, True])

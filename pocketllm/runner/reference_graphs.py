@@ -18,8 +18,10 @@ Every row pools its open window on every step (``WindowPool.pool_rows``), which 
 the step. The rows' inputs are int32 in one static buffer, filled by one host copy, and widened to int64 inside
 the graph.
 
-Steps of any other shape (prompt chunks, more rows than ``max_num_seqs``, longer contexts) run the reference step
-eagerly, as do those of buckets whose capture failed.
+In a step that also holds prompt chunks, the decode rows and verify chunks run as a grid and the prompt chunks
+eagerly beside it (not with an MTP head, which reads one forward's hidden states of every row). Steps of any other
+shape (more rows than ``max_num_seqs``, longer contexts) run the reference step eagerly, as do those of buckets
+whose capture failed.
 """
 
 from __future__ import annotations
@@ -31,11 +33,12 @@ import numpy as np
 import torch
 
 from pocketllm.runner.cuda_graphs import PinnedRing, graph_buckets
-from pocketllm.runner.step_backend import HostBatchStep, ReferenceStep
+from pocketllm.runner.step_backend import HostBatchStep, ReferenceStep, in_chunk_order
 from pocketllm.step.attention_metadata import AttentionMetadata
-from pocketllm.step.host_batch import HostBatch
+from pocketllm.step.host_batch import HostBatch, gather_host_batch
 from pocketllm.step.host_to_device import device_tensor
 from pocketllm.step.pending_inputs import PendingInputs
+from pocketllm.step.scheduled_chunk import ScheduledChunk
 
 logger = logging.getLogger("pocketllm.runner")
 
@@ -77,7 +80,8 @@ class ReferenceGraphStep(HostBatchStep):
         # With an MTP head: the rows' hidden states (``mtp_target_hidden``) of every grid step, static.
         self.hidden: torch.Tensor | None = None
         self.failed: set[tuple[int, int, int]] = set()   # buckets whose capture failed: their steps run eagerly
-        self.grid_steps = 0      # steps run over the static inputs, replayed or not
+        self.grid_steps = 0      # steps (or their decode rows and verify chunks) run over the static inputs
+        self.split_steps = 0     # of which beside prompt chunks run eagerly
         self.verify_steps = 0    # of which with verify chunks
         self.replays = 0         # of which replayed from a graph
         self.verify_replays = 0  # of which both
@@ -95,6 +99,28 @@ class ReferenceGraphStep(HostBatchStep):
                                   device=self.device)
         self.pool = torch.cuda.graph_pool_handle() if self.replay else None
         self.buckets = graph_buckets(max_num_seqs)
+
+    def launch(self, chunks: list[ScheduledChunk], previous_tokens: torch.Tensor | None) -> torch.Tensor | None:
+        """The step as one grid, or eagerly; or, where only some chunks fit a grid (decode rows and verify chunks
+        beside prompt chunks), those as a grid and the rest eagerly, the logits back in the chunk order. (Not with
+        an MTP head, which reads the hidden states of the whole step's rows from one forward.)"""
+        mine = [chunk for chunk in chunks if self._fits(chunk)]
+        if self.buckets and mine and len(mine) < len(chunks) and getattr(self.model, "mtp", None) is None:
+            host = gather_host_batch(mine, self.block_size)
+            key = self._grid_key(host)
+            if key is not None and key not in self.failed:
+                self.split_steps += 1
+                others = [chunk for chunk in chunks if not self._fits(chunk)]
+                fast = self._grid(host, previous_tokens, key)
+                return in_chunk_order(chunks, mine, fast, self.reference.launch(others, previous_tokens))
+        return super().launch(chunks, previous_tokens)
+
+    @staticmethod
+    def _fits(chunk: ScheduledChunk) -> bool:
+        """Whether a chunk can be part of a grid: a decode row, or a verify chunk with state checkpoints."""
+        if chunk.draft:
+            return chunk.num_tokens <= MAX_GRID_LEN and getattr(chunk.request, "state_checkpoints", -1) >= 0
+        return chunk.num_tokens == 1 and chunk.samples
 
     def run(self, host: HostBatch, previous_tokens: torch.Tensor | None = None) -> torch.Tensor | None:
         key = self._grid_key(host)

@@ -153,16 +153,20 @@ class CpuDecodeBackend(StepBackend):
         if self.step.handles(chunks):
             return self._logits(chunks)
         mine, others = self._split(chunks)
-        fast = self._logits(mine)
-        rest = self.rest.launch(others, previous_tokens)
-        if fast is None or rest is None:
-            return fast if rest is None else rest
-        # Back into the step's chunk order: each sampling chunk's rows (a verify chunk's 1 + k), in turn, taken
-        # from the fast rows or from the rest's (which follow them in ``joined``).
-        ours = {id(chunk) for chunk in mine}
-        fast_rows, rest_rows = iter(range(fast.shape[0])), iter(range(fast.shape[0], fast.shape[0] + rest.shape[0]))
-        order = [next(fast_rows if id(chunk) in ours else rest_rows)
-                 for chunk in chunks if chunk.samples for _ in range(len(chunk.draft) + 1)]
-        dtype = torch.promote_types(fast.dtype, rest.dtype)
-        joined = torch.cat([fast.to(dtype), rest.to(dtype)])
-        return joined.index_select(0, torch.tensor(order, dtype=torch.int64, device=joined.device))
+        return in_chunk_order(chunks, mine, self._logits(mine), self.rest.launch(others, previous_tokens))
+
+
+def in_chunk_order(chunks: list[ScheduledChunk], mine: list[ScheduledChunk], fast: torch.Tensor | None,
+                   rest: torch.Tensor | None) -> torch.Tensor | None:
+    """The logits of a step whose chunks ran on two backends, ``fast`` of the sampling rows of ``mine`` and
+    ``rest`` of the others', in the step's chunk order: each sampling chunk's rows (a verify chunk's 1 + k), in
+    turn, taken from the fast rows or from the rest's."""
+    if fast is None or rest is None:
+        return fast if rest is None else rest
+    ours = {id(chunk) for chunk in mine}
+    fast_rows, rest_rows = iter(range(fast.shape[0])), iter(range(fast.shape[0], fast.shape[0] + rest.shape[0]))
+    order = [next(fast_rows if id(chunk) in ours else rest_rows)
+             for chunk in chunks if chunk.samples for _ in range(len(chunk.draft) + 1)]
+    dtype = torch.promote_types(fast.dtype, rest.dtype)
+    joined = torch.cat([fast.to(dtype), rest.to(dtype)])
+    return joined.index_select(0, device_tensor(order, torch.int64, joined.device))
