@@ -311,7 +311,7 @@ def test_greedy_equal_with_the_mtp_layer(regime, mtp_checkpoint):
             assert stats["num_preemptions"] > 0
 
 
-@pytest.mark.parametrize("regime", ["default", "preemption"])
+@pytest.mark.parametrize("regime", ["default", "chunked-5", "preemption"])
 def test_greedy_equal_with_verify_steps_as_the_cuda_graphs_run_them(regime, mtp_checkpoint):
     """Verify steps as CUDA graphs run them (``runner/reference_graphs.py``), eagerly here: a step's chunks laid out
     as a grid (as many rows for each sequence as its longest chunk, a chunk's rows past its end repeating its last
@@ -319,7 +319,8 @@ def test_greedy_equal_with_verify_steps_as_the_cuda_graphs_run_them(regime, mtp_
     checkpoint inside the grid. With the agreeing MTP layer (proposals kept, some rejected: the compressed layers'
     states rolled back to those checkpoints) the tokens are those of the engine without speculation, and the
     layer, reading the grid's hidden states back in the batch's order, proposes and keeps what it does when the
-    steps run as the batch lists them."""
+    steps run as the batch lists them; also where prompt chunks (a 5-token prefill budget) run eagerly beside the
+    grid and the two parts' hidden states are joined."""
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     args = EngineArgs(model=mtp_checkpoint(True), **REGIMES[regime])
     plain, _ = _generate(args, PROMPTS, params)
@@ -332,6 +333,8 @@ def test_greedy_equal_with_verify_steps_as_the_cuda_graphs_run_them(regime, mtp_
     assert step.verify_steps > 0 and 0 < stats["spec_accepted_tokens"] < stats["spec_proposed_tokens"]
     counts = ("spec_verify_chunks", "spec_proposed_tokens", "spec_accepted_tokens")
     assert [stats[c] for c in counts] == [eager_stats[c] for c in counts]
+    if regime == "chunked-5":
+        assert step.split_steps > 0
     if regime == "preemption":
         assert stats["num_preemptions"] > 0
 

@@ -19,7 +19,7 @@ the step. The rows' inputs are int32 in one static buffer, filled by one host co
 the graph.
 
 In a step that also holds prompt chunks, the decode rows and verify chunks run as a grid and the prompt chunks
-eagerly beside it (not with an MTP head, which reads one forward's hidden states of every row). Steps of any other
+eagerly beside it (an MTP head gets the two parts' hidden states joined in chunk order). Steps of any other
 shape (more rows than ``max_num_seqs``, longer contexts) run the reference step eagerly, as do those of buckets
 whose capture failed.
 """
@@ -102,17 +102,23 @@ class ReferenceGraphStep(HostBatchStep):
 
     def launch(self, chunks: list[ScheduledChunk], previous_tokens: torch.Tensor | None) -> torch.Tensor | None:
         """The step as one grid, or eagerly; or, where only some chunks fit a grid (decode rows and verify chunks
-        beside prompt chunks), those as a grid and the rest eagerly, the logits back in the chunk order. (Not with
-        an MTP head, which reads the hidden states of the whole step's rows from one forward.)"""
+        beside prompt chunks), those as a grid and the rest eagerly, the logits (and, for an MTP head, every row's
+        hidden states) back in the chunk order."""
         mine = [chunk for chunk in chunks if self._fits(chunk)]
-        if self.buckets and mine and len(mine) < len(chunks) and getattr(self.model, "mtp", None) is None:
+        if self.buckets and mine and len(mine) < len(chunks):
             host = gather_host_batch(mine, self.block_size)
             key = self._grid_key(host)
             if key is not None and key not in self.failed:
                 self.split_steps += 1
                 others = [chunk for chunk in chunks if not self._fits(chunk)]
                 fast = self._grid(host, previous_tokens, key)
-                return in_chunk_order(chunks, mine, fast, self.reference.launch(others, previous_tokens))
+                fast_hidden = getattr(self.model, "mtp_target_hidden", None)
+                rest = self.reference.launch(others, previous_tokens)
+                if fast_hidden is not None:
+                    self.model.mtp_target_hidden = in_chunk_order(chunks, mine, fast_hidden,
+                                                                  self.model.mtp_target_hidden,
+                                                                  lambda chunk: chunk.num_tokens)
+                return in_chunk_order(chunks, mine, fast, rest)
         return super().launch(chunks, previous_tokens)
 
     @staticmethod

@@ -13,6 +13,7 @@ it receives through the same step's ``run``.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -156,17 +157,22 @@ class CpuDecodeBackend(StepBackend):
         return in_chunk_order(chunks, mine, self._logits(mine), self.rest.launch(others, previous_tokens))
 
 
+def sampling_rows(chunk: ScheduledChunk) -> int:
+    """How many logits rows a chunk has: a verify chunk's 1 + k, one for another sampling chunk, else none."""
+    return len(chunk.draft) + 1 if chunk.samples else 0
+
+
 def in_chunk_order(chunks: list[ScheduledChunk], mine: list[ScheduledChunk], fast: torch.Tensor | None,
-                   rest: torch.Tensor | None) -> torch.Tensor | None:
-    """The logits of a step whose chunks ran on two backends, ``fast`` of the sampling rows of ``mine`` and
-    ``rest`` of the others', in the step's chunk order: each sampling chunk's rows (a verify chunk's 1 + k), in
-    turn, taken from the fast rows or from the rest's."""
+                   rest: torch.Tensor | None, rows: Callable[[ScheduledChunk], int] = sampling_rows
+                   ) -> torch.Tensor | None:
+    """The rows of a step whose chunks ran on two backends, ``fast`` those of ``mine`` and ``rest`` the others',
+    in the step's chunk order: each chunk's ``rows`` (by default its logits rows), in turn, taken from the fast
+    rows or from the rest's."""
     if fast is None or rest is None:
         return fast if rest is None else rest
     ours = {id(chunk) for chunk in mine}
     fast_rows, rest_rows = iter(range(fast.shape[0])), iter(range(fast.shape[0], fast.shape[0] + rest.shape[0]))
-    order = [next(fast_rows if id(chunk) in ours else rest_rows)
-             for chunk in chunks if chunk.samples for _ in range(len(chunk.draft) + 1)]
+    order = [next(fast_rows if id(chunk) in ours else rest_rows) for chunk in chunks for _ in range(rows(chunk))]
     dtype = torch.promote_types(fast.dtype, rest.dtype)
     joined = torch.cat([fast.to(dtype), rest.to(dtype)])
     return joined.index_select(0, device_tensor(order, torch.int64, joined.device))
