@@ -51,8 +51,8 @@ Where the per-request state lives
 The attention, its compressors and indexer, rotary and norms are in ``deepseek_v4_attention.py``; the decoder
 layer, hyper-connections and experts in ``deepseek_v4_blocks.py``. Runs on the PyTorch reference step on CPU and
 on CUDA (``kernel_step = False``: no CPU decode plan and no Triton attention, since its attention is its own;
-plain torch ops on the device, in the engine's dtype), on one rank. On CUDA its plain decode steps replay CUDA
-graphs of that step (``runner/reference_graphs.py``). The multi-token-prediction layer (``mtp.*``) is loaded
+plain torch ops on the device, in the engine's dtype), on one rank. On CUDA its decode and verify steps replay
+CUDA graphs of that step (``runner/reference_graphs.py``). The multi-token-prediction layer (``mtp.*``) is loaded
 only when the model runner adds it (``add_mtp_head``, speculative ``method="mtp"``: ``deepseek_v4_mtp.py``),
 else skipped. Config features transformers' reference does not compute, or that we do not, are refused at load
 by name.

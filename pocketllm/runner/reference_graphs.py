@@ -101,52 +101,46 @@ class ReferenceGraphStep(HostBatchStep):
         self.buckets = graph_buckets(max_num_seqs)
 
     def launch(self, chunks: list[ScheduledChunk], previous_tokens: torch.Tensor | None) -> torch.Tensor | None:
-        """The step as one grid, or eagerly; or, where only some chunks fit a grid (decode rows and verify chunks
-        beside prompt chunks), those as a grid and the rest eagerly, the logits (and, for an MTP head, every row's
-        hidden states) back in the chunk order."""
-        mine = [chunk for chunk in chunks if self._fits(chunk)]
-        if self.buckets and mine and len(mine) < len(chunks):
-            host = gather_host_batch(mine, self.block_size)
-            key = self._grid_key(host)
-            if key is not None and key not in self.failed:
-                self.split_steps += 1
-                others = [chunk for chunk in chunks if not self._fits(chunk)]
-                fast = self._grid(host, previous_tokens, key)
-                fast_hidden = getattr(self.model, "mtp_target_hidden", None)
-                rest = self.reference.launch(others, previous_tokens)
-                if fast_hidden is not None:
-                    self.model.mtp_target_hidden = in_chunk_order(chunks, mine, fast_hidden,
-                                                                  self.model.mtp_target_hidden,
-                                                                  lambda chunk: chunk.num_tokens)
-                return in_chunk_order(chunks, mine, fast, rest)
-        return super().launch(chunks, previous_tokens)
+        """The step's decode rows and verify chunks as a grid, where they fit one, and any other chunks eagerly
+        beside it, the logits (and, for an MTP head, every row's hidden states) in the chunk order; else the
+        whole step eagerly."""
+        mine: list[ScheduledChunk] = []
+        others: list[ScheduledChunk] = []
+        for chunk in chunks:
+            (mine if self._fits(chunk) else others).append(chunk)
+        host = gather_host_batch(mine, self.block_size) if self.buckets and mine else None
+        key = None if host is None else self._grid_key(host)
+        if key is None or key in self.failed:
+            return self.reference.launch(chunks, previous_tokens)
+        fast = self._grid(host, previous_tokens, key)
+        if not others:
+            return fast
+        self.split_steps += 1
+        fast_hidden = getattr(self.model, "mtp_target_hidden", None)
+        rest = self.reference.launch(others, previous_tokens)
+        if fast_hidden is not None:
+            self.model.mtp_target_hidden = in_chunk_order(chunks, mine, fast_hidden, self.model.mtp_target_hidden,
+                                                          lambda chunk: chunk.num_tokens)
+        return in_chunk_order(chunks, mine, fast, rest)
 
     @staticmethod
     def _fits(chunk: ScheduledChunk) -> bool:
-        """Whether a chunk can be part of a grid: a decode row, or a verify chunk with state checkpoints."""
+        """Whether a chunk can be part of a grid: a decode row, or a verify chunk with state checkpoints (every
+        token of either samples)."""
         if chunk.draft:
             return chunk.num_tokens <= MAX_GRID_LEN and getattr(chunk.request, "state_checkpoints", -1) >= 0
         return chunk.num_tokens == 1 and chunk.samples
 
     def run(self, host: HostBatch, previous_tokens: torch.Tensor | None = None) -> torch.Tensor | None:
-        key = self._grid_key(host)
-        if key is None or key in self.failed:
-            return self.reference.run(host, previous_tokens)
-        return self._grid(host, previous_tokens, key)
+        return self.reference.run(host, previous_tokens)
 
     def _grid_key(self, host: HostBatch) -> tuple[int, int, int] | None:
-        """(batch bucket, rows a sequence, context bucket) of the grid the step runs as; None: it runs eagerly."""
-        if not self.buckets or len(host.sample_index) != host.num_tokens:
-            return None
+        """(batch bucket, rows a sequence, context bucket) of the grid the host batch of chunks that fit one runs
+        as; None: it runs eagerly."""
         length = host.max_query_len
-        checkpoints = host.state_checkpoints or [-1] * host.num_seqs
-        if length > MAX_GRID_LEN or (length > 1 and self.scratch_slot is None) or (length > 1 and any(
-                end - start > 1 and checkpoint < 0
-                for start, end, checkpoint in zip(host.query_start, host.query_start[1:], checkpoints))):
-            return None   # (a chunk of several positions without checkpoints: not a verify chunk)
         longest = max(host.context_lens)
-        if (host.num_seqs * length > self.buckets[-1] or longest > MAX_CONTEXT_BUCKET
-                or max(len(t) for t in host.tables) > self.width):
+        if ((length > 1 and self.scratch_slot is None) or host.num_seqs * length > self.buckets[-1]
+                or longest > MAX_CONTEXT_BUCKET or max(len(t) for t in host.tables) > self.width):
             return None
         bucket = next(b for b in self.buckets if b >= host.num_seqs * length)
         return bucket // length, length, context_bucket(longest, self.max_model_len)
@@ -193,9 +187,7 @@ class ReferenceGraphStep(HostBatchStep):
             turn, buf = self.ring.take(size)
         else:
             turn, buf = None, np.zeros(size, dtype=np.int32)
-        n, starts = host.num_seqs, host.query_start
-        checkpoints = host.state_checkpoints or [-1] * n
-        state = host.state_slots or [0] * n
+        n, starts, checkpoints = host.num_seqs, host.query_start, host.state_checkpoints
         # Per grid row: the host row it takes its inputs from (itself, or the row it repeats), whether it is that
         # row, and where its states go after it. The sequences past the batch's repeat sequence 0.
         source, real, checkpoint = [], [], []
@@ -214,9 +206,9 @@ class ReferenceGraphStep(HostBatchStep):
         # of the row it repeats, inside the graph.
         owner = [grid_row[t] for t in source]
         sequence_of = np.repeat(np.arange(n), np.diff(host.query_start))
+        state = np.asarray(host.state_slots)[sequence_of[fetch]]
         for k, values in enumerate((np.asarray(host.input_ids)[fetch], owner, np.asarray(host.positions)[fetch],
-                                    np.asarray(host.slots)[fetch], np.asarray(state)[sequence_of[fetch]], real,
-                                    checkpoint)):
+                                    np.asarray(host.slots)[fetch], state, real, checkpoint)):
             buf[k * seg:k * seg + rows] = values
         tables = buf[_SEGMENTS * seg:size].reshape(rows, width)
         for row, t in enumerate(source):   # (zero past a table: its padded history reads entry 0 there)
