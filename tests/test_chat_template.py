@@ -14,6 +14,7 @@ import pytest
 
 from pocketllm.errors import CheckpointError, InvalidRequestError
 from pocketllm.protocol import normalize_messages, render_chat_template, template_supports_tools
+from pocketllm.protocol.chat_request import build_chat_prompt
 from pocketllm.protocol.chat_template import _compile
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -329,6 +330,7 @@ def test_parsed_arguments_act_as_mapping_and_as_text():
 # ------------------------------------------------------------------------------------------------------------
 
 SIMPLE = "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
+_CALL = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
 
 
 @pytest.mark.parametrize("part", [
@@ -366,6 +368,8 @@ def test_malformed_messages_are_refused(messages):
 def test_all_valid_roles_are_accepted():
     roles = ["system", "developer", "user", "assistant", "tool"]
     messages = [{"role": r, "content": r} for r in roles]
+    messages[3]["tool_calls"] = [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]
+    messages[4]["tool_call_id"] = "c1"
     got = render_chat_template(SIMPLE, messages, add_generation_prompt=False)
     assert got == "".join(f"{r}: {r}\n" for r in roles)
 
@@ -477,3 +481,34 @@ def test_protocol_modules_import_no_torch_on_their_own():
         + _FORBIDDEN
     )
     _run_python(code)
+
+
+@pytest.mark.parametrize("messages, match", [
+    ([{"role": "user", "content": "hi"}, {"role": "tool", "content": "42"}], "must answer a tool call"),
+    ([{"role": "tool", "content": "42", "tool_call_id": "c1"}], "must answer a tool call"),
+    ([{"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "tool_calls": [_CALL]},
+      {"role": "tool", "content": "42"}], "needs the \"tool_call_id\""),
+    ([{"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "tool_calls": [_CALL]},
+      {"role": "tool", "content": "42", "tool_call_id": "c2"}], "'c2' is not among"),
+    ([{"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "tool_calls": [_CALL]},
+      {"role": "tool", "content": "42", "tool_call_id": 5}], "must be a string"),
+    ([{"role": "user", "content": "hi", "name": 5}], "must be a string"),
+    ([{"role": "user", "content": [{"text": "hi"}]}], "needs a \"type\""),
+    ([{"role": "user", "content": []}], "empty array"),
+    ([{"role": "user", "content": "hi"}, {"role": "assistant", "content": None,
+      "tool_calls": [{"id": "c1", "type": "function", "function": {"name": 5, "arguments": "{}"}}]}],
+     "string \"name\""),
+])
+def test_malformed_messages_are_refused_by_name(messages, match):
+    with pytest.raises(InvalidRequestError, match=match) as info:
+        build_chat_prompt(SIMPLE, messages, add_generation_prompt=False)
+    assert info.value.param == "messages"
+
+
+def test_tool_replies_follow_their_calls():
+    second = {**_CALL, "id": "c2"}
+    messages = [{"role": "user", "content": "hi"},
+                {"role": "assistant", "content": None, "tool_calls": [_CALL, second]},
+                {"role": "tool", "content": "1", "tool_call_id": "c2"},
+                {"role": "tool", "content": "2", "tool_call_id": "c1"}]
+    assert build_chat_prompt(SIMPLE, messages, add_generation_prompt=False).endswith("tool: 1\ntool: 2\n")

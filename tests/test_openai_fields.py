@@ -17,6 +17,7 @@ from pocketllm.protocol.openai_fields import (
     FIELD_POLICY,
     IMPLEMENTED,
     INERT,
+    MAX_CHOICES,
     MAX_N,
     REFUSED_AT_VALUE,
     RESPONSES,
@@ -94,10 +95,10 @@ def test_table_covers_every_documented_field_and_nothing_else():
 def test_classes_match_the_policy():
     kinds = {e: {k: {n for n, r in t.items() if r.kind == k} for k in (IMPLEMENTED, REFUSED_AT_VALUE, INERT)}
              for e, t in FIELD_POLICY.items()}
-    assert kinds[CHAT][INERT] == {"model", "user", "store", "metadata", "service_tier", "prompt_cache_key",
+    assert kinds[CHAT][INERT] == {"model", "user", "metadata", "service_tier", "prompt_cache_key",
                                   "prompt_cache_retention", "prompt_cache_options", "safety_identifier"}
     assert kinds[CHAT][REFUSED_AT_VALUE] == {"audio", "modalities", "prediction", "web_search_options", "functions",
-                                             "function_call", "verbosity", "moderation", "stream_options"}
+                                             "function_call", "verbosity", "moderation", "stream_options", "store"}
     # Enforced with structured-output grammars (refused per value when the engine lacks them).
     assert FIELD_POLICY[CHAT]["tool_choice"].kind == IMPLEMENTED
     assert FIELD_POLICY[CHAT]["parallel_tool_calls"].kind == IMPLEMENTED
@@ -182,11 +183,15 @@ REFUSALS: dict[str, dict[str, list[Any]]] = {
         "frequency_penalty": [2.5, -3, "x"],
         "presence_penalty": [2.01, True],
         "repetition_penalty": [0, -1, "x"],
-        "logit_bias": [[1], {"abc": 1}, {"-1": 1}, {"5": 101}, {"5": "x"}],
+        "logit_bias": [[1], {"abc": 1}, {"-1": 1}, {"5": 101}, {"5": "x"}, {"9" * 5000: 1}],
         "top_k": [-2, 1.5, "x"],
         "min_p": [-0.1, 1.1],
         "ignore_eos": [1, "true"],
-        "stop_token_ids": [5, [-1], ["a"], [True]],
+        "stop_token_ids": [5, [-1], ["a"], [True], [2**31]],
+        "store": [True, "yes"],
+        "metadata": [{"a": 1}, {"a": float("nan")}, {"a": {"b": "c"}}, {"k" * 65: "v"}, {"a": "v" * 513},
+                     {f"k{i}": "v" for i in range(17)}, ["a"]],
+        "service_tier": ["bogus", "priority", "flex", 5],
         "response_format": ["json", {"type": "xml"}, {"type": "json_schema"},
                             {"type": "json_object"}, {"type": "json_schema", "json_schema": {"name": "x"}}],
         "tools": [{"type": "function"}, [{"type": "custom", "custom": {"name": "x"}}], [{"type": "function"}],
@@ -218,6 +223,8 @@ REFUSALS: dict[str, dict[str, list[Any]]] = {
         "top_p": [0, 1.5],
         "stream": ["yes", 1],
         "store": [True, "yes"],
+        "metadata": [{"a": 1}, {"a": float("inf")}, {f"k{i}": "v" for i in range(17)}],
+        "service_tier": ["bogus", "scale"],
         "previous_response_id": ["resp_1"],
         "conversation": ["conv_1", {"id": "conv_1"}],
         "background": [True],
@@ -233,7 +240,8 @@ REFUSALS: dict[str, dict[str, list[Any]]] = {
         "image": [{"context_compression": "auto"}],
     },
     COMPLETIONS: {
-        "prompt": [5, [], ["a", 1], [1, "a"], [[1, 2], "a"], [[]], [-1], [True], [[1], [1.5]], {"p": 1}],
+        "prompt": [5, [], ["a", 1], [1, "a"], [[1, 2], "a"], [[]], [-1], [True], [[1], [1.5]], {"p": 1},
+                   ["a"] * (MAX_CHOICES + 1)],
         "logprobs": [True, False, 21, -1, 1.5, "1"],
         "top_logprobs": [0, 1, 5],
         "best_of": [2, 0, True, "1"],
@@ -545,3 +553,9 @@ def test_module_imports_no_torch_or_server_stack():
             "bad = [m for m in ('torch', 'fastapi', 'pydantic', 'pocketllm.engine', 'pocketllm.runner', "
             "'pocketllm.backends') if m in sys.modules]; assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_prompts_times_n_are_capped():
+    assert parse(COMPLETIONS, prompt=["a"] * 32, n=MAX_CHOICES // 32).n == MAX_CHOICES // 32
+    err = refused(COMPLETIONS, "prompt", prompt=["a"] * 32, n=MAX_CHOICES // 32 + 1)
+    assert f"at most {MAX_CHOICES}" in str(err)

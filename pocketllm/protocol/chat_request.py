@@ -7,7 +7,7 @@ from typing import Any
 
 from pocketllm.errors import InvalidRequestError
 from pocketllm.protocol import deepseek_v4
-from pocketllm.protocol.chat_template import render_chat_template, template_supports_tools
+from pocketllm.protocol.chat_template import check_tool_replies, render_chat_template, template_supports_tools
 from pocketllm.protocol.reasoning import (
     check_reasoning_kept,
     drop_earlier_reasoning,
@@ -56,6 +56,7 @@ def build_chat_prompt(template: str | None, messages: Sequence[Mapping[str, Any]
             "send a plain prompt (generate / completions) instead", param="messages")
     if not isinstance(messages, Sequence) or isinstance(messages, (str, bytes)) or not messages:
         raise InvalidRequestError("messages must be a non-empty list of message objects", param="messages")
+    check_tool_replies(messages)
     kwargs: dict[str, Any] = dict(chat_template_kwargs or {})
     mode = check_tool_choice(tool_choice, tools, parallel_tool_calls, structured_outputs=structured_outputs)
     if mode == NONE:

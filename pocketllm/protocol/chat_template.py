@@ -17,7 +17,8 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from pocketllm.errors import CheckpointError, InvalidRequestError
 
-__all__ = ["VALID_ROLES", "normalize_messages", "render_chat_template", "template_supports_tools"]
+__all__ = ["VALID_ROLES", "check_tool_replies", "normalize_messages", "render_chat_template",
+           "template_supports_tools"]
 
 VALID_ROLES = frozenset({"system", "user", "assistant", "tool", "developer"})
 
@@ -175,11 +176,17 @@ def _flatten_content(content: Any) -> Any:
         return content
     if not isinstance(content, list):
         raise InvalidRequestError("message content must be a string or a list of parts", param="messages")
+    if not content:
+        raise InvalidRequestError("message content is an empty array: send at least one part, or a string",
+                                  param="messages")
     texts = []
     for part in content:
         if not isinstance(part, dict):
             raise InvalidRequestError("each content part must be an object", param="messages")
-        kind = part.get("type", "text" if "text" in part else None)
+        kind = part.get("type")
+        if not isinstance(kind, str):
+            raise InvalidRequestError('each content part needs a "type" (for text: {"type": "text", "text": ...})',
+                                      param="messages")
         if kind != "text":
             raise InvalidRequestError(
                 f"this model takes text only; content part type {kind!r} is not supported", param="messages"
@@ -201,6 +208,15 @@ def _parse_arguments(arguments: Any) -> Any:
     return _JsonArguments(parsed, arguments) if isinstance(parsed, dict) else arguments
 
 
+def _check_tool_call(call: Mapping) -> None:
+    """An assistant's tool call: a string ``id`` where it has one, a function object with a string name."""
+    function = call.get("function")
+    if function is not None and not (isinstance(function, Mapping) and isinstance(function.get("name"), str)):
+        raise InvalidRequestError('a tool call\'s "function" must be an object with a string "name"', param="messages")
+    if call.get("id") is not None and not isinstance(call["id"], str):
+        raise InvalidRequestError('a tool call\'s "id" must be a string', param="messages")
+
+
 def _normalize_tool_calls(tool_calls: Any) -> list:
     """Validate an assistant's tool calls and parse their JSON-string arguments."""
     if not isinstance(tool_calls, list):
@@ -208,6 +224,7 @@ def _normalize_tool_calls(tool_calls: Any) -> list:
     for call in tool_calls:
         if not isinstance(call, dict):
             raise InvalidRequestError("each tool call must be an object", param="messages")
+        _check_tool_call(call)
         function = call.get("function")
         if isinstance(function, dict) and "arguments" in function:
             function["arguments"] = _parse_arguments(function["arguments"])
@@ -231,6 +248,9 @@ def _normalize_message(message: Any) -> dict:
         raise InvalidRequestError(
             f"message role must be one of {', '.join(sorted(VALID_ROLES))}, not {role!r}", param="messages"
         )
+    for key in ("name", "tool_call_id"):
+        if message.get(key) is not None and not isinstance(message[key], str):
+            raise InvalidRequestError(f'a message\'s "{key}" must be a string', param="messages")
     copy = _plain(message, "messages")
     keep_none_content = role == "assistant" and bool(copy.get("tool_calls"))
     # Keys set to None are dropped (as transformers does), except an assistant's null content beside
@@ -250,6 +270,39 @@ def normalize_messages(messages: Sequence[Mapping]) -> list[dict]:
     if not messages:
         raise InvalidRequestError("messages must not be empty", param="messages")
     return [_normalize_message(message) for message in messages]
+
+
+def check_tool_replies(messages: Sequence[Any]) -> None:
+    """A caller's conversation, before any rewriting: each tool message answers a call of the assistant message
+    before it (other tool replies between) and names that call's id in ``tool_call_id`` when the calls carry
+    ids. (Malformed messages are left to ``normalize_messages``.)"""
+    calls: list | None = None   # the tool calls open for replies
+    for message in messages:
+        if not isinstance(message, Mapping):
+            continue
+        role = message.get("role")
+        if role == "assistant":
+            tool_calls = message.get("tool_calls")
+            calls = [c for c in tool_calls if isinstance(c, Mapping)] if isinstance(tool_calls, list) else None
+            for call in calls or ():
+                _check_tool_call(call)
+            calls = calls or None
+        elif role == "tool":
+            if calls is None:
+                raise InvalidRequestError("a message with role 'tool' must answer a tool call of the assistant "
+                                          "message before it", param="messages")
+            reply_to = message.get("tool_call_id")
+            if reply_to is not None and not isinstance(reply_to, str):
+                raise InvalidRequestError('a message\'s "tool_call_id" must be a string', param="messages")
+            if not reply_to:
+                raise InvalidRequestError("a message with role 'tool' needs the \"tool_call_id\" of the call it "
+                                          "answers", param="messages")
+            ids = [call.get("id") for call in calls if call.get("id") is not None]
+            if ids and reply_to not in ids:
+                raise InvalidRequestError(f"tool_call_id {reply_to!r} is not among the tool calls of the assistant "
+                                          f"message before it ({', '.join(map(repr, ids))})", param="messages")
+        else:
+            calls = None
 
 
 def _normalize_tools(tools: Sequence[Mapping] | None) -> list | None:

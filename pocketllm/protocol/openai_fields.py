@@ -57,11 +57,18 @@ MAX_N = 128
 MAX_STOP = 64                 # stop strings a request may send
 MAX_STOP_CHARS = 1024         # characters in one stop string
 MAX_JSON_DEPTH = 64           # nesting of a request body's values
+MAX_METADATA_KEYS = 16        # metadata pairs, with OpenAI's limits on their keys and values below
+MAX_METADATA_KEY_CHARS = 64
+MAX_METADATA_VALUE_CHARS = 512
+MAX_CHOICES = 2048            # prompts times n in one completions request
+SERVICE_TIERS = ("auto", "default")
 _ANY_VOCAB = 2**31            # token ids are below this when the engine does not declare its vocabulary
 _PATHS = {CHAT: "/v1/chat/completions", COMPLETIONS: "/v1/completions", RESPONSES: "/v1/responses"}
 _TEMPLATE_RESERVED = ("messages", "tools", "add_generation_prompt", "special_tokens", "documents")
 _ROLES = ("system", "developer", "user", "assistant", "tool")
 _MAX_REQUEST_ID = 256
+_MAX_ID_DIGITS = 18                  # a longer token id is outside every vocabulary (and is not converted)
+_BEYOND_ANY_VOCABULARY = 10**18
 
 
 @dataclass(frozen=True)
@@ -168,9 +175,12 @@ _CHAT_ONLY: dict[str, FieldRule] = {
         "moderation of the input and output", (None,),
         "no moderation model runs on the input or the output, so nothing would be scored or blocked",
         'Omit "moderation" or send null'),
-    "store": _inert("store the completion; nothing is stored, and that cannot change the text"),
-    "metadata": _inert("caller tags; cannot change the text"),
-    "service_tier": _inert("processing tier; one tier here, and it cannot change the text"),
+    "store": _refused(
+        "store the completion for later retrieval", (None, False),
+        "this server keeps no completions: nothing could be listed or retrieved later",
+        'Send "store": false or omit it'),
+    "metadata": _inert(f"caller tags (at most {MAX_METADATA_KEYS} string values); cannot change the text"),
+    "service_tier": _inert("processing tier, auto or default: one tier here, and it cannot change the text"),
     "prompt_cache_key": _inert("prompt-cache bucketing hint; prefix caching is automatic"),
     "prompt_cache_retention": _inert("prompt-cache lifetime; cannot change the text"),
     "prompt_cache_options": _inert("prompt-cache breakpoints and lifetime; cannot change the text"),
@@ -281,8 +291,9 @@ _RESPONSES: dict[str, FieldRule] = {
         'Omit "image"'),
     "model": _inert("the server serves one model and echoes its configured name"),
     "user": _inert("end-user identifier; cannot change the text"),
-    "metadata": _inert("caller tags, echoed in the response; cannot change the text"),
-    "service_tier": _inert("processing tier; one tier here, and it cannot change the text"),
+    "metadata": _inert(f"caller tags (at most {MAX_METADATA_KEYS} string values), echoed in the response; cannot "
+                       "change the text"),
+    "service_tier": _inert("processing tier, auto or default: one tier here, and it cannot change the text"),
     "safety_identifier": _inert("end-user identifier for abuse detection; cannot change the text"),
     "prompt_cache_key": _inert("prompt-cache bucketing hint; prefix caching is automatic"),
     "prompt_cache_retention": _inert("prompt-cache lifetime; cannot change the text"),
@@ -408,8 +419,30 @@ def _count(field: str, value: Any) -> int:
     return whole_number(field, value, 0, None, "a whole number >= 0")
 
 
+def _metadata(field: str, value: Any) -> Mapping[str, str]:
+    """Caller tags as OpenAI takes them: at most 16 pairs, keys up to 64 characters, string values up to 512."""
+    tags = object_field(field, value)
+    if len(tags) > MAX_METADATA_KEYS or not all(
+            isinstance(v, str) and len(k) <= MAX_METADATA_KEY_CHARS and len(v) <= MAX_METADATA_VALUE_CHARS
+            for k, v in tags.items()):
+        raise invalid_field(field, value, f"an object of at most {MAX_METADATA_KEYS} pairs, each key at most "
+                            f"{MAX_METADATA_KEY_CHARS} characters and each value a string of at most "
+                            f"{MAX_METADATA_VALUE_CHARS}")
+    return tags
+
+
+def _service_tier(field: str, value: Any) -> str:
+    """``auto`` or ``default``: the one tier served here; the tiers this server does not have are refused."""
+    if value not in SERVICE_TIERS:
+        if value in ("flex", "scale", "priority"):
+            raise unsupported_field(field, value, "this server has one processing tier, with no flex, scale or "
+                                    "priority processing", 'Send "service_tier": "auto" or "default", or omit it')
+        raise invalid_field(field, value, 'one of "auto", "default", "flex", "scale" or "priority"')
+    return value
+
+
 _INERT_TYPES: dict[str, Any] = {
-    "model": _string, "user": _string, "store": _boolean, "metadata": object_field, "service_tier": _string,
+    "model": _string, "user": _string, "store": _boolean, "metadata": _metadata, "service_tier": _service_tier,
     "prompt_cache_key": _string, "prompt_cache_retention": _string, "prompt_cache_options": object_field,
     "safety_identifier": _string, "max_tool_calls": _count,
 }
@@ -565,7 +598,7 @@ def _canonical_id(key: Any) -> int | None:
     if isinstance(key, int) and not isinstance(key, bool):
         return key if key >= 0 else None
     if isinstance(key, str) and key.isascii() and key.isdigit() and (key == "0" or key[0] != "0"):
-        return int(key)
+        return int(key) if len(key) <= _MAX_ID_DIGITS else _BEYOND_ANY_VOCABULARY
     return None
 
 
@@ -580,7 +613,8 @@ def _logit_bias(value: Any, vocab_size: int) -> dict[int, float]:
                            "digits) as keys")
         if token >= vocab_size:
             raise invalid_field("logit_bias", value, f"an object whose keys are token ids below {vocab_size}",
-                           f"The key {show_value(key)} is outside the model's vocabulary (0..{vocab_size - 1})")
+                           f"The key {show_value(key)} is outside the model's vocabulary (0..{vocab_size - 1}); "
+                           f"send token ids below {vocab_size}")
         clean[token] = _real("logit_bias", weight, -100.0, 100.0,
                              "an object mapping token ids (as strings) to numbers in -100..100")
     return clean
@@ -607,8 +641,8 @@ def sampling_fields(fields: Mapping[str, Any], vocab_size: int) -> dict[str, Any
         ids = fields["stop_token_ids"]
         if not is_list(ids):
             raise invalid_field("stop_token_ids", ids, "an array of token ids")
-        out["stop_token_ids"] = tuple(whole_number("stop_token_ids", i, 0, None, "an array of token ids (whole numbers "
-                                             ">= 0)") for i in ids)
+        out["stop_token_ids"] = tuple(whole_number("stop_token_ids", i, 0, vocab_size - 1, "an array of token ids "
+                                                   f"(whole numbers from 0 to {vocab_size - 1})") for i in ids)
     if "ignore_eos" in fields:
         out["ignore_eos"] = _boolean("ignore_eos", fields["ignore_eos"])
     for name in ("frequency_penalty", "presence_penalty"):
@@ -843,6 +877,10 @@ def parse_completion_request(body: Mapping[str, Any], caps: Any = None) -> Parse
                                   param="prompt")
     prompts = _prompts(fields["prompt"], vocab_size_of(caps))
     sampling, n, stream, include_usage, request_id = _common(fields, COMPLETIONS, caps)
+    if len(prompts) * n > MAX_CHOICES:
+        raise InvalidRequestError(
+            f'"prompt" holds {len(prompts)} prompts, which with n={n} make {len(prompts) * n} choices; one request '
+            f"may ask for at most {MAX_CHOICES}. Send the prompts in several requests", param="prompt")
 
     want = "logprobs" in fields
     if want:
