@@ -222,6 +222,8 @@ def test_stream_events_match_the_whole_response(qwen):
             if name in event:
                 assert not getattr(parsed, name).model_extra, (event["type"], name)
     assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    created = [e["response"]["created_at"] for e in events if "response" in e] + [whole["created_at"]]
+    assert all(type(seconds) is int for seconds in created), created   # whole seconds, as OpenAI's
     final = events[-1]["response"]
     assert events[-1]["type"] == "response.completed" and final["id"] == events[0]["response"]["id"]
     strip = [{k: v for k, v in item.items() if k not in ("id", "call_id")} for item in final["output"]]

@@ -1,16 +1,22 @@
-"""The server's edge, in process over a stub engine: body size limit, Host/Origin checks, the served name, the
-catch-all error shape, and prompts encoded off the event loop."""
+"""The server's edge over a stub engine, in process and behind uvicorn as ``pocketllm serve`` configures it: body
+size limit, Host/Origin checks, the served name, the routes' edges (HEAD, trailing slashes, one model), the
+catch-all error shape, prompts encoded off the event loop, and requests that are cut short or never end."""
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
 import json
+import logging
+import socket
 import threading
+import time
+from collections.abc import Iterator
 from types import SimpleNamespace
 
 import httpx
 import pytest
+import uvicorn
 
 from pocketllm.config import EngineArgs
 from pocketllm.errors import InvalidRequestError
@@ -265,3 +271,194 @@ def test_sse_events_are_utf8_with_lone_surrogates_escaped():
     lone = sse({"delta": {"content": "a\ud800b"}})
     lone.decode("utf-8")                                        # valid UTF-8 all the same
     assert b"\\ud800" in lone and json.loads(lone[6:])["delta"]["content"] == "a\ud800b"
+
+
+# --- request bodies that cannot be read ---------------------------------------------------------------
+
+def test_an_integer_of_more_than_4300_digits_is_a_400() -> None:
+    """Python's int() refuses such a literal (ValueError): the body is malformed JSON, not a server error."""
+    async def main() -> httpx.Response:
+        async with _client(_app(StubEngine())) as client:
+            return await client.post("/v1/completions", content=b'{"prompt":"a","max_tokens":' + b"9" * 5000 + b"}",
+                                     headers={"content-type": "application/json"})
+    error = _error(_run(main()), 400)
+    assert error["type"] == "invalid_request_error" and "not valid JSON" in error["message"]
+
+
+def test_a_client_gone_while_sending_its_body_ends_the_request_without_an_exception() -> None:
+    """A disconnect while the body is read raises nothing out of the app (uvicorn would log a traceback)."""
+    messages = [{"type": "http.request", "body": b'{"prompt"', "more_body": True}, {"type": "http.disconnect"}]
+    sent: list[dict] = []
+
+    async def receive() -> dict:
+        return messages.pop(0) if messages else {"type": "http.disconnect"}
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
+             "scheme": "http", "path": "/v1/completions", "raw_path": b"/v1/completions", "query_string": b"",
+             "root_path": "", "headers": [(b"host", b"127.0.0.1:8000"), (b"content-length", b"100")],
+             "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 8000), "state": {}}
+    _run(_app(StubEngine())(scope, receive, send))
+    assert not messages and sent[0]["type"] == "http.response.start"
+
+
+# --- routes ---------------------------------------------------------------------------------------------
+
+def test_a_model_is_retrieved_by_its_id_and_an_unknown_id_is_a_404() -> None:
+    from fastapi.testclient import TestClient
+    from openai import NotFoundError, OpenAI
+
+    for name in ("tiny", "org/tiny-model"):
+        client = OpenAI(base_url="http://testserver/v1", api_key="unused", max_retries=0,
+                        http_client=TestClient(_app(StubEngine(), served_model_name=name)))
+        listed = client.models.list().data[0]
+        retrieved = client.models.retrieve(name)
+        assert retrieved.id == name and retrieved.model_dump() == listed.model_dump()
+        assert retrieved.model_extra == {"max_model_len": StubEngine.max_model_len}
+        with pytest.raises(NotFoundError) as caught:
+            client.models.retrieve("gpt-4o")
+        error = _error(caught.value.response, 404)
+        assert error["code"] == "model_not_found" and error["param"] == "model" and "gpt-4o" in error["message"]
+
+
+@pytest.mark.parametrize("path", ["/health", "/alive", "/ready", "/metrics", "/v1/models", "/v1/models/tiny"])
+def test_get_routes_answer_head_too(path: str) -> None:
+    async def main() -> tuple[httpx.Response, httpx.Response]:
+        async with _client(_app(StubEngine(), served_model_name="tiny")) as client:
+            return await client.get(path), await client.head(path)
+    got, head = _run(main())
+    assert head.status_code == got.status_code == 200
+    assert head.headers["content-type"] == got.headers["content-type"]
+
+
+@pytest.mark.parametrize(("method", "path"), [("POST", "/v1/chat/completions/"), ("POST", "/v1/completions/"),
+                                              ("POST", "/v1/responses/"), ("GET", "/v1/models/"),
+                                              ("GET", "/health/")])
+def test_a_trailing_slash_is_a_404_in_the_openai_shape(method: str, path: str) -> None:
+    async def main() -> httpx.Response:
+        async with _client(_app(StubEngine())) as client:
+            return await client.request(method, path, json={"prompt": "hi"})
+    assert _error(_run(main()), 404)["type"] == "not_found_error"
+
+
+# --- behind uvicorn: requests cut short or never ending, header bytes -----------------------------------
+
+READ_TIMEOUT = 2.0
+
+
+@pytest.fixture(scope="module")
+def served() -> Iterator[tuple[int, uvicorn.Server]]:
+    """(port, server): the stub app behind uvicorn as ``pocketllm serve`` configures it, with a read timeout of
+    ``READ_TIMEOUT`` seconds and a 1,000-byte body limit; uvicorn leaves logging to pytest."""
+    from pocketllm.cli.listen import listen_socket
+    from pocketllm.server.http_protocol import uvicorn_config
+
+    sock = listen_socket("127.0.0.1", 0)
+    config = uvicorn_config(_app(StubEngine(), max_request_bytes=1000), read_timeout=READ_TIMEOUT,
+                            lifespan="off", log_config=None)
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "the server did not start"
+        time.sleep(0.01)
+    yield sock.getsockname()[1], server
+    server.should_exit = True
+    thread.join(30)
+    sock.close()
+
+
+def _exchange(port: int, *parts: bytes, pause: float = 0.0) -> tuple[bytes, float]:
+    """Send ``parts`` (``pause`` seconds apart) without closing the sending side and read until the server
+    closes the connection: (everything read, seconds from connecting to the close)."""
+    started = time.monotonic()
+    with socket.create_connection(("127.0.0.1", port), timeout=READ_TIMEOUT + 10) as sock:
+        for part in parts:
+            sock.sendall(part)
+            time.sleep(pause)
+        reply = b""
+        while data := sock.recv(65536):
+            reply += data
+    return reply, time.monotonic() - started
+
+
+def _status_and_error(reply: bytes) -> tuple[int, dict, bytes]:
+    """(status, the OpenAI error, the head) of a reply holding one error response."""
+    head, _, body = reply.partition(b"\r\n\r\n")
+    error = json.loads(body)["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    return int(head.split(b" ")[1]), error, head.lower()
+
+
+def _wait_for_requests_to_end(server: uvicorn.Server) -> None:
+    deadline = time.monotonic() + 10
+    while server.server_state.tasks:
+        assert time.monotonic() < deadline, "a request task did not end"
+        time.sleep(0.01)
+
+
+def test_a_connection_that_sends_nothing_is_closed_after_the_read_timeout(served) -> None:
+    reply, seconds = _exchange(served[0])
+    assert reply == b"" and READ_TIMEOUT * 0.9 <= seconds < READ_TIMEOUT + 3
+
+
+@pytest.mark.parametrize("request_bytes", [
+    b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n",   # headers that never end
+    b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 100\r\n\r\n{\"prompt\"",   # a short body
+    b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nTransfer-Encoding: chunked\r\n\r\n2\r\n{}\r\n",
+], ids=["headers", "content-length", "chunked"])
+def test_a_request_not_whole_within_the_read_timeout_is_a_408_and_closed(served, request_bytes, caplog) -> None:
+    port, server = served
+    with caplog.at_level(logging.DEBUG):
+        reply, seconds = _exchange(port, request_bytes)
+        _wait_for_requests_to_end(server)
+    status, error, head = _status_and_error(reply)
+    assert status == 408 and error["type"] == "invalid_request_error" and b"connection: close" in head
+    assert READ_TIMEOUT * 0.9 <= seconds < READ_TIMEOUT + 3
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text   # no traceback
+
+
+def test_the_read_timeout_starts_afresh_for_each_request_of_a_connection(served) -> None:
+    """Two requests on one connection, each sent 0.6 of the timeout after the previous answer's start."""
+    request = b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
+    last = b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n"
+    reply, _ = _exchange(served[0], b"", request, last, pause=READ_TIMEOUT * 0.6)
+    assert reply.count(b"HTTP/1.1 200 OK") == 2, reply
+
+
+def test_a_client_gone_while_sending_its_body_leaves_no_traceback(served, caplog) -> None:
+    port, server = served
+    with caplog.at_level(logging.DEBUG):
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 100\r\n\r\n{}")
+            time.sleep(0.2)   # the request has started and waits for the rest of its body
+        _wait_for_requests_to_end(server)
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
+    assert "went away before its request body arrived" in caplog.text
+
+
+def test_a_chunked_body_past_the_limit_is_a_413_that_closes_the_connection(served) -> None:
+    chunk = b"%x\r\n%s\r\n" % (600, b" " * 600)
+    reply, seconds = _exchange(served[0], b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                                          b"Transfer-Encoding: chunked\r\n\r\n" + chunk + chunk)
+    status, error, head = _status_and_error(reply)
+    assert status == 413 and b"connection: close" in head and "1000 bytes" in error["message"]
+    assert seconds < READ_TIMEOUT * 0.9   # closed at once, not by the read timeout
+
+
+@pytest.mark.parametrize("value", [b"a\x01b", b"a\x08b", b"a\x1fb", b"a\x7fb", b"a\x0bb", b"\x1b[31m"])
+def test_a_header_holding_a_control_byte_is_a_400(served, value: bytes) -> None:
+    reply, _ = _exchange(served[0], b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Test: " + value + b"\r\n\r\n")
+    status, error, head = _status_and_error(reply)
+    assert status == 400 and error["type"] == "invalid_request_error" and b"connection: close" in head
+
+
+@pytest.mark.parametrize("header", [b"X-Test: caf\xc3\xa9 \xff", b"X-Test: a\tb", b"X-Test: a\r\n b"],
+                         ids=["obs-text", "tab", "obs-fold"])
+def test_obs_text_tabs_and_folded_header_lines_are_read(served, header: bytes) -> None:
+    reply, _ = _exchange(served[0], b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n" + header +
+                         b"\r\nConnection: close\r\n\r\n")
+    assert reply.startswith(b"HTTP/1.1 200 OK"), reply[:300]

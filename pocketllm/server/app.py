@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from fastapi import FastAPI, Request
 from fastapi.responses import PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from pocketllm.api import AsyncLLM
 from pocketllm.config import EngineArgs
@@ -163,7 +164,9 @@ def build_app(config: ServerConfig) -> FastAPI:
         app.state.load_thread.start()
         yield
 
-    app = FastAPI(title="PocketLLM", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
+    # redirect_slashes off: a path with a trailing slash is a 404 in the OpenAI shape, never a bare redirect.
+    app = FastAPI(title="PocketLLM", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan,
+                  redirect_slashes=False)
     app.state.pocketllm = state
 
     @app.exception_handler(StarletteHTTPException)
@@ -196,35 +199,48 @@ def build_app(config: ServerConfig) -> FastAPI:
             return error_response(503, f"the engine has stopped: {state.llm.engine_error}")
         return None
 
-    @app.get("/health")
+    def get(path: str) -> Callable[[Callable], Callable]:
+        """A GET route that answers HEAD too (the same status and headers; uvicorn sends no body)."""
+        return app.api_route(path, methods=["GET", "HEAD"])
+
+    @get("/health")
     async def health() -> JSONResponse:
         failed = state.load_error is not None or (state.llm is not None and state.llm.engine_error is not None)
         status = "error" if failed else ("ok" if state.serving else "loading")
         return JSONResponse({"status": status, "model": state.model_name}, status_code=503 if failed else 200)
 
-    @app.get("/alive")
+    @get("/alive")
     async def alive() -> JSONResponse:
         return JSONResponse({"status": "alive"})
 
-    @app.get("/ready")
+    @get("/ready")
     async def ready() -> JSONResponse:
         problem = _unavailable()
         return problem if problem is not None else JSONResponse({"status": "ready"})
 
-    @app.get("/metrics")
+    @get("/metrics")
     async def metrics() -> Response:
         return PlainTextResponse(state.metrics.render(), media_type="text/plain; version=0.0.4")
 
-    @app.get("/v1/models")
+    def model_card() -> dict:
+        """The served model as an OpenAI model object, with its ``max_model_len``."""
+        return {"id": state.model_name, "object": "model", "created": int(state.started), "owned_by": "pocketllm",
+                "max_model_len": state.llm.max_model_len if state.llm else None}
+
+    @get("/v1/models")
     async def models() -> JSONResponse:
-        return JSONResponse({"object": "list", "data": [
-            {"id": state.model_name, "object": "model", "created": int(state.started), "owned_by": "pocketllm",
-             "max_model_len": state.llm.max_model_len if state.llm else None}]})
+        return JSONResponse({"object": "list", "data": [model_card()]})
+
+    @get("/v1/models/{model:path}")
+    async def model(model: str) -> JSONResponse:
+        if model != state.model_name:
+            return error_response(404, f"The model '{model}' does not exist", param="model", code="model_not_found")
+        return JSONResponse(model_card())
 
     async def _body(request: Request) -> dict:
         try:
             body = json.loads(await request.body())
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        except ValueError as exc:   # not JSON, not UTF-8, or an integer of more than 4,300 digits
             raise InvalidRequestError(f"the request body is not valid JSON: {exc}") from None
         except RecursionError:
             raise InvalidRequestError("the request body is nested too deeply to read") from None
@@ -268,6 +284,9 @@ def build_app(config: ServerConfig) -> FastAPI:
             return error_response(503, str(exc))
         except PocketLLMError as exc:
             return error_response(500, str(exc))
+        except ClientDisconnect:   # gone while sending its body: the answer reaches no one
+            logger.debug("the client went away before its request body arrived")
+            return error_response(400, "the client disconnected before its request body arrived")
 
     @app.post("/v1/responses")
     async def responses(request: Request) -> Response:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 
-from pocketllm.server.errors import error_response
+from pocketllm.server.errors import JSONResponse, error_response
 from pocketllm.server.exposure import ExposurePolicy
 
 logger = logging.getLogger("pocketllm.server")
@@ -32,8 +32,11 @@ class BodyLimitMiddleware:
         self.app = app
         self.limit = limit
 
-    def _refusal(self):
-        return error_response(413, f"the request body is larger than {self.limit} bytes (--max-request-bytes)")
+    def _refusal(self) -> JSONResponse:
+        """The 413, which closes the connection (the rest of the body is never read)."""
+        response = error_response(413, f"the request body is larger than {self.limit} bytes (--max-request-bytes)")
+        response.headers["connection"] = "close"
+        return response
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":

@@ -37,7 +37,7 @@ class ResponseEventWriter:
         self.request = request
         self.response_id = response_id
         self.model = model
-        self.created = time.time()
+        self.created = int(time.time())   # whole seconds, as OpenAI's created_at
         self.sequence = 0
         self.output: list[dict[str, Any]] = []     # finished items, in order
         self.open: dict[str, Any] | None = None    # the item being streamed

@@ -69,7 +69,7 @@ def usage(chat_usage: Mapping[str, Any] | None) -> dict[str, Any] | None:
             "total_tokens": chat_usage["total_tokens"]}
 
 
-def response_body(response_id: str, created: float, model: str, request: ResponsesRequest, *, status: str,
+def response_body(response_id: str, created: int, model: str, request: ResponsesRequest, *, status: str,
                   output: list[dict[str, Any]], usage_: dict[str, Any] | None = None,
                   incomplete: dict[str, Any] | None = None, error: dict[str, Any] | None = None) -> dict[str, Any]:
     """The ``response`` object, echoing the request's settings."""
