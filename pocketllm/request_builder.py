@@ -62,6 +62,9 @@ class RequestBuilder:
         else:
             prompt_ids = self.encode_prompt(prompt)
         param = "prompt" if messages is None else "messages"
+        if not prompt_ids:
+            raise InvalidRequestError(f"the {param} encodes to no tokens: send at least one token of text",
+                                      param=param)
         return EngineRequest(prompt_ids, self.budget(params, len(prompt_ids), strict=strict_budget, param=param),
                              spec)
 

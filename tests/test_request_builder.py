@@ -66,3 +66,10 @@ def test_one_length_rule(max_tokens, outputs, pending, ends):
     request = Request("r", [1] * 5, SamplingParams(max_tokens=max_tokens), frozenset())
     request.output_token_ids = [2] * outputs
     assert request.reaches_length_limit(16, pending) is ends
+
+
+def test_a_prompt_of_no_tokens_is_refused_by_name():
+    for prompt in ("", []):
+        with pytest.raises(InvalidRequestError, match="encodes to no tokens") as info:
+            _builder().build(prompt=prompt)
+        assert info.value.param == "prompt"
