@@ -40,11 +40,12 @@ def test_nesting_beyond_the_limit_is_refused() -> None:
     deep: object = "x"
     for _ in range(MAX_JSON_DEPTH + 1):
         deep = [deep]
-    assert "nested more than" in _refused(parse_chat_request, {**CHAT, "metadata": {"k": deep}}, "metadata")
+    assert "nested more than" in _refused(parse_chat_request, {**CHAT, "prompt_cache_options": {"k": deep}},
+                                              "prompt_cache_options")
     shallow: object = "x"
     for _ in range(MAX_JSON_DEPTH - 2):
         shallow = [shallow]
-    parse_chat_request({**CHAT, "metadata": {"k": shallow}}, CAPS)   # within the limit: accepted
+    parse_chat_request({**CHAT, "prompt_cache_options": {"k": shallow}}, CAPS)   # within the limit: accepted
 
 
 def test_token_ids_outside_the_vocabulary_are_refused() -> None:

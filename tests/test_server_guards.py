@@ -431,7 +431,8 @@ def test_the_read_timeout_starts_afresh_for_each_request_of_a_connection(served)
 
 def test_a_client_gone_while_sending_its_body_leaves_no_traceback(served, caplog) -> None:
     port, server = served
-    with caplog.at_level(logging.DEBUG):
+    # (the server's logger by name: a CLI test in the same process may have set the "pocketllm" logger's level)
+    with caplog.at_level(logging.DEBUG), caplog.at_level(logging.DEBUG, logger="pocketllm.server"):
         with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
             sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 100\r\n\r\n{}")
             time.sleep(0.2)   # the request has started and waits for the rest of its body
