@@ -283,8 +283,8 @@ def check_tool_replies(messages: Sequence[Any]) -> None:
         role = message.get("role")
         if role == "assistant":
             tool_calls = message.get("tool_calls")
-            calls = [c for c in tool_calls if isinstance(c, Mapping)] if isinstance(tool_calls, list) else None
-            for call in calls or ():
+            calls = [c for c in tool_calls if isinstance(c, Mapping)] if isinstance(tool_calls, list) else []
+            for call in calls:
                 _check_tool_call(call)
             calls = calls or None
         elif role == "tool":

@@ -61,7 +61,8 @@ MAX_METADATA_KEYS = 16        # metadata pairs, with OpenAI's limits on their ke
 MAX_METADATA_KEY_CHARS = 64
 MAX_METADATA_VALUE_CHARS = 512
 MAX_CHOICES = 2048            # prompts times n in one completions request
-SERVICE_TIERS = ("auto", "default")
+SERVICE_TIERS = ("auto", "default")  # the one tier served here, by OpenAI's two names for it
+_OTHER_TIERS = ("flex", "scale", "priority")
 _ANY_VOCAB = 2**31            # token ids are below this when the engine does not declare its vocabulary
 _PATHS = {CHAT: "/v1/chat/completions", COMPLETIONS: "/v1/completions", RESPONSES: "/v1/responses"}
 _TEMPLATE_RESERVED = ("messages", "tools", "add_generation_prompt", "special_tokens", "documents")
@@ -433,11 +434,11 @@ def _metadata(field: str, value: Any) -> Mapping[str, str]:
 
 def _service_tier(field: str, value: Any) -> str:
     """``auto`` or ``default``: the one tier served here; the tiers this server does not have are refused."""
+    if value in _OTHER_TIERS:
+        raise unsupported_field(field, value, f"this server has one processing tier, with no {', '.join(_OTHER_TIERS)} "
+                                "processing", 'Send "service_tier": "auto" or "default", or omit it')
     if value not in SERVICE_TIERS:
-        if value in ("flex", "scale", "priority"):
-            raise unsupported_field(field, value, "this server has one processing tier, with no flex, scale or "
-                                    "priority processing", 'Send "service_tier": "auto" or "default", or omit it')
-        raise invalid_field(field, value, 'one of "auto", "default", "flex", "scale" or "priority"')
+        raise invalid_field(field, value, "one of " + ", ".join(f'"{t}"' for t in SERVICE_TIERS + _OTHER_TIERS))
     return value
 
 
