@@ -92,6 +92,24 @@ def test_chat_checks_name_the_responses_field(body, param):
     assert info.value.param == param
 
 
+@pytest.mark.parametrize("choice,tools,caps", [
+    ({"type": "function", "name": "nope"}, [TOOL], CAPS),           # not among the tools
+    ({"type": "function", "name": "get_weather"}, None, CAPS),      # no tools to call
+    ({"type": "function", "name": "get_weather"}, [TOOL], None),    # no structured outputs
+    ({"type": "function", "name": ""}, [TOOL], CAPS),
+    ({"type": "function"}, [TOOL], CAPS),
+    ({"type": "function", "function": {"name": "get_weather"}}, [TOOL], CAPS),   # the chat spelling
+])
+def test_tool_choice_refusals_quote_the_responses_spelling(choice, tools, caps):
+    body = {"input": "x", "tool_choice": choice, **({"tools": tools} if tools else {})}
+    with pytest.raises(InvalidRequestError) as info:
+        parse_responses_request(body, caps)
+    assert info.value.param == "tool_choice"
+    assert info.value.message.startswith(f'"tool_choice" = {json.dumps(choice)} ')
+    if "function" not in choice:
+        assert '"function": {' not in info.value.message   # the chat spelling is neither quoted nor asked for
+
+
 @pytest.mark.parametrize("arguments", [
     '{"city": "Paris", "days": 3}', "{}", '{"a": {"b": [1, 2], "c": "x, }"}, "d": "q\\\\"}', '{"only": [1, {"x": 2}]}',
     '{"s": "\\", \\""}',

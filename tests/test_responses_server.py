@@ -296,6 +296,18 @@ def test_refused_fields_name_themselves(qwen, fields, param):
     assert param in error["message"] or param == "input"
 
 
+def test_tool_choice_refusal_quotes_what_the_client_sent(qwen):
+    client, _ = qwen
+    choice = {"type": "function", "name": "get_time"}
+    response = client.post("/v1/responses", json={"model": "tiny", "input": QUESTION, "tools": [WEATHER],
+                                                   "tool_choice": choice})
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["type"] == "invalid_request_error" and error["param"] == "tool_choice"
+    assert error["message"].startswith(f'"tool_choice" = {json.dumps(choice)} ') and "get_weather" in error["message"]
+
+
 def test_store_refusal_says_so(qwen):
     client, _ = qwen
     response = client.post("/v1/responses", json={"input": "hi", "store": True})

@@ -765,14 +765,19 @@ def _response_format(value: Any, caps: Any) -> Mapping[str, Any]:
     return fmt
 
 
-def chat_options_of(fields: Mapping[str, Any], caps: Any) -> dict[str, Any]:
+def chat_options_of(fields: Mapping[str, Any], caps: Any, *, tool_choice_as_sent: Any = None) -> dict[str, Any]:
+    """The chat options of ``fields``, checked against ``caps``.
+
+    ``tool_choice_as_sent``: the client's own spelling of ``tool_choice`` where ``fields`` carry a translation
+    of it (``/v1/responses``); its refusals quote that.
+    """
     options: dict[str, Any] = {}
     if "tools" in fields:
         tools = _tools(fields["tools"])
         if tools:
             options["tools"] = tools
     check_tool_choice(fields.get("tool_choice"), options.get("tools"), fields.get("parallel_tool_calls"),
-                      structured_outputs=bool(_cap(caps, "structured_outputs")))
+                      structured_outputs=bool(_cap(caps, "structured_outputs")), as_sent=tool_choice_as_sent)
     if "tool_choice" in fields:
         options["tool_choice"] = fields["tool_choice"]
     if fields.get("parallel_tool_calls") is False:

@@ -183,10 +183,15 @@ def _tools(value: Any) -> list[dict[str, Any]]:
 
 
 def _tool_choice(value: Any) -> Any:
+    """``tool_choice`` in the chat spelling; refusals quote and describe the Responses spelling sent."""
     if value in ("auto", "none", "required"):
         return value
-    if isinstance(value, Mapping) and value.get("type") == "function" and set(value) <= {"type", "name"}:
-        return {"type": "function", "function": {"name": value.get("name")}}
+    if isinstance(value, Mapping) and value.get("type") == "function":
+        name = value.get("name")
+        if set(value) <= {"type", "name"} and isinstance(name, str) and name:
+            return {"type": "function", "function": {"name": name}}
+        raise invalid_field("tool_choice", value, '"auto", "none", "required" or {"type": "function", "name": ...} '
+                            '(a non-empty name beside "type")', "Send one of those, or omit it")
     raise unsupported_field("tool_choice", value, "only auto, none, required and a named function are acted on",
                        'Send "auto", "none", "required" or {"type": "function", "name": ...}')
 
@@ -271,7 +276,7 @@ def parse_responses_request(body: Mapping[str, Any], caps: Any = None) -> Respon
         if effort is not None:
             chat_fields["reasoning_effort"] = effort
     try:
-        options = chat_options_of(chat_fields, caps)
+        options = chat_options_of(chat_fields, caps, tool_choice_as_sent=fields.get("tool_choice"))
     except InvalidRequestError as exc:
         raise responses_error(exc) from None
     check_caps(body, sampling, 1, caps)

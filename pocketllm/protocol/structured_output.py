@@ -84,25 +84,28 @@ def is_forced_tool_choice(tool_choice: Any) -> bool:
 
 
 def check_tool_choice(tool_choice: Any, tools: Sequence[Mapping[str, Any]] | None,
-                      parallel_tool_calls: Any = None, *, structured_outputs: bool) -> str:
+                      parallel_tool_calls: Any = None, *, structured_outputs: bool, as_sent: Any = None) -> str:
     """Validate ``tool_choice`` and ``parallel_tool_calls`` against the tools and the engine; return the mode.
 
     A forced call needs tools (the named one among them) and an engine with structured outputs.
     ``parallel_tool_calls: false`` is enforced only where the grammar can enforce it (a forced call) or
     where no call is offered at all (``none``); elsewhere the model's own call syntax is not limited.
+    ``as_sent``: the value as the client spelled it, when that is not the chat spelling ``tool_choice`` has
+    (``/v1/responses``' ``{"type": "function", "name": ...}``); the refusals quote it.
     """
     mode = tool_choice_mode(tool_choice)
+    shown = tool_choice if as_sent is None else as_sent
     if mode in (REQUIRED, NAMED):
         if not structured_outputs:
-            raise _refuse("tool_choice", tool_choice,
+            raise _refuse("tool_choice", shown,
                           "forcing a tool call needs structured outputs, which this engine does not declare",
                           'Send "tool_choice": "auto" or "none", or omit it')
         names = _tool_names(tools)
         if not names:
-            raise _refuse("tool_choice", tool_choice, "the request has no tools, so no call can be forced",
+            raise _refuse("tool_choice", shown, "the request has no tools, so no call can be forced",
                           'Send the functions in "tools", or omit "tool_choice"')
         if mode == NAMED and tool_choice["function"]["name"] not in names:
-            raise _refuse("tool_choice", tool_choice,
+            raise _refuse("tool_choice", shown,
                           f"the function {_show(tool_choice['function']['name'])} is not among the request's "
                           f"tools ({', '.join(names)})", 'Send the name of one of the "tools"')
     if parallel_tool_calls is not None:
