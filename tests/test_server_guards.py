@@ -463,3 +463,18 @@ def test_obs_text_tabs_and_folded_header_lines_are_read(served, header: bytes) -
     reply, _ = _exchange(served[0], b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n" + header +
                          b"\r\nConnection: close\r\n\r\n")
     assert reply.startswith(b"HTTP/1.1 200 OK"), reply[:300]
+
+
+@pytest.mark.parametrize("request_bytes,version", [
+    (b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n", "HTTP/2"),   # the preface of HTTP/2 with prior knowledge
+    (b"GET /health HTTP/3.0\r\nHost: 127.0.0.1\r\n\r\n", "HTTP/3"),
+], ids=["http2-preface", "http3"])
+def test_another_http_version_is_one_505_that_closes_the_connection(served, request_bytes, version) -> None:
+    """A request line of HTTP/2 or later gets one refusal naming HTTP/1.1 (the HTTP/2 preface got a 404 for
+    ``*``, then a 400 for its ``SM`` line)."""
+    reply, seconds = _exchange(served[0], request_bytes)
+    assert reply.startswith(b"HTTP/1.1 505 ") and reply.count(b"\r\n\r\n") == 1, reply   # one response
+    status, error, head = _status_and_error(reply)
+    assert status == 505 and error["type"] == "invalid_request_error" and b"connection: close" in head
+    assert f"{version} is not supported" in error["message"] and "HTTP/1.1" in error["message"]
+    assert seconds < READ_TIMEOUT * 0.9   # closed at once, not by the read timeout

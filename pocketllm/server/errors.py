@@ -9,7 +9,8 @@ from fastapi import responses
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                404: "not_found_error", 408: "invalid_request_error", 409: "invalid_request_error",
-               413: "invalid_request_error", 500: "server_error", 503: "service_unavailable", 504: "timeout"}
+               413: "invalid_request_error", 500: "server_error", 503: "service_unavailable", 504: "timeout",
+               505: "invalid_request_error"}
 
 
 class JSONResponse(responses.JSONResponse):

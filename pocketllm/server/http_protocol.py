@@ -1,9 +1,11 @@
 """uvicorn's HTTP/1.1 protocol (h11) with every answer of its own in the OpenAI error shape: a request the
 parser refuses (a bad request line, a header value holding a control byte, a path that is not ASCII, headers
-past the size limit) is a JSON 400 instead of uvicorn's plain text, and an app that fails or returns before it
-has answered is a JSON 500. A request must arrive whole, headers and body, within ``REQUEST_READ_TIMEOUT``
-seconds of the connection opening or of the previous response's end; a request cut short then is a 408 and
-its connection is closed. ``uvicorn_config`` builds the server's configuration with it."""
+past the size limit) is a JSON 400 instead of uvicorn's plain text, a request line of another HTTP major version
+(an HTTP/2 client's prior-knowledge preface, ``PRI * HTTP/2.0``, say) is one JSON 505 and the connection is
+closed, and an app that fails or returns before it has answered is a JSON 500. A request must arrive whole,
+headers and body, within ``REQUEST_READ_TIMEOUT`` seconds of the connection opening or of the previous
+response's end; a request cut short then is a 408 and its connection is closed. ``uvicorn_config`` builds the
+server's configuration with it."""
 
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ MALFORMED = "the HTTP request is malformed and cannot be read"
 REQUEST_READ_TIMEOUT = 30.0
 # C0 controls but horizontal tab, and DEL; h11 refuses only NUL (bytes from 0x80 are obs-text, which HTTP allows)
 CONTROL_BYTE = re.compile(rb"[\x00-\x08\x0a-\x1f\x7f]")
+HTTP_VERSION_NOT_SUPPORTED = 505
 
 
 class AnswerGuard:
@@ -60,17 +63,26 @@ class AnswerGuard:
 
 
 class CheckedConnection(h11.Connection):
-    """h11's connection that also refuses header values holding a control byte, and counts its cycles (one
-    request and its response each)."""
+    """h11's connection that also refuses header values holding a control byte and request lines of an HTTP
+    major version other than 1 (h11 reads any ``HTTP/x.y``), and counts its cycles (one request and its
+    response each). ``refusal`` keeps the version refusal, whose status (505) is not uvicorn's 400."""
 
     def __init__(self, max_incomplete_event_size: int) -> None:
         super().__init__(h11.SERVER, max_incomplete_event_size)
         self.cycles = 0
+        self.refusal: h11.RemoteProtocolError | None = None
 
     def next_event(self) -> Any:
         event = super().next_event()
-        if isinstance(event, h11.Request) and any(CONTROL_BYTE.search(value) for _, value in event.headers):
-            raise h11.RemoteProtocolError("a header value holds a control byte")
+        if isinstance(event, h11.Request):
+            if not event.http_version.startswith(b"1."):
+                version = event.http_version.decode("ascii", "replace").removesuffix(".0")
+                self.refusal = h11.RemoteProtocolError(
+                    f"HTTP/{version} is not supported: this server speaks HTTP/1.1 only. Send the request over "
+                    "HTTP/1.1", error_status_hint=HTTP_VERSION_NOT_SUPPORTED)
+                raise self.refusal
+            if any(CONTROL_BYTE.search(value) for _, value in event.headers):
+                raise h11.RemoteProtocolError("a header value holds a control byte")
         return event
 
     def start_next_cycle(self) -> None:
@@ -136,8 +148,13 @@ class OpenAIErrorsH11Protocol(H11Protocol):
             self.transport.close()
 
     def send_400_response(self, msg: str) -> None:
-        """A 400 in the OpenAI shape, then the connection is closed (as uvicorn does)."""
-        self._refuse(400, MALFORMED)
+        """A 400 in the OpenAI shape (or the connection's own refusal: a 505 for another HTTP version), then the
+        connection is closed (as uvicorn does)."""
+        refusal = self.conn.refusal
+        if refusal is not None:
+            self._refuse(refusal.error_status_hint, str(refusal))
+        else:
+            self._refuse(400, MALFORMED)
 
     def _refuse(self, status: int, message: str) -> None:
         """An error in the OpenAI shape (nothing when a response has begun on this connection), then the
