@@ -3,6 +3,7 @@
 # Usage (on the GPU machine, repository root):
 #   bash scripts/gpu_check.sh [tests|gdn|gemv|profile|latency|fp8|throughput|speculative|hybrid|models|serve|ab ...]
 # TEST_K: a pytest -k expression for the tests stage (a subset of the GPU tests); failures and skips go to bench.log.
+# TEST_IDS: a file of test node ids for the tests stage to run instead of every file with a gpu-marked test.
 # fla-core (optional, for Qwen3.5 prefill) is picked up from PYTHONPATH if installed or unpacked there.
 set -u
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
@@ -68,7 +69,11 @@ for stage in $stages; do
       # One shard per GPU (POCKETLLM_TEST_SHARD, tests/conftest.py): compiling every kernel variant on one GPU
       # took longer than a call's time limit.
       # (PYTEST_ADDOPTS cleared: a -v there changes the listing this reads)
+      # TEST_IDS: a file of test node ids to run instead (e.g. those an earlier call did not reach: the collected
+      # ids less the PASSED ones of its tests-*.log).
+      if [ -n "${TEST_IDS:-}" ]; then files=$(cat "$TEST_IDS"); else
       files=$(PYTEST_ADDOPTS= $PY -m pytest -m gpu --collect-only -q -p no:cacheprovider tests 2>/dev/null | grep '::' | cut -d: -f1 | sort -u)
+      fi
       if [ -z "$files" ]; then echo "no gpu-marked tests were collected" | tee -a "$OUT/bench.log"; exit 1; fi
       echo "gpu test files: $(echo $files)" | tee -a "$OUT/bench.log"
       gpus=$(nvidia-smi -L | wc -l)
