@@ -512,3 +512,30 @@ def test_tool_replies_follow_their_calls():
                 {"role": "tool", "content": "1", "tool_call_id": "c2"},
                 {"role": "tool", "content": "2", "tool_call_id": "c1"}]
     assert build_chat_prompt(SIMPLE, messages, add_generation_prompt=False).endswith("tool: 1\ntool: 2\n")
+
+
+CONTENT_TEMPLATE = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] + '\\n' }}{% endfor %}"
+
+
+def test_an_assistant_refusal_is_what_it_said():
+    # The API answers a refused request with "content": null and the text in "refusal"; a client sends that message
+    # back in the history as it came.
+    history = [{"role": "user", "content": "a"}, {"role": "assistant", "content": None, "refusal": "I can't."},
+               {"role": "user", "content": "b"}]
+    assert normalize_messages(history)[1] == {"role": "assistant", "content": "I can't."}
+    assert render_chat_template(CONTENT_TEMPLATE, history) == "<user>a\n<assistant>I can't.\n<user>b\n"
+    parts = [{"role": "assistant", "content": [{"type": "text", "text": "So: "}, {"type": "refusal", "refusal": "no"}]}]
+    assert normalize_messages(parts)[0]["content"] == "So: no"
+    with pytest.raises(InvalidRequestError, match="'refusal' is not supported"):
+        normalize_messages([{"role": "user", "content": [{"type": "refusal", "refusal": "no"}]}])
+    with pytest.raises(InvalidRequestError, match='"refusal" must be a string'):
+        normalize_messages([{"role": "assistant", "content": None, "refusal": 3}])
+
+
+@pytest.mark.parametrize("messages, where", [
+    ([{"role": "user", "content": None}], "messages\\[0\\] \\(role 'user'\\)"),
+    ([{"role": "user", "content": "a"}, {"role": "assistant"}], "messages\\[1\\] \\(role 'assistant'\\)"),
+])
+def test_a_message_without_content_is_named_where_the_template_needs_it(messages, where):
+    with pytest.raises(InvalidRequestError, match=where + ' has no "content"'):
+        render_chat_template(CONTENT_TEMPLATE, messages)

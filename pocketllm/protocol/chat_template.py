@@ -170,8 +170,9 @@ class _JsonArguments(dict):
         return other + self._source if isinstance(other, str) else NotImplemented
 
 
-def _flatten_content(content: Any) -> Any:
-    """Flatten a list of OpenAI text parts into one string; refuse any non-text part."""
+def _flatten_content(content: Any, role: str) -> Any:
+    """Flatten a list of OpenAI text parts (and, in an assistant message, refusal parts: what it said) into one
+    string; refuse any other part."""
     if content is None or isinstance(content, str):
         return content
     if not isinstance(content, list):
@@ -187,13 +188,14 @@ def _flatten_content(content: Any) -> Any:
         if not isinstance(kind, str):
             raise InvalidRequestError('each content part needs a "type" (for text: {"type": "text", "text": ...})',
                                       param="messages")
-        if kind != "text":
+        field = "refusal" if kind == "refusal" and role == "assistant" else "text"
+        if kind != field:
             raise InvalidRequestError(
                 f"this model takes text only; content part type {kind!r} is not supported", param="messages"
             )
-        if not isinstance(part.get("text"), str):
-            raise InvalidRequestError("a text content part needs a string 'text'", param="messages")
-        texts.append(part["text"])
+        if not isinstance(part.get(field), str):
+            raise InvalidRequestError(f"a {kind} content part needs a string {field!r}", param="messages")
+        texts.append(part[field])
     return "".join(texts)
 
 
@@ -257,7 +259,13 @@ def _normalize_message(message: Any) -> dict:
     # tool calls, which templates such as DeepSeek-R1's test with `content is none`.
     copy = {k: v for k, v in copy.items() if v is not None or (k == "content" and keep_none_content)}
     if "content" in copy:
-        copy["content"] = _flatten_content(copy["content"])
+        copy["content"] = _flatten_content(copy["content"], role)
+    if role == "assistant":
+        refusal = copy.pop("refusal", None)
+        if refusal is not None and not isinstance(refusal, str):
+            raise InvalidRequestError('an assistant message\'s "refusal" must be a string', param="messages")
+        if copy.get("content") is None and refusal is not None:   # a refusal returned by the API is what it said
+            copy["content"] = refusal
     if "tool_calls" in copy:
         copy["tool_calls"] = _normalize_tool_calls(copy["tool_calls"])
     return _alias_reasoning(copy)
@@ -332,10 +340,11 @@ def render_chat_template(
 ) -> str:
     """Render ``messages`` with a checkpoint's chat template, as ``tokenizer.apply_chat_template`` would."""
     compiled = _compile(template)
+    normalized = normalize_messages(messages)
     context: dict[str, Any] = {k: str(v) for k, v in (special_tokens or {}).items() if v is not None}
     context.update(_plain(template_kwargs, "template_kwargs"))
     context.update(
-        messages=normalize_messages(messages),
+        messages=normalized,
         tools=_normalize_tools(tools),
         documents=context.get("documents"),
         add_generation_prompt=add_generation_prompt,
@@ -346,4 +355,9 @@ def render_chat_template(
         raise
     except (jinja2.TemplateError, TypeError, ValueError) as exc:
         message = f"the chat template cannot render these messages: {exc}"
+        missing = next((i for i, m in enumerate(normalized) if m.get("content") is None), None)
+        if missing is not None and "content" in str(exc):
+            role = normalized[missing]["role"]
+            message = (f'messages[{missing}] (role {role!r}) has no "content", which this model\'s chat template '
+                       "needs: send a string or an array of text parts")
         raise InvalidRequestError(message, param="messages") from exc
