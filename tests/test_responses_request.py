@@ -53,6 +53,15 @@ def test_items_become_chat_messages():
     ]
 
 
+def test_a_replayed_refusal_is_what_the_assistant_said():
+    # A refused response's output message holds a refusal part; a client replays the output as input.
+    refused = {"type": "message", "role": "assistant", "content": [{"type": "refusal", "refusal": "I can't."}]}
+    messages = chat(input=[{"role": "user", "content": "a"}, refused, {"role": "user", "content": "b"}]).messages
+    assert messages[1] == {"role": "assistant", "content": "I can't."}
+    with pytest.raises(InvalidRequestError, match="refusal in an assistant message"):
+        chat(input=[{"role": "user", "content": [{"type": "refusal", "refusal": "no"}]}])
+
+
 def test_a_call_after_a_tool_result_opens_a_new_assistant_turn():
     items = [{"role": "user", "content": "x"},
              {"type": "function_call", "call_id": "a", "name": "f", "arguments": "{}"},

@@ -73,8 +73,9 @@ def _bad_input(value: Any, index: int | None, problem: str, advice: str) -> Inva
         f'"input"{where} holds {show_value(value)}, which is not valid here: {problem}. {advice}.', param="input")
 
 
-def _text_of(content: Any, index: int, what: str) -> str:
-    """The text of a message's content: a string, or a list of text parts."""
+def _text_of(content: Any, index: int, what: str, assistant: bool = False) -> str:
+    """The text of a message's content: a string, or a list of text parts (an assistant's ``refusal`` parts, as
+    a refused response's output holds them, are what it said)."""
     if isinstance(content, str):
         return content
     if not is_list(content):
@@ -82,11 +83,12 @@ def _text_of(content: Any, index: int, what: str) -> str:
                          'Send the content as a string or as [{"type": "input_text", "text": ...}]')
     texts = []
     for part in content:
-        if not isinstance(part, Mapping) or part.get("type") not in _TEXT_PARTS or not isinstance(part.get("text"),
-                                                                                                   str):
-            raise _bad_input(part, index, f"only text parts ({', '.join(_TEXT_PARTS)}) are read; this server "
-                             "takes no images, files or audio", "Send text parts only")
-        texts.append(part["text"])
+        key = "refusal" if assistant and isinstance(part, Mapping) and part.get("type") == "refusal" else "text"
+        if not isinstance(part, Mapping) or (key == "text" and part.get("type") not in _TEXT_PARTS) or not isinstance(
+                part.get(key), str):
+            raise _bad_input(part, index, f"only text parts ({', '.join(_TEXT_PARTS)}; refusal in an assistant "
+                             "message) are read; this server takes no images, files or audio", "Send text parts only")
+        texts.append(part[key])
     return "".join(texts)
 
 
@@ -126,7 +128,7 @@ def _messages(value: Any, instructions: str | None) -> list[dict[str, Any]]:
             if role not in _MESSAGE_ROLES:
                 raise _bad_input(item, index, f"a message's role must be one of {', '.join(_MESSAGE_ROLES)}",
                                  "Send each message with one of those roles")
-            text = _text_of(item.get("content"), index, "message content")
+            text = _text_of(item.get("content"), index, "message content", role == "assistant")
             if role == "assistant":
                 assistant()["content"] = text
             else:
