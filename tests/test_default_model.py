@@ -4,6 +4,7 @@ default int4 weights up to near ties), chat, the default sampling, and the CLI."
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
@@ -128,6 +129,17 @@ def test_cli_run_answers_paris():
     assert result.returncode == 0, result.stderr
     assert "Paris" in result.stdout
     assert "tokens" in result.stderr and "prefill" in result.stderr and "decode" in result.stderr
+
+
+def test_cli_chat_clear_forgets_and_bye_leaves():
+    # After /clear the second question is the whole conversation: its prompt is as long as the first one's (a
+    # question of as many tokens). /bye leaves before the last line is read.
+    result = _cli("chat", "--temperature", "0", "--max-tokens", "40",
+                  stdin="What is the capital of France?\n/clear\nWhat is the capital of Spain?\n/bye\nAnd Italy?\n")
+    assert result.returncode == 0, result.stderr
+    assert "[conversation cleared]" in result.stderr
+    prompts = re.findall(r"prompt (\d+) tokens", result.stderr)
+    assert len(prompts) == 2 and prompts[0] == prompts[1], result.stderr   # the line after /bye is never read
 
 
 def test_cli_chat_holds_a_conversation():

@@ -22,6 +22,8 @@ from pocketllm.harness.lifecycle import display_name, say
 from pocketllm.harness.line_input import read_line
 from pocketllm.sampling_params import SamplingParams
 
+CLEAR_COMMAND = "/clear"   # chat: forget the conversation so far (the system message stays)
+
 if TYPE_CHECKING:   # (imported when a command runs: they import torch)
     from pocketllm.api import LLM
     from pocketllm.outputs import TokenEvent, Usage
@@ -49,7 +51,7 @@ def add_run_parser(subparsers) -> None:
 
 def add_chat_parser(subparsers) -> None:
     parser = subparsers.add_parser("chat", usage="%(prog)s [options]",
-                                   help="Hold a conversation in the terminal (/exit to leave).")
+                                   help="Hold a conversation in the terminal (/clear to start over, /exit to leave).")
     parser.add_argument("--system", default=None, help="A system message to put first.")
     parser.add_argument("--verbose", action="store_true", help="Log scheduling decisions at DEBUG.")
     add_sampling_flags(parser, CLI_SAMPLING_DEFAULTS)
@@ -161,12 +163,17 @@ def chat_command(args: argparse.Namespace) -> int:
         params = _sampling(args, llm)
         llm.render_chat(_messages(args.system, [{"role": "user", "content": "hi"}]))  # fail early without template
         turns: list[dict[str, str]] = []
-        print("Type a message; /exit to leave, Ctrl-C stops an answer.", file=sys.stderr)
+        print("Type a message; /clear forgets the conversation, /exit (or /bye) leaves, Ctrl-C stops an answer.",
+              file=sys.stderr)
         while True:
             line = read_line()
             if line is None:
                 return 0
             if not line.strip():
+                continue
+            if line.strip() == CLEAR_COMMAND:
+                turns.clear()
+                print("[conversation cleared]", file=sys.stderr)
                 continue
             turns.append({"role": "user", "content": line})
             try:

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import sys
 
-EXIT_COMMANDS = ("/exit", "/quit")
+EXIT_COMMANDS = ("/exit", "/quit", "/bye")
 
 
 def read_line(prompt: str = "> ") -> str | None:
-    """One line typed at ``prompt``; None when the user leaves (end of input, /exit or /quit).
+    """One line typed at ``prompt``; None when the user leaves (end of input, /exit, /quit or /bye).
 
     Ctrl-C is not swallowed here: it leaves the command, with the exit status of an interrupt."""
     try:
