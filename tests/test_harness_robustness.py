@@ -10,6 +10,7 @@ import json
 import pytest
 
 from pocketllm.config import EngineArgs
+from pocketllm.harness.host import Host, HostConfig
 from pocketllm.harness.protocol import ProtocolError, parse_line
 from pocketllm.harness.service import Channel, Harness
 from pocketllm.harness.sessions import Session
@@ -26,6 +27,11 @@ def test_a_seed_past_64_bits_is_refused_by_name(seed: int) -> None:
 @pytest.mark.parametrize("seed", [2**64 - 1, -(2**63), -1, 0])
 def test_every_64_bit_seed_is_taken(seed: int) -> None:
     assert parse_line(json.dumps({"op": "generate", "id": 1, "prompt": "x", "seed": seed})).get("seed") == seed
+
+
+def test_a_token_that_is_not_valid_unicode_is_wrong_not_an_error() -> None:
+    host = Host(HostConfig(EngineArgs(model="no-model-is-loaded"), token="t\u00e9"))
+    assert host.check_token("t\u00e9") and not host.check_token("t\ud800") and not host.check_token(None)
 
 
 def _harness(idle_expiry_s: float | None = None) -> Harness:
