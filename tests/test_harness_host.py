@@ -125,6 +125,22 @@ def test_every_connection_must_authenticate_first(host):
     assert conn.wait_closed() == 1008
 
 
+def test_a_token_with_a_lone_surrogate_is_a_wrong_token(host):
+    """Before and after authenticating, such a token is refused like any wrong one (an error line, then close
+    code 1008); it used to close the connection silently first, and to get an internal error (the connection
+    left open) after."""
+    token = host.token + "\ud800"   # sent as the JSON escape \ud800 (json.dumps escapes it)
+    conn = host.connect(auth=False)
+    conn.send({"op": "auth", "id": "a", "token": token})
+    assert conn.router.first("a", timeout=30) == {"id": "a", "error": "wrong token"}
+    assert conn.wait_closed() == 1008
+
+    conn = host.connect()
+    conn.send({"op": "auth", "id": "b", "token": token})
+    assert conn.router.first("b", timeout=30) == {"id": "b", "error": "wrong token"}
+    assert conn.wait_closed() == 1008
+
+
 def _connect_when_free(host, attempts: int = 50):
     for _ in range(attempts):
         conn = host.connect(auth=False)

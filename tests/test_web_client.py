@@ -6,9 +6,12 @@ is set. The layout test runs at a desktop (1280x800) and a phone (390x844) size.
 
 from __future__ import annotations
 
+import functools
+import http.server
 import json
 import os
 import re
+import threading
 
 import pytest
 from harness_utils import HostProcess
@@ -491,5 +494,100 @@ def test_browser_client_end_to_end(browser, host, artifacts):
         sync_api.expect(page.locator("#status")).to_have_attribute("data-state", "ready", timeout=WAIT_MS)
         assert page.locator("#login").is_hidden() and page.evaluate("location.hash") == ""
         sync_api.expect(page.locator("#conv-list li")).to_have_count(2)
+    finally:
+        context.close()
+
+
+@pytest.fixture(scope="module")
+def static_client():
+    """The client's files over plain HTTP, no host behind them (its WebSocket finds no one: these tests look at
+    what the page makes of its own localStorage)."""
+    class Quiet(http.server.SimpleHTTPRequestHandler):
+        def log_message(self, *args) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(Quiet, directory=WEB_DIR))
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_port}/"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+STORE_KEY = "pocketllm.conversations.v1"
+KEPT = {"id": "wkept", "title": "kept", "created": 1,
+        "messages": [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "hi there"}]}
+
+
+def _open_with_store(browser, url: str, stored: str):
+    """A page of a fresh context whose localStorage holds ``stored`` (and a token) before the client starts, and
+    the errors the page raises."""
+    context = browser.new_context()
+    page = context.new_page()
+    errors: list[str] = []
+    page.on("pageerror", lambda error: errors.append(str(error)))
+    page.add_init_script(f"if (!sessionStorage.getItem('seeded')) {{ sessionStorage.setItem('seeded', '1'); "
+                         f"localStorage.setItem({json.dumps(STORE_KEY)}, {json.dumps(stored)}); "
+                         "localStorage.setItem('pocketllm.token', 't'); }")
+    page.goto(url)
+    return context, page, errors
+
+
+@pytest.mark.parametrize("bad", [
+    {"id": "wnomsgs"},                                          # no message list
+    None,                                                       # not a conversation
+    {"id": "wnulls", "messages": [None, 5, {"role": "user"}]},  # messages that are not messages
+    {"id": "wstring", "messages": "hello"},
+    {"id": 7, "messages": []},                                  # an id that is no session id
+    {**KEPT, "title": "the same id again"},                     # a second conversation with one id
+], ids=["no-messages", "null", "bad-messages", "messages-string", "numeric-id", "duplicate-id"])
+def test_a_bad_stored_conversation_costs_only_itself(browser, static_client, bad):
+    """One conversation of the wrong shape in localStorage used to stop the client at start (nothing shown, no
+    button working), taking every other conversation with it."""
+    context, page, errors = _open_with_store(browser, static_client,
+                                             json.dumps({"conversations": [KEPT, bad], "active": "wkept"}))
+    try:
+        sync_api.expect(page.locator("#app")).to_be_visible(timeout=WAIT_MS)
+        titles = page.locator("#conv-list li .title").all_inner_texts()
+        assert titles[0] == "kept" and "the same id again" not in titles, titles
+        sync_api.expect(page.locator("#messages .message")).to_have_count(2)
+        assert not errors, errors
+    finally:
+        context.close()
+
+
+@pytest.mark.parametrize("stored", ["not json", "5", "{}", '{"conversations": {"a": 1}}'])
+def test_a_stored_value_that_is_no_conversation_list_starts_empty(browser, static_client, stored):
+    context, page, errors = _open_with_store(browser, static_client, stored)
+    try:
+        sync_api.expect(page.locator("#app")).to_be_visible(timeout=WAIT_MS)
+        page.click("#new-conv")
+        sync_api.expect(page.locator("#conv-list li")).to_have_count(1)
+        assert not errors, errors
+    finally:
+        context.close()
+
+
+def test_another_tabs_bad_write_is_ignored(browser, static_client):
+    """Another tab's write of something that is no conversation list used to throw in the storage event, or to
+    leave the client without a conversation list (every later render throwing)."""
+    context, page, errors = _open_with_store(browser, static_client,
+                                             json.dumps({"conversations": [KEPT], "active": "wkept"}))
+    try:
+        sync_api.expect(page.locator("#conv-list li")).to_have_count(1, timeout=WAIT_MS)
+        other = context.new_page()
+        other.goto(static_client + "nothing-here")
+        for value in ("{}", "not json", '{"conversations": 3}'):
+            other.evaluate("([key, value]) => localStorage.setItem(key, value)", [STORE_KEY, value])
+            page.wait_for_timeout(200)
+            assert page.locator("#conv-list li .title").all_inner_texts() == ["kept"]
+        fresh = {"conversations": [None, {**KEPT, "id": "wother", "title": "from the other tab"}], "active": "wother"}
+        other.evaluate("([key, value]) => localStorage.setItem(key, value)", [STORE_KEY, json.dumps(fresh)])
+        sync_api.expect(page.locator("#conv-list li .title")).to_have_text(["from the other tab"])
+        page.click("#new-conv")
+        sync_api.expect(page.locator("#conv-list li")).to_have_count(2)
+        assert not errors, errors
     finally:
         context.close()

@@ -115,7 +115,8 @@ class Host:
                                              allowed_origins=config.allowed_origins)
 
     def check_token(self, token: Any) -> bool:
-        given = token.encode("utf-8") if isinstance(token, str) else b""
+        # (surrogatepass: a token holding a lone surrogate is just a wrong one, not an error)
+        given = token.encode("utf-8", "surrogatepass") if isinstance(token, str) else b""
         return hmac.compare_digest(given, self.token)
 
     def _http(self, connection, request):

@@ -30,6 +30,7 @@ ID_REQUIRED = frozenset({"generate", "chat", "cancel"})
 ROLES = ("system", "user", "assistant")
 MAX_ID_CHARS = 128
 MAX_STOPS = 16
+SEED_RANGE = (-(2**63), 2**64 - 1)   # what a 64-bit generator seed holds (the OpenAI server's bounds too)
 _SESSION_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}")
 
 
@@ -114,7 +115,9 @@ def _sampling(fields: dict[str, Any]) -> None:
     if "repeat_penalty" in fields and not _number("repeat_penalty", fields["repeat_penalty"]) > 0:
         raise ValueError("repeat_penalty must be > 0 (1 is off)")
     if "seed" in fields:
-        _integer("seed", fields["seed"])
+        seed = _integer("seed", fields["seed"])
+        if not SEED_RANGE[0] <= seed <= SEED_RANGE[1]:
+            raise ValueError(f"seed must fit in 64 bits ({SEED_RANGE[0]} to {SEED_RANGE[1]}), got {seed}")
     if "stop" in fields:
         stop = fields["stop"]
         stops = [stop] if isinstance(stop, str) else stop

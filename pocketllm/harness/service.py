@@ -115,6 +115,7 @@ class Harness:
         self.ready = asyncio.Event()
         self.sessions: dict[str, Session] = {}
         self.tasks: set[asyncio.Task] = set()
+        self._notices: set[asyncio.Task] = set()
         self.draining = False
         self._ids = itertools.count()
         self._prefix = uuid.uuid4().hex[:6]
@@ -181,6 +182,13 @@ class Harness:
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
         return task
+
+    def _notify(self, channel: Channel, notice: dict[str, Any]) -> None:
+        """Send an untagged notice without waiting for the write: a client that does not read its connection
+        holds up no other client (a host's send waits while the peer's buffer is full)."""
+        task = asyncio.create_task(channel.send(notice))
+        self._notices.add(task)
+        task.add_done_callback(self._notices.discard)
 
     # --- lines ------------------------------------------------------------------------------------
     async def handle(self, channel: Channel, line: str | bytes) -> None:
@@ -249,7 +257,7 @@ class Harness:
                 raise ProtocolError(f"session {sid!r} is busy with a request on another connection")
             previous = session.owner
             previous.sessions.discard(sid)
-            await previous.send({"id": None, "session": sid, "detached": "opened on another connection"})
+            self._notify(previous, {"id": None, "session": sid, "detached": "opened on another connection"})
         if "messages" in op.fields:
             if session.busy is not None:
                 raise ProtocolError(f"session {sid!r} is busy with request {session.busy!r}")
@@ -314,7 +322,7 @@ class Harness:
                     owner = session.owner
                     if owner is not None:
                         owner.sessions.discard(sid)
-                        await owner.send({"id": None, "session": sid, "expired": True})
+                        self._notify(owner, {"id": None, "session": sid, "expired": True})
 
     # --- generation -------------------------------------------------------------------------------
     async def _op_generate(self, channel: Channel, op: Op) -> None:

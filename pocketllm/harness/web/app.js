@@ -11,6 +11,7 @@
   const MAX_BACKOFF_MS = 4000;
   const NARROW = window.matchMedia("(max-width: 720px)");
   const MODEL_FILE = /\.(gguf|ggml|safetensors|bin|pt|pth|onnx)$/i;
+  const ROLES = ["system", "user", "assistant"];
   const $ = (id) => document.getElementById(id);
 
   const state = loadState();
@@ -26,14 +27,33 @@
   const elements = new WeakMap(); // message -> its element
 
   // --- state ------------------------------------------------------------------------------------
+  // The stored conversations in the shape this client uses, whatever localStorage held (an older client's data,
+  // another tab's write, a hand edit): null if it holds no conversation list; else the conversations that are
+  // objects with a string id (the first of any two with one id), each with the messages that have a role and a
+  // text. What cannot be shown is left out, so one bad entry costs only itself, not the whole client.
+  function cleanState(saved) {
+    if (!saved || typeof saved !== "object" || !Array.isArray(saved.conversations)) return null;
+    const conversations = [];
+    const ids = new Set();
+    for (const conv of saved.conversations) {
+      if (!conv || typeof conv !== "object" || typeof conv.id !== "string" || ids.has(conv.id)) continue;
+      ids.add(conv.id);
+      conv.messages = (Array.isArray(conv.messages) ? conv.messages : []).filter((m) =>
+        m && typeof m === "object" && ROLES.includes(m.role) && typeof m.content === "string");
+      if (typeof conv.title !== "string") conv.title = "";
+      conversations.push(conv);
+    }
+    return { conversations: conversations, active: ids.has(saved.active) ? saved.active : null };
+  }
+
   function loadState() {
     let saved = null;
     try {
-      saved = JSON.parse(localStorage.getItem(STORE_KEY));
+      saved = cleanState(JSON.parse(localStorage.getItem(STORE_KEY)));
     } catch (err) {
       saved = null;
     }
-    if (!saved || !Array.isArray(saved.conversations)) {
+    if (!saved) {
       saved = { conversations: [], active: null };
     }
     for (const conv of saved.conversations) {
@@ -610,7 +630,13 @@
       if (event.key === STORE_KEY && event.newValue) {
         // Another tab changed the conversations: take its copy unless we are streaming.
         if (inflight.size === 0) {
-          const fresh = JSON.parse(event.newValue);
+          let fresh = null;
+          try {
+            fresh = cleanState(JSON.parse(event.newValue));
+          } catch (err) {
+            fresh = null;   // not JSON: keep ours
+          }
+          if (!fresh) return;
           state.conversations = fresh.conversations;
           state.active = fresh.active;
           render();
