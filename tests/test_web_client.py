@@ -585,9 +585,39 @@ def test_another_tabs_bad_write_is_ignored(browser, static_client):
             assert page.locator("#conv-list li .title").all_inner_texts() == ["kept"]
         fresh = {"conversations": [None, {**KEPT, "id": "wother", "title": "from the other tab"}], "active": "wother"}
         other.evaluate("([key, value]) => localStorage.setItem(key, value)", [STORE_KEY, json.dumps(fresh)])
-        sync_api.expect(page.locator("#conv-list li .title")).to_have_text(["from the other tab"])
-        page.click("#new-conv")
+        # merged into ours: a conversation the other list lacks is not deleted without its tombstone
         sync_api.expect(page.locator("#conv-list li")).to_have_count(2)
+        assert sorted(page.locator("#conv-list li .title").all_inner_texts()) == ["from the other tab", "kept"]
+        page.click("#new-conv")
+        sync_api.expect(page.locator("#conv-list li")).to_have_count(3)
         assert not errors, errors
+    finally:
+        context.close()
+
+
+def test_two_tabs_keep_each_others_conversations(browser, host):
+    """Both tabs write the one stored list. A tab streaming an answer used to ignore the other tab's write and then
+    save over it: a conversation made meanwhile in the other tab was lost from storage, and from that tab too once
+    it took the streaming tab's copy. Deleting in one tab still deletes in the other."""
+    context = browser.new_context()
+    try:
+        a, b = context.new_page(), context.new_page()
+        for page in (a, b):
+            page.goto(f"http://127.0.0.1:{host.port}/#token={TOKEN}")
+            sync_api.expect(page.locator("#status")).to_have_attribute("data-state", "ready", timeout=WAIT_MS)
+        a.fill("#opt-temp", "0")
+        a.click("#new-conv")
+        send(a, "Tell me a long story", n=400)
+        b.click("#new-conv")   # while the first tab streams
+        wait_finished(a, 0)
+        a.wait_for_timeout(500)   # the last saves and storage events
+        stored = json.loads(a.evaluate(f"localStorage.getItem({json.dumps(STORE_KEY)})"))
+        assert len(stored["conversations"]) == 2, stored
+        for page in (a, b):
+            sync_api.expect(page.locator("#conv-list li")).to_have_count(2, timeout=WAIT_MS)
+        b.locator("#conv-list li").first.locator(".delete").click()   # b's own (newest first)
+        for page in (a, b):
+            sync_api.expect(page.locator("#conv-list li")).to_have_count(1, timeout=WAIT_MS)
+        sync_api.expect(a.locator("#conv-list li .title")).to_have_text(["Tell me a long story"])
     finally:
         context.close()

@@ -12,6 +12,7 @@
   const NARROW = window.matchMedia("(max-width: 720px)");
   const MODEL_FILE = /\.(gguf|ggml|safetensors|bin|pt|pth|onnx)$/i;
   const ROLES = ["system", "user", "assistant"];
+  const TOMBSTONE_MS = 30 * 24 * 3600 * 1000;   // how long a deletion is remembered, for tabs that still hold it
   const $ = (id) => document.getElementById(id);
 
   const state = loadState();
@@ -41,21 +42,63 @@
       conv.messages = (Array.isArray(conv.messages) ? conv.messages : []).filter((m) =>
         m && typeof m === "object" && ROLES.includes(m.role) && typeof m.content === "string");
       if (typeof conv.title !== "string") conv.title = "";
+      if (typeof conv.created !== "number") conv.created = 0;
+      if (typeof conv.updated !== "number") conv.updated = conv.created;
       conversations.push(conv);
     }
-    return { conversations: conversations, active: ids.has(saved.active) ? saved.active : null };
+    const deleted = {};   // id -> when it was deleted
+    if (saved.deleted && typeof saved.deleted === "object") {
+      for (const [id, when] of Object.entries(saved.deleted)) {
+        if (typeof when === "number") deleted[id] = when;
+      }
+    }
+    return { conversations: conversations, active: ids.has(saved.active) ? saved.active : null, deleted: deleted };
+  }
+
+  // Another tab's conversations merged into ours (both tabs write the one stored list, so neither may simply
+  // replace it): for each id the copy changed last, ours while this tab streams into it; a conversation deleted
+  // after its last change stays deleted. Newest first, as the list shows them; this tab's open one stays open.
+  function merged(theirs) {
+    const deleted = Object.assign({}, theirs.deleted);
+    for (const [id, when] of Object.entries(state.deleted)) deleted[id] = Math.max(when, deleted[id] || 0);
+    const byId = new Map(theirs.conversations.map((c) => [c.id, c]));
+    for (const conv of state.conversations) {
+      const other = byId.get(conv.id);
+      if (!other || busy(conv) || conv.updated >= other.updated) byId.set(conv.id, conv);
+    }
+    const conversations = [...byId.values()]
+      .filter((c) => busy(c) || !(deleted[c.id] >= c.updated))
+      .sort((a, b) => b.created - a.created);
+    const horizon = Date.now() - TOMBSTONE_MS;
+    for (const [id, when] of Object.entries(deleted)) {
+      if (when < horizon) delete deleted[id];
+    }
+    const active = conversations.some((c) => c.id === state.active) ? state.active
+      : (conversations.length ? conversations[0].id : null);
+    return { conversations: conversations, active: active, deleted: deleted };
+  }
+
+  function adopt(next) {
+    state.conversations = next.conversations;
+    state.active = next.active;
+    state.deleted = next.deleted;
+  }
+
+  function storedState() {
+    try {
+      return cleanState(JSON.parse(localStorage.getItem(STORE_KEY)));
+    } catch (err) {
+      return null;
+    }
+  }
+
+  // A conversation changed in this tab: it wins over an older copy of it from another tab.
+  function touch(conv) {
+    conv.updated = Math.max(Date.now(), conv.updated + 1);
   }
 
   function loadState() {
-    let saved = null;
-    try {
-      saved = cleanState(JSON.parse(localStorage.getItem(STORE_KEY)));
-    } catch (err) {
-      saved = null;
-    }
-    if (!saved) {
-      saved = { conversations: [], active: null };
-    }
+    const saved = storedState() || { conversations: [], active: null, deleted: {} };
     for (const conv of saved.conversations) {
       for (const m of conv.messages) {
         if (m.streaming) {   // the page went away mid-answer
@@ -70,6 +113,8 @@
   function save() {
     clearTimeout(saveTimer);
     saveTimer = null;
+    const stored = storedState();
+    if (stored) adopt(merged(stored));   // what another tab wrote since is kept
     localStorage.setItem(STORE_KEY, JSON.stringify(state));
   }
 
@@ -88,7 +133,8 @@
   }
 
   function newConversation() {
-    const conv = { id: newSessionId(), title: "", messages: [], created: Date.now() };
+    const now = Date.now();
+    const conv = { id: newSessionId(), title: "", messages: [], created: now, updated: now };
     state.conversations.unshift(conv);
     state.active = conv.id;
     save();
@@ -151,6 +197,7 @@
     for (const entry of inflight.values()) {
       entry.message.streaming = false;
       entry.message.finish = "interrupted";
+      touch(entry.conv);
     }
     inflight.clear();
     save();
@@ -204,6 +251,7 @@
     const entry = inflight.get(msg.id);
     if (!entry) return;
     const m = entry.message;
+    touch(entry.conv);
     if (typeof msg.chunk === "string") {
       m.content += msg.chunk;
       saveSoon();
@@ -236,6 +284,7 @@
     const answer = { role: "assistant", content: "", streaming: true };
     conv.messages.push(user, answer);
     if (!conv.title) conv.title = text.slice(0, 48);
+    touch(conv);
     const id = nextId++;
     inflight.set(id, { conv: conv, user: user, message: answer });
     const request = { op: "chat", id: id, session: conv.id, messages: [{ role: "user", content: text }] };
@@ -257,6 +306,7 @@
     if (busy(conv)) return;
     if (authed) send({ op: "close", id: "close:" + conv.id, session: conv.id });
     opened.delete(conv.id);
+    state.deleted[conv.id] = Math.max(Date.now(), conv.updated + 1);
     state.conversations = state.conversations.filter((c) => c !== conv);
     if (state.active === conv.id) state.active = state.conversations.length ? state.conversations[0].id : null;
     save();
@@ -628,19 +678,17 @@
     });
     window.addEventListener("storage", (event) => {
       if (event.key === STORE_KEY && event.newValue) {
-        // Another tab changed the conversations: take its copy unless we are streaming.
-        if (inflight.size === 0) {
-          let fresh = null;
-          try {
-            fresh = cleanState(JSON.parse(event.newValue));
-          } catch (err) {
-            fresh = null;   // not JSON: keep ours
-          }
-          if (!fresh) return;
-          state.conversations = fresh.conversations;
-          state.active = fresh.active;
-          render();
+        // Another tab changed the conversations: merge its copy into ours (a conversation this tab streams
+        // into stays ours).
+        let fresh = null;
+        try {
+          fresh = cleanState(JSON.parse(event.newValue));
+        } catch (err) {
+          fresh = null;   // not JSON: keep ours
         }
+        if (!fresh) return;
+        adopt(merged(fresh));
+        render();
       }
     });
     window.addEventListener("hashchange", () => {
