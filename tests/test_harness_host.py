@@ -154,10 +154,12 @@ def _connect_when_free(host, attempts: int = 50):
 
 
 def test_max_conns_is_enforced_with_a_clear_refusal(host):
+    # Connections that have not authenticated take no slot (a process without the token used to hold them all).
+    waiting = [host.connect(auth=False) for _ in range(4)]
     conns = [_connect_when_free(host) for _ in range(3)]
     try:
         extra = host.connect(auth=False)
-        refusal = extra.router.untagged_matching(lambda x: "error" in x)
+        refusal = extra.call({"op": "auth", "id": "a", "token": host.token})   # counted once authenticated
         assert "too many connections" in refusal["error"] and "--max-conns" in refusal["error"]
         assert extra.wait_closed() == 1013
         from pocketllm.errors import InvalidRequestError
@@ -169,7 +171,19 @@ def test_max_conns_is_enforced_with_a_clear_refusal(host):
         conns.append(_connect_when_free(host))
         assert conns[-1].call({"op": "health", "id": 1})["state"] == "ready"
     finally:
-        for conn in conns:
+        for conn in conns + waiting:
+            conn.close()
+
+
+def test_the_oldest_connection_waiting_to_authenticate_makes_room(host):
+    from pocketllm.harness.host import MAX_PENDING_AUTH
+
+    waiting = [host.connect(auth=False) for _ in range(MAX_PENDING_AUTH + 1)]
+    try:
+        assert waiting[0].wait_closed() == 1013
+        assert waiting[-1].call({"op": "auth", "id": "a", "token": host.token}) == {"id": "a", "auth": "ok"}
+    finally:
+        for conn in waiting:
             conn.close()
 
 

@@ -31,6 +31,9 @@ logger = logging.getLogger("pocketllm.harness")
 AUTH_TIMEOUT_S = 30.0
 DRAIN_TIMEOUT_S = 30.0
 MAX_MESSAGE_BYTES = 8 << 20
+# Connections not yet authenticated, at most; a newcomer past it closes the oldest (code 1013). They do not count
+# towards --max-conns, so a process without the token cannot hold the slots of the clients that have it.
+MAX_PENDING_AUTH = 32
 CLOSE_POLICY = 1008          # policy violation: not authenticated
 CLOSE_TRY_AGAIN = 1013       # try again later: connection limit
 # The built-in client loads nothing from elsewhere and runs no inline script.
@@ -110,6 +113,7 @@ class Host:
         web = config.web_dir or builtin_web_dir()
         self.static = StaticFiles(web, None if config.web_dir else BUILTIN_CSP)
         self.connections: set[Any] = set()
+        self.pending: dict[Any, None] = {}   # connections waiting to authenticate, oldest first
         self._names = itertools.count(1)
         self.exposure = ExposurePolicy.build(LOOPBACK, allowed_hosts=config.allowed_hosts,
                                              allowed_origins=config.allowed_origins)
@@ -148,19 +152,21 @@ class Host:
             await send(error_line("the host is shutting down"))
             await ws.close(1001, "shutting down")
             return
-        if len(self.connections) >= self.config.max_conns:
-            logger.warning("refused a connection: %d already open (--max-conns)", len(self.connections))
-            await send(error_line(f"too many connections: this host allows {self.config.max_conns} at once "
-                                  "(--max-conns); close one or try again later"))
-            await ws.close(CLOSE_TRY_AGAIN, "too many connections")
-            return
-        self.connections.add(ws)
+        if len(self.pending) >= MAX_PENDING_AUTH:
+            oldest = next(iter(self.pending))
+            del self.pending[oldest]
+            logger.warning("closed a connection that had not authenticated: %d were waiting", MAX_PENDING_AUTH)
+            asyncio.ensure_future(oldest.close(CLOSE_TRY_AGAIN, "too many connections waiting to authenticate"))
         name = f"c{next(self._names)}"
         channel = Channel(name, write, check_token=self.check_token, gone=(ConnectionClosed,),
                           on_bad_token=lambda: asyncio.ensure_future(ws.close(CLOSE_POLICY, "wrong token")))
+        self.pending[ws] = None
         try:
-            if not await self._authenticate(ws, send):
-                return
+            try:
+                if not await self._authenticate(ws, send):
+                    return
+            finally:
+                self.pending.pop(ws, None)
             logger.info("connection %s authenticated", name)
             async for message in ws:
                 await self.harness.handle(channel, message)
@@ -194,6 +200,13 @@ class Host:
             await send(error_line("wrong token", request_id))
             await ws.close(CLOSE_POLICY, "wrong token")
             return False
+        if len(self.connections) >= self.config.max_conns:   # (counted once authenticated: see MAX_PENDING_AUTH)
+            logger.warning("refused a connection: %d already open (--max-conns)", len(self.connections))
+            await send(error_line(f"too many connections: this host allows {self.config.max_conns} at once "
+                                  "(--max-conns); close one or try again later", request_id))
+            await ws.close(CLOSE_TRY_AGAIN, "too many connections")
+            return False
+        self.connections.add(ws)   # (before the reply is awaited: a second client checks against it)
         await send({"id": request_id, "auth": "ok"})
         return True
 
