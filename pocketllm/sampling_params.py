@@ -13,6 +13,7 @@ from typing import Any
 from pocketllm.errors import InvalidRequestError
 
 MAX_LOGPROBS = 20
+SEED_RANGE = (-(2**63), 2**64 - 1)   # what a 64-bit generator seed holds
 
 
 def _number(name: str, value: Any, low: float | None = None, high: float | None = None,
@@ -167,7 +168,7 @@ class SamplingParams:
         object.__setattr__(self, "top_k", 0 if top_k == -1 else top_k)
         _number("min_p", self.min_p, low=0.0, high=1.0)
         if self.seed is not None:
-            _integer("seed", self.seed)
+            _integer("seed", self.seed, *SEED_RANGE)
         stop = self.stop
         if stop is None:
             stop = ()

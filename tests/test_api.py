@@ -238,6 +238,7 @@ def test_backend_and_args_validation(model_dir, tiny_checkpoint):
 @pytest.mark.parametrize("bad", [
     {"temperature": -1}, {"top_p": 0}, {"top_p": 1.5}, {"top_k": -2}, {"max_tokens": 0}, {"logprobs": 21},
     {"stop": 5}, {"min_p": 2}, {"logit_bias": {"x": 1}}, {"repetition_penalty": 0}, {"seed": 1.5},
+    {"seed": 2**64}, {"seed": -(2**63) - 1},   # past a 64-bit generator seed (was an error deep in the engine)
 ])
 def test_sampling_params_reject_invalid_values(bad):
     with pytest.raises(InvalidRequestError):

@@ -12,6 +12,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from pocketllm.sampling_params import SEED_RANGE
+
 __all__ = ["OPS", "SAMPLING_FIELDS", "Op", "ProtocolError", "encode", "error_line", "finish_of", "parse_line",
            "valid_session_id"]
 
@@ -30,7 +32,6 @@ ID_REQUIRED = frozenset({"generate", "chat", "cancel"})
 ROLES = ("system", "user", "assistant")
 MAX_ID_CHARS = 128
 MAX_STOPS = 16
-SEED_RANGE = (-(2**63), 2**64 - 1)   # what a 64-bit generator seed holds (the OpenAI server's bounds too)
 _SESSION_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}")
 
 

@@ -29,7 +29,7 @@ from typing import Any
 from pocketllm.errors import InvalidRequestError
 from pocketllm.protocol.chat_request import REASONING_EFFORTS
 from pocketllm.protocol.structured_output import check_response_format, check_tool_choice
-from pocketllm.sampling_params import MAX_LOGPROBS, SamplingParams
+from pocketllm.sampling_params import MAX_LOGPROBS, SEED_RANGE, SamplingParams
 
 __all__ = [
     "CHAT",
@@ -635,7 +635,7 @@ def sampling_fields(fields: Mapping[str, Any], vocab_size: int) -> dict[str, Any
     if "min_p" in fields:
         out["min_p"] = _real("min_p", fields["min_p"], 0.0, 1.0, "a number between 0 and 1")
     if "seed" in fields:
-        out["seed"] = whole_number("seed", fields["seed"], -(2**63), 2**64 - 1, "a whole number that fits in 64 bits")
+        out["seed"] = whole_number("seed", fields["seed"], *SEED_RANGE, "a whole number that fits in 64 bits")
     if "stop" in fields:
         out["stop"] = _stop(fields["stop"])
     if "stop_token_ids" in fields:
