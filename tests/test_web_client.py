@@ -6,6 +6,7 @@ is set. The layout test runs at a desktop (1280x800) and a phone (390x844) size.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import http.server
 import json
@@ -521,18 +522,23 @@ KEPT = {"id": "wkept", "title": "kept", "created": 1,
         "messages": [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "hi there"}]}
 
 
-def _open_with_store(browser, url: str, stored: str):
-    """A page of a fresh context whose localStorage holds ``stored`` (and a token) before the client starts, and
-    the errors the page raises."""
+@contextlib.contextmanager
+def _page_with_store(browser, url: str, stored: str):
+    """(context, page): a page of a fresh context whose localStorage holds ``stored`` (and a token) before the
+    client starts. On leaving, the page must have raised no error; the context is closed."""
     context = browser.new_context()
-    page = context.new_page()
-    errors: list[str] = []
-    page.on("pageerror", lambda error: errors.append(str(error)))
-    page.add_init_script(f"if (!sessionStorage.getItem('seeded')) {{ sessionStorage.setItem('seeded', '1'); "
-                         f"localStorage.setItem({json.dumps(STORE_KEY)}, {json.dumps(stored)}); "
-                         "localStorage.setItem('pocketllm.token', 't'); }")
-    page.goto(url)
-    return context, page, errors
+    try:
+        page = context.new_page()
+        errors: list[str] = []
+        page.on("pageerror", lambda error: errors.append(str(error)))
+        page.add_init_script(f"if (!sessionStorage.getItem('seeded')) {{ sessionStorage.setItem('seeded', '1'); "
+                             f"localStorage.setItem({json.dumps(STORE_KEY)}, {json.dumps(stored)}); "
+                             "localStorage.setItem('pocketllm.token', 't'); }")
+        page.goto(url)
+        yield context, page
+        assert not errors, errors
+    finally:
+        context.close()
 
 
 @pytest.mark.parametrize("bad", [
@@ -546,36 +552,27 @@ def _open_with_store(browser, url: str, stored: str):
 def test_a_bad_stored_conversation_costs_only_itself(browser, static_client, bad):
     """One conversation of the wrong shape in localStorage used to stop the client at start (nothing shown, no
     button working), taking every other conversation with it."""
-    context, page, errors = _open_with_store(browser, static_client,
-                                             json.dumps({"conversations": [KEPT, bad], "active": "wkept"}))
-    try:
+    stored = json.dumps({"conversations": [KEPT, bad], "active": "wkept"})
+    with _page_with_store(browser, static_client, stored) as (_, page):
         sync_api.expect(page.locator("#app")).to_be_visible(timeout=WAIT_MS)
         titles = page.locator("#conv-list li .title").all_inner_texts()
         assert titles[0] == "kept" and "the same id again" not in titles, titles
         sync_api.expect(page.locator("#messages .message")).to_have_count(2)
-        assert not errors, errors
-    finally:
-        context.close()
 
 
 @pytest.mark.parametrize("stored", ["not json", "5", "{}", '{"conversations": {"a": 1}}'])
 def test_a_stored_value_that_is_no_conversation_list_starts_empty(browser, static_client, stored):
-    context, page, errors = _open_with_store(browser, static_client, stored)
-    try:
+    with _page_with_store(browser, static_client, stored) as (_, page):
         sync_api.expect(page.locator("#app")).to_be_visible(timeout=WAIT_MS)
         page.click("#new-conv")
         sync_api.expect(page.locator("#conv-list li")).to_have_count(1)
-        assert not errors, errors
-    finally:
-        context.close()
 
 
 def test_another_tabs_bad_write_is_ignored(browser, static_client):
     """Another tab's write of something that is no conversation list used to throw in the storage event, or to
     leave the client without a conversation list (every later render throwing)."""
-    context, page, errors = _open_with_store(browser, static_client,
-                                             json.dumps({"conversations": [KEPT], "active": "wkept"}))
-    try:
+    stored = json.dumps({"conversations": [KEPT], "active": "wkept"})
+    with _page_with_store(browser, static_client, stored) as (context, page):
         sync_api.expect(page.locator("#conv-list li")).to_have_count(1, timeout=WAIT_MS)
         other = context.new_page()
         other.goto(static_client + "nothing-here")
@@ -590,9 +587,6 @@ def test_another_tabs_bad_write_is_ignored(browser, static_client):
         assert sorted(page.locator("#conv-list li .title").all_inner_texts()) == ["from the other tab", "kept"]
         page.click("#new-conv")
         sync_api.expect(page.locator("#conv-list li")).to_have_count(3)
-        assert not errors, errors
-    finally:
-        context.close()
 
 
 def test_two_tabs_keep_each_others_conversations(browser, host):

@@ -83,9 +83,9 @@ def _text_of(content: Any, index: int, what: str, assistant: bool = False) -> st
                          'Send the content as a string or as [{"type": "input_text", "text": ...}]')
     texts = []
     for part in content:
-        key = "refusal" if assistant and isinstance(part, Mapping) and part.get("type") == "refusal" else "text"
-        if not isinstance(part, Mapping) or (key == "text" and part.get("type") not in _TEXT_PARTS) or not isinstance(
-                part.get(key), str):
+        kind = part.get("type") if isinstance(part, Mapping) else None
+        key = "text" if kind in _TEXT_PARTS else "refusal" if assistant and kind == "refusal" else None
+        if key is None or not isinstance(part.get(key), str):
             raise _bad_input(part, index, f"only text parts ({', '.join(_TEXT_PARTS)}; refusal in an assistant "
                              "message) are read; this server takes no images, files or audio", "Send text parts only")
         texts.append(part[key])
