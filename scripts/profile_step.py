@@ -2,7 +2,8 @@
 
     python scripts/profile_step.py PRESET BATCH CONTEXT [eager|graphs] [TEMPERATURE] [QUANTIZATION]
 
-PROFILE_ROWS sets how many kernels the table lists (default 20).
+PROFILE_ROWS sets how many kernels the table lists (default 20); PROFILE_TRACE=FILE writes the profiled steps'
+Chrome trace there (``scripts/step_timeline.py`` reads it).
 
 Runs the engine core directly (no engine thread): prefills BATCH random prompts of CONTEXT tokens, then
 times decode steps. Wall minus kernel time is the host time the step does not hide.
@@ -57,6 +58,8 @@ def main() -> None:
           f"{quantization or ''} step wall {wall * 1e3:.3f} ms, kernels {kernel * 1e3:.3f} ms, "
           f"host exposed {(wall - kernel) * 1e3:.3f} ms,"
           f" {batch / wall:,.0f} tok/s")
+    if os.environ.get("PROFILE_TRACE"):
+        prof.export_chrome_trace(os.environ["PROFILE_TRACE"])
     rows = int(os.environ.get("PROFILE_ROWS", "20"))
     print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=rows, max_name_column_width=50))
 
