@@ -129,34 +129,81 @@ def _widen_e4m3(code):
 
 
 @triton.jit
-def _kv_tile_fp8(k_cache_ptr, v_cache_ptr, table, tok, end, kvh, NUM_KV_HEADS: tl.constexpr,
-                 HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
-    """A float8 cache's keys and values of tokens ``tok`` as float16 tiles. The codes are read in pairs (16
-    bits) and widened by integer operations where they were loaded, so the tiles reach the dot products as
-    16-bit values; a float8 ``.to`` is instead deferred by the compiler to the dot's operand layout, where its
-    byte-wise shared-memory reads cost more than the DRAM reads."""
+def _kv_pairs_fp8(k_cache_ptr, v_cache_ptr, table, tok, end, kvh, NUM_KV_HEADS: tl.constexpr,
+                  HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+    """A float8 cache's keys and values of tokens ``tok`` as float16, each split into its even and odd
+    dimensions: (keys even, keys odd, values even, values odd), [tokens, HEAD_DIM / 2] each. The codes are read in
+    pairs (16 bits) and widened by integer operations where they were loaded, so the tiles reach the dot
+    products as 16-bit values with no interleaving; a float8 ``.to`` is instead deferred by the compiler to the
+    dot's operand layout, where its byte-wise shared-memory reads cost more than the DRAM reads."""
     valid, slot = _kv_slots(table, tok, end, BLOCK_SIZE)
     pairs = tl.arange(0, HEAD_DIM // 2)
     offs = slot[:, None] * (NUM_KV_HEADS * HEAD_DIM // 2) + kvh * (HEAD_DIM // 2) + pairs[None, :]
     k = tl.load(k_cache_ptr.to(tl.pointer_type(tl.uint16)) + offs, mask=valid[:, None], other=0)
     v = tl.load(v_cache_ptr.to(tl.pointer_type(tl.uint16)) + offs, mask=valid[:, None], other=0)
-    k = tl.reshape(tl.join(_widen_e4m3(k & 0xFF), _widen_e4m3(k >> 8)), (BLOCK_N, HEAD_DIM))
-    v = tl.reshape(tl.join(_widen_e4m3(v & 0xFF), _widen_e4m3(v >> 8)), (BLOCK_N, HEAD_DIM))
-    return k, v
+    return _widen_e4m3(k & 0xFF), _widen_e4m3(k >> 8), _widen_e4m3(v & 0xFF), _widen_e4m3(v >> 8)
 
 
 @triton.jit
-def _decode_kv_tile(k_cache_ptr, v_cache_ptr, table, tok, end, kvh, dims, dim_mask, NUM_KV_HEADS: tl.constexpr,
-                    HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-                    FP8_PAIRS: tl.constexpr):
-    """The decode kernel's tile read: ``_kv_tile_fp8`` with ``FP8_PAIRS``, else ``_kv_tile``."""
-    if FP8_PAIRS:
-        k, v = _kv_tile_fp8(k_cache_ptr, v_cache_ptr, table, tok, end, kvh, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE,
-                            BLOCK_N)
-    else:
-        k, v = _kv_tile(k_cache_ptr, v_cache_ptr, table, tok, end, kvh, dims, dim_mask, NUM_KV_HEADS, HEAD_DIM,
-                        BLOCK_SIZE)
-    return k, v
+def _attend_pairs(q_even, q_odd, k_even, k_odd, v_even, v_odd, valid, m_i, l_i, acc_even, acc_odd):
+    """``_attend_tile`` over a tile split into even and odd dimensions (float16 operands): the scores sum the
+    two halves' dot products, and each half of the accumulator takes its own."""
+    s = tl.dot(q_even, tl.trans(k_even)) + tl.dot(q_odd, tl.trans(k_odd))
+    s = tl.where(valid[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    p = tl.exp2(s - m_new[:, None])
+    alpha = tl.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    p16 = p.to(tl.float16)
+    acc_even = acc_even * alpha[:, None] + tl.dot(p16, v_even)
+    acc_odd = acc_odd * alpha[:, None] + tl.dot(p16, v_odd)
+    return m_new, l_i, acc_even, acc_odd
+
+
+@triton.jit
+def _decode_fp8_pairs(q_ptr, k_cache_ptr, v_cache_ptr, table, seq, kvh, ctx, start, end, heads, row_mask,
+                      stride_qt, qk_scale, NUM_KV_HEADS: tl.constexpr, GROUP_PAD: tl.constexpr,
+                      HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr):
+    """The decode kernel's attention over a float8 cache read by ``_kv_pairs_fp8``: (running max, running sum,
+    accumulator [GROUP_PAD, HEAD_DIM]) of the split, the first tile read before the ``PDL`` wait."""
+    half = tl.arange(0, HEAD_DIM // 2)
+    tok = start + tl.arange(0, BLOCK_N)
+    k_even, k_odd, v_even, v_odd = _kv_pairs_fp8(k_cache_ptr, v_cache_ptr, table, tok, end, kvh, NUM_KV_HEADS,
+                                                 HEAD_DIM, BLOCK_SIZE)
+    if PDL:   # the new token's row, stored by the kernel just before, replaces its stale copy in the tile
+        last = ctx - 1
+        last_per_pair = half * 0 + last
+        in_first = (last_per_pair >= start) & (last_per_pair < tl.minimum(start + BLOCK_N, end))
+        new_page = tl.load(table + tl.maximum(last, 0) // BLOCK_SIZE).to(tl.int64)
+        new_row = ((new_page * BLOCK_SIZE + tl.maximum(last, 0) % BLOCK_SIZE) * (NUM_KV_HEADS * HEAD_DIM // 2)
+                   + kvh * (HEAD_DIM // 2) + half)
+        gdc_wait()
+        k_new = tl.load(k_cache_ptr.to(tl.pointer_type(tl.uint16)) + new_row, mask=in_first, other=0)
+        v_new = tl.load(v_cache_ptr.to(tl.pointer_type(tl.uint16)) + new_row, mask=in_first, other=0)
+        is_new = (tok == last)[:, None]
+        k_even = tl.where(is_new, _widen_e4m3(k_new & 0xFF)[None, :], k_even)
+        k_odd = tl.where(is_new, _widen_e4m3(k_new >> 8)[None, :], k_odd)
+        v_even = tl.where(is_new, _widen_e4m3(v_new & 0xFF)[None, :], v_even)
+        v_odd = tl.where(is_new, _widen_e4m3(v_new >> 8)[None, :], v_odd)
+    q_rows = q_ptr + seq.to(tl.int64) * stride_qt + heads[:, None] * HEAD_DIM + 2 * half[None, :]
+    q_mask = row_mask[:, None]
+    q_even = (tl.load(q_rows, mask=q_mask, other=0.0).to(tl.float32) * qk_scale).to(tl.float16)
+    q_odd = (tl.load(q_rows + 1, mask=q_mask, other=0.0).to(tl.float32) * qk_scale).to(tl.float16)
+    m_i = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
+    acc_even = tl.zeros([GROUP_PAD, HEAD_DIM // 2], dtype=tl.float32)
+    acc_odd = tl.zeros([GROUP_PAD, HEAD_DIM // 2], dtype=tl.float32)
+    if start < end:   # (an empty context: nothing to attend, zeros out)
+        m_i, l_i, acc_even, acc_odd = _attend_pairs(q_even, q_odd, k_even, k_odd, v_even, v_odd, tok < end, m_i,
+                                                    l_i, acc_even, acc_odd)
+    for n0 in range(start + BLOCK_N, end, BLOCK_N):
+        tile = n0 + tl.arange(0, BLOCK_N)
+        k_even, k_odd, v_even, v_odd = _kv_pairs_fp8(k_cache_ptr, v_cache_ptr, table, tile, end, kvh,
+                                                     NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE)
+        m_i, l_i, acc_even, acc_odd = _attend_pairs(q_even, q_odd, k_even, k_odd, v_even, v_odd, tile < end, m_i,
+                                                    l_i, acc_even, acc_odd)
+    # the halves interleaved once: dimension 2i is the even half's i-th, 2i + 1 the odd half's
+    return m_i, l_i, tl.reshape(tl.join(acc_even, acc_odd), (GROUP_PAD, HEAD_DIM))
 
 
 @triton.jit
@@ -213,6 +260,51 @@ def _decode_output(acc, m_i, l_i, seq, kvh, split, active, num_splits, out_ptr, 
 
 
 @triton.jit
+def _decode_plain(q_ptr, k_cache_ptr, v_cache_ptr, table, seq, kvh, ctx, start, end, heads, row_mask, dims, dim_mask,
+                  stride_qt, qk_scale, NUM_KV_HEADS: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+                  D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+                  FP16_DOTS: tl.constexpr, PDL: tl.constexpr):
+    """The decode kernel's attention over tiles read in the cache's dtype (``_kv_tile``): (running max, running
+    sum, accumulator) of the split, the first tile read before the ``PDL`` wait."""
+    tok = start + tl.arange(0, BLOCK_N)
+    k_first, v_first = _kv_tile(k_cache_ptr, v_cache_ptr, table, tok, end, kvh, dims, dim_mask, NUM_KV_HEADS,
+                                HEAD_DIM, BLOCK_SIZE)
+    if PDL:   # the new token's row, stored by the kernel just before, replaces its stale copy in the tile
+        last = ctx - 1
+        last_per_dim = dims * 0 + last   # (a scalar condition as a mask fails in Triton's interpreter)
+        in_first = (last_per_dim >= start) & (last_per_dim < tl.minimum(start + BLOCK_N, end))
+        new_page = tl.load(table + tl.maximum(last, 0) // BLOCK_SIZE).to(tl.int64)
+        new_row = ((new_page * BLOCK_SIZE + tl.maximum(last, 0) % BLOCK_SIZE) * (NUM_KV_HEADS * HEAD_DIM)
+                   + kvh * HEAD_DIM + dims)
+        gdc_wait()
+        new_mask = dim_mask & in_first
+        k_new = tl.load(k_cache_ptr + new_row, mask=new_mask, other=0.0)
+        v_new = tl.load(v_cache_ptr + new_row, mask=new_mask, other=0.0)
+        is_new = (tok == last)[:, None]
+        k_first = tl.where(is_new, k_new[None, :], k_first)
+        v_first = tl.where(is_new, v_new[None, :], v_first)
+    q = tl.load(q_ptr + seq.to(tl.int64) * stride_qt + heads[:, None] * HEAD_DIM + dims[None, :],
+                mask=row_mask[:, None] & dim_mask[None, :], other=0.0)
+    if FP16_DOTS:
+        q = (q.to(tl.float32) * qk_scale).to(tl.float16)
+        qk_scale = 1.0
+    m_i = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
+    acc = tl.zeros([GROUP_PAD, D_PAD], dtype=tl.float32)
+    if start < end:   # (an empty context: nothing to attend, zeros out)
+        # float8 caches widen here, to the query's dtype
+        m_i, l_i, acc = _attend_tile(q, k_first.to(q.dtype), v_first.to(q.dtype), tok < end, m_i, l_i, acc,
+                                     qk_scale, PRECISION)
+    for n0 in range(start + BLOCK_N, end, BLOCK_N):
+        tile = n0 + tl.arange(0, BLOCK_N)
+        k, v = _kv_tile(k_cache_ptr, v_cache_ptr, table, tile, end, kvh, dims, dim_mask, NUM_KV_HEADS, HEAD_DIM,
+                        BLOCK_SIZE)
+        m_i, l_i, acc = _attend_tile(q, k.to(q.dtype), v.to(q.dtype), tile < end, m_i, l_i, acc, qk_scale,
+                                     PRECISION)
+    return m_i, l_i, acc
+
+
+@triton.jit
 def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, lens_ptr, out_ptr, part_ptr, lse_ptr, count_ptr,
                    stride_qt, stride_ot, stride_table, scale, num_splits, window,
                    NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
@@ -226,8 +318,8 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, lens_ptr, out_pt
     stale copy in the prefetched tile is replaced). With ``FP16_DOTS`` (a float8 cache) the dot products take
     float16 operands: e4m3 codes widen to float16 exactly, two to an instruction, where widening to bfloat16
     goes through float32; the query is scaled before it is rounded to float16. With ``FP8_PAIRS`` (a float8
-    cache, float16 dots, a power-of-two head size) the codes are widened as they are loaded
-    (``_kv_tile_fp8``)."""
+    cache, float16 dots, a power-of-two head size of at least 32) the codes are widened as they are loaded and
+    the dot products run over even and odd dimensions apart (``_decode_fp8_pairs``)."""
     if PDL:   # dependents may launch now: each waits on this kernel before it reads this kernel's output
         gdc_launch_dependents()
     seq, kvh, split = _program_ids(HEADS_FIRST)
@@ -242,46 +334,15 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, lens_ptr, out_pt
     dim_mask = dims < HEAD_DIM
     heads = kvh * GROUP + rows
     table = tables_ptr + seq.to(tl.int64) * stride_table
-    tok = start + tl.arange(0, BLOCK_N)
-    k_first, v_first = _decode_kv_tile(k_cache_ptr, v_cache_ptr, table, tok, end, kvh, dims, dim_mask,
-                                       NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_N, FP8_PAIRS)
-    if PDL:
-        last = ctx - 1
-        last_per_dim = dims * 0 + last   # (a scalar condition as a mask fails in Triton's interpreter)
-        in_first = (last_per_dim >= start) & (last_per_dim < tl.minimum(start + BLOCK_N, end))
-        new_page = tl.load(table + tl.maximum(last, 0) // BLOCK_SIZE).to(tl.int64)
-        new_row = ((new_page * BLOCK_SIZE + tl.maximum(last, 0) % BLOCK_SIZE) * (NUM_KV_HEADS * HEAD_DIM)
-                   + kvh * HEAD_DIM + dims)
-        gdc_wait()
-        new_mask = dim_mask & in_first
-        k_new = tl.load(k_cache_ptr + new_row, mask=new_mask, other=0.0)
-        v_new = tl.load(v_cache_ptr + new_row, mask=new_mask, other=0.0)
-        if FP8_PAIRS:
-            k_new = _widen_e4m3(k_new.to(tl.uint8, bitcast=True).to(tl.uint16))
-            v_new = _widen_e4m3(v_new.to(tl.uint8, bitcast=True).to(tl.uint16))
-        is_new = (tok == last)[:, None]
-        k_first = tl.where(is_new, k_new[None, :], k_first)
-        v_first = tl.where(is_new, v_new[None, :], v_first)
-    q = tl.load(q_ptr + seq.to(tl.int64) * stride_qt + heads[:, None] * HEAD_DIM + dims[None, :],
-                mask=row_mask[:, None] & dim_mask[None, :], other=0.0)
     qk_scale = scale * 1.4426950408889634
-    if FP16_DOTS:
-        q = (q.to(tl.float32) * qk_scale).to(tl.float16)
-        qk_scale = 1.0
-
-    m_i = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
-    acc = tl.zeros([GROUP_PAD, D_PAD], dtype=tl.float32)
-    if start < end:   # (an empty context: nothing to attend, zeros out)
-        # float8 caches widen here (to the query's dtype) unless already widened
-        m_i, l_i, acc = _attend_tile(q, k_first.to(q.dtype), v_first.to(q.dtype), tok < end, m_i, l_i, acc,
-                                     qk_scale, PRECISION)
-    for n0 in range(start + BLOCK_N, end, BLOCK_N):
-        tile = n0 + tl.arange(0, BLOCK_N)
-        k, v = _decode_kv_tile(k_cache_ptr, v_cache_ptr, table, tile, end, kvh, dims, dim_mask, NUM_KV_HEADS,
-                               HEAD_DIM, BLOCK_SIZE, BLOCK_N, FP8_PAIRS)
-        m_i, l_i, acc = _attend_tile(q, k.to(q.dtype), v.to(q.dtype), tile < end, m_i, l_i, acc, qk_scale,
-                                     PRECISION)
+    if FP8_PAIRS:
+        m_i, l_i, acc = _decode_fp8_pairs(q_ptr, k_cache_ptr, v_cache_ptr, table, seq, kvh, ctx, start, end, heads,
+                                          row_mask, stride_qt, qk_scale, NUM_KV_HEADS, GROUP_PAD, HEAD_DIM,
+                                          BLOCK_SIZE, BLOCK_N, PDL)
+    else:
+        m_i, l_i, acc = _decode_plain(q_ptr, k_cache_ptr, v_cache_ptr, table, seq, kvh, ctx, start, end, heads,
+                                      row_mask, dims, dim_mask, stride_qt, qk_scale, NUM_KV_HEADS, GROUP_PAD,
+                                      HEAD_DIM, D_PAD, BLOCK_SIZE, BLOCK_N, PRECISION, FP16_DOTS, PDL)
     _decode_output(acc, m_i, l_i, seq, kvh, split, active, num_splits, out_ptr, part_ptr, lse_ptr, count_ptr,
                    stride_ot, heads, rows, dims, row_mask, dim_mask, NUM_KV_HEADS, GROUP, HEAD_DIM, SPLIT, S_PAD)
 
@@ -492,8 +553,9 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     part, lse, counters = _split_buffers(batch, num_heads, num_kv_heads, num_splits, head_dim, counters, out)
     fp8 = k_cache.element_size() == 1
     fp16_dots = fp8 if fp16_dots is None else fp16_dots
-    if fp8_pairs and not (fp8 and fp16_dots and head_dim == d_pad):
-        raise ValueError("fp8_pairs needs a float8 cache, float16 dot products and a power-of-two head size")
+    if fp8_pairs and not (fp8 and fp16_dots and head_dim == d_pad and head_dim >= 32):
+        raise ValueError("fp8_pairs needs a float8 cache, float16 dot products and a power-of-two head size of at "
+                         "least 32")
     pdl, launch = launch_options(q, batch)
     grid = (num_kv_heads, batch, num_splits) if c.heads_first else (batch, num_kv_heads, num_splits)
     _decode_kernel[grid](
