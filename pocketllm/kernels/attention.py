@@ -445,6 +445,14 @@ def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+@functools.cache
+def _whole_context_fits(device_index: int) -> bool:
+    """Whether a program may take the whole-context tile's shared memory (about 132 KB: Hopper and A100 have
+    more, smaller GPUs do not)."""
+    props = torch.cuda.get_device_properties(device_index)
+    return getattr(props, "shared_memory_per_block_optin", 0) >= WHOLE_CONTEXT_SHARED_BYTES
+
+
 # Warps of a decode program at small batch (≤ 16 rows). Qwen3-0.6B at batch 1 (H200, engine latency bench):
 # 2 warps 1,381.6 tok/s, 4 warps 1,387.1, 8 warps with 256-token splits 1,376.2 (within run-to-run noise).
 SMALL_BATCH_WARPS = 2
@@ -453,27 +461,42 @@ SMALL_BATCH_WARPS = 2
 # Context tokens a decode split covers at least when the split count follows the step's contexts.
 SPLIT_TOKENS = 32
 
+# A one-row decode step whose context is at most this long attends it in one tile per KV head: one split, so no
+# partial results to merge, and the whole context read before the wait on the kernel before (kernels/pdl.py).
+# Measured on an H100 (Qwen3-0.6B, batch 1, context 256): with 8 splits of 32 tokens the attention kernel ends
+# about 10 µs after the QKV preparation before it, of a 25 µs layer; its merge is a chain of memory round trips.
+WHOLE_CONTEXT_TOKENS = 256
+WHOLE_CONTEXT_WARPS = 16
+WHOLE_CONTEXT_SHARED_BYTES = 160 << 10
+
 
 def decode_splits(batch: int, num_kv_heads: int, max_splits: int = 16, max_context: int | None = None) -> int:
     """Context splits per sequence so that batch × KV heads × splits fills the GPU about twice; given the step's
-    longest context, no more than the power of two that cuts it into pieces of ``SPLIT_TOKENS``. Programs
-    past a context's active splits return at once but still cost: Qwen3-0.6B at batch 1 and contexts up to
-    256 (H200) decoded 1,443-1,461 tok/s with 4 splits of 64 tokens launched against 1,398-1,417 with 16
-    (of which 4 active); 8 splits of one 32-token tile each (``decode_tile``) took it to 1,481-1,518."""
+    longest context, no more than the power of two that cuts it into pieces of ``SPLIT_TOKENS``, and one for a
+    one-row step within ``WHOLE_CONTEXT_TOKENS``. Programs past a context's active splits return at once but still
+    cost: Qwen3-0.6B at batch 1 and contexts up to 256 (H200) decoded 1,443-1,461 tok/s with 4 splits of 64
+    tokens launched against 1,398-1,417 with 16 (of which 4 active); 8 splits of one 32-token tile each
+    (``decode_tile``) took it to 1,481-1,518."""
     target = 2 * _num_sms(torch.cuda.current_device())
     fill = max(1, min(max_splits, -(-target // max(1, batch * num_kv_heads))))
     if max_context is None:
         return fill
+    if batch == 1 and max_context <= WHOLE_CONTEXT_TOKENS and _whole_context_fits(torch.cuda.current_device()):
+        return 1
     pieces = max(1, -(-max_context // SPLIT_TOKENS))
     return min(fill, 1 << (pieces - 1).bit_length())
 
 
 def decode_tile(batch: int, num_kv_heads: int, num_splits: int) -> int | None:
-    """The KV tile width for a decode launch of ``num_splits`` splits. A count below the one that fills the GPU
-    was chosen from the contexts, so every split is at most ``SPLIT_TOKENS`` long and one tile that wide
-    covers it. Otherwise None: the kernel's default (64 tokens in 16-bit), as longer splits loop over fewer,
-    wider tiles (32-token tiles there took Qwen3-0.6B at context 2,048 from 1,157 to 1,062-1,065 tok/s)."""
-    return SPLIT_TOKENS if num_splits < decode_splits(batch, num_kv_heads) else None
+    """The KV tile width for a decode launch of ``num_splits`` splits. One split of one row covers a context of up
+    to ``WHOLE_CONTEXT_TOKENS`` in one tile that wide. Another count below the one that fills the GPU was chosen
+    from the contexts, so every split is at most ``SPLIT_TOKENS`` long and one tile that wide covers it.
+    Otherwise None: the kernel's default (64 tokens in 16-bit), as longer splits loop over fewer, wider tiles
+    (32-token tiles there took Qwen3-0.6B at context 2,048 from 1,157 to 1,062-1,065 tok/s)."""
+    fill = decode_splits(batch, num_kv_heads)
+    if batch == 1 and num_splits == 1 < fill and _whole_context_fits(torch.cuda.current_device()):
+        return WHOLE_CONTEXT_TOKENS
+    return SPLIT_TOKENS if num_splits < fill else None
 
 
 def decode_split_options(batch: int, num_kv_heads: int) -> list[int]:
@@ -503,6 +526,11 @@ def _decode_launch(batch: int, dtype: torch.dtype, d_pad: int, block_n: int | No
     two stages in sequence order (4.2 against 3.9 TB/s of KV reads). A float8 cache (``kv_bytes`` 1) takes
     128-token tiles at large batch (186 against 191 µs there)."""
     small = batch <= 16
+    if block_n == WHOLE_CONTEXT_TOKENS and small:   # one tile, no loop: one stage, and wider heads or float32
+        # tiles hold as many bytes as 16-bit 128-wide ones (the one split then loops over a few)
+        tile = WHOLE_CONTEXT_TOKENS * 256 // (d_pad * max(2, kv_bytes, torch.finfo(dtype).bits // 8))
+        return _DecodeLaunch(tile, num_warps or WHOLE_CONTEXT_WARPS, num_stages or 1,
+                             False if heads_first is None else heads_first)
     return _DecodeLaunch(
         block_n or (32 if dtype == torch.float32 else 128 if kv_bytes == 1 and not small else 64),
         num_warps or (SMALL_BATCH_WARPS if small else 4),

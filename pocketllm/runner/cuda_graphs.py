@@ -227,13 +227,17 @@ class CudaStepRunner:
         ``max_context``); the largest count serves every longer context, and gets twice its shortest."""
         from pocketllm.kernels.attention import SPLIT_TOKENS, decode_split_options
 
-        options = decode_split_options(1, self.num_kv_heads)
+        largest = decode_split_options(1, self.num_kv_heads)[-1]
+        served: dict[int, list[int]] = {}   # split count: [shortest, longest] context it serves
+        for context in range(1, max_context, SPLIT_TOKENS):
+            span = served.setdefault(self._splits(1, [context]), [context, context])
+            span[1] = context + SPLIT_TOKENS - 1
+            if self._splits(1, [context]) == largest:
+                break
         contexts = {}
-        for splits in options:
-            low = splits // 2 * SPLIT_TOKENS + 1
-            high = splits * SPLIT_TOKENS if splits < options[-1] else 2 * low
-            if low < max_context:
-                contexts[splits] = min((low + high) // 2, max_context - 1)
+        for splits, (low, high) in served.items():
+            high = 2 * low if splits == largest else high
+            contexts[splits] = min((low + high) // 2, max_context - 1)
         return contexts
 
     def capture(self, max_num_seqs: int, max_model_len: int,
