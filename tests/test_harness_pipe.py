@@ -14,6 +14,8 @@ from harness_utils import (
     checkpoint_without_template,
 )
 
+from pocketllm.harness.protocol import LINE_TOO_LONG, MAX_LINE_BYTES
+
 pytestmark = pytest.mark.usefixtures("smollm2_gguf")
 
 
@@ -155,6 +157,27 @@ def test_duplicate_running_id_is_refused(pipe):
     _, done = pipe.router.collect("dup")
     # Cancelled while running (a chunk of it came before the refusal was read): neither its budget nor EOS.
     assert done["finish"] == "cancel" and done["usage"]["gen_tokens"] < 200, done
+
+
+def test_a_line_over_the_limit_is_answered_and_the_pipe_carries_on(pipe):
+    """A line over 8 MiB is answered with an untagged error and not read, whether it came whole or grew past the
+    limit before its newline; a line of exactly 8 MiB is served; a request running meanwhile finishes."""
+    pipe.send({"op": "generate", "id": "beside-long", "prompt": "Once upon a time", "n": 24, "temp": 0})
+
+    def health(request_id: str, size: int) -> bytes:
+        line = b'{"op":"health","id":"' + request_id.encode() + b'"'
+        return line + b" " * (size - len(line) - 1) + b"}"
+    pipe.send(health("at-limit", MAX_LINE_BYTES))
+    pipe.send(health("over-limit", MAX_LINE_BYTES + 1))
+    pipe.send(b"x" * (MAX_LINE_BYTES + (3 << 20)))
+    pipe.send({"op": "health", "id": "after-long"})
+    assert pipe.router.first("at-limit", timeout=60)["state"] == "ready"
+    for _ in range(2):
+        assert pipe.router.untagged_matching(lambda x: x.get("error") == LINE_TOO_LONG, timeout=60)
+    assert pipe.router.first("after-long", timeout=60)["state"] == "ready"
+    assert "over-limit" not in pipe.router.by_id
+    _, done = pipe.router.collect("beside-long")
+    assert done["finish"] == "budget" and done["usage"]["gen_tokens"] == 24
 
 
 def test_fuzz_lines_then_health(pipe):

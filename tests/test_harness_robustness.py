@@ -11,7 +11,7 @@ import pytest
 
 from pocketllm.config import EngineArgs
 from pocketllm.harness.host import Host, HostConfig
-from pocketllm.harness.protocol import ProtocolError, parse_line
+from pocketllm.harness.protocol import LINE_TOO_LONG, MAX_LINE_BYTES, ProtocolError, parse_line
 from pocketllm.harness.service import Channel, Harness
 from pocketllm.harness.sessions import Session
 
@@ -118,3 +118,15 @@ def test_taking_a_session_over_is_answered_at_once_when_its_old_client_does_not_
         finally:
             stuck_writes.gate.set()
     asyncio.run(main())
+
+
+def test_a_line_over_the_limit_is_refused_unread() -> None:
+    """The limit both faces share (the pipe's lines, the host's messages, read as bytes): a line of exactly
+    ``MAX_LINE_BYTES`` is read, one byte more is refused with an untagged error whatever it holds."""
+    health = b'{"op":"health","id":1'
+    assert parse_line(health + b" " * (MAX_LINE_BYTES - len(health) - 1) + b"}").id == 1
+    with pytest.raises(ProtocolError) as info:
+        parse_line(health + b" " * (MAX_LINE_BYTES - len(health)) + b"}")
+    assert info.value.message == LINE_TOO_LONG and info.value.request_id is None
+    assert "8388608 bytes (8 MiB)" in LINE_TOO_LONG
+

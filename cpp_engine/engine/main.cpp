@@ -37,7 +37,9 @@ namespace pocket {
 namespace {
 
 using Clock = std::chrono::steady_clock;
-constexpr size_t kMaxLineBytes = 8u << 20;
+constexpr size_t kMaxLineBytes = 8u << 20;   // the newline not counted (protocol.py's MAX_LINE_BYTES, LINE_TOO_LONG)
+const std::string kLineTooLong =
+    "the line is longer than " + std::to_string(kMaxLineBytes) + " bytes (8 MiB), the protocol's limit; it was not read";
 constexpr size_t kMaxIdChars = 128;
 constexpr size_t kMaxStops = 16;
 const char* const kOps[] = {"generate", "chat", "health", "cancel", "open", "close", "auth", "shutdown"};
@@ -967,10 +969,11 @@ int run(int argc, char** argv) {
       std::string line = pending.substr(0, cut + 1);
       pending.erase(0, cut + 1);
       if (skipping) skipping = false;
+      else if (cut > kMaxLineBytes) send_error(kLineTooLong, nullptr);   // it came whole: refused all the same
       else serve(line);
     }
-    if (pending.size() > kMaxLineBytes) {
-      if (!skipping) send_error("line longer than " + std::to_string(kMaxLineBytes) + " bytes", nullptr);
+    if (pending.size() > kMaxLineBytes) {   // no newline yet: the rest of the line is skipped as it comes
+      if (!skipping) send_error(kLineTooLong, nullptr);
       skipping = true;
       pending.clear();
     }
