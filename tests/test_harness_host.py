@@ -13,6 +13,8 @@ import pytest
 import torch
 from harness_utils import FRANCE, FUZZ_LINES, USAGE_KEYS, HostProcess, fuzz_lines
 
+from pocketllm.harness.protocol import LINE_TOO_LONG, MAX_LINE_BYTES
+
 pytestmark = pytest.mark.usefixtures("smollm2_gguf")
 
 IDLE_EXPIRY_MS = 2000
@@ -289,6 +291,88 @@ def test_an_id_with_a_lone_surrogate_keeps_the_connection_answering(host):
         assert conn.call({"op": "health", "id": 3})["state"] == "ready" and not conn.closed.is_set()
     finally:
         conn.close()
+
+
+def _health_line(request_id: str, size: int) -> str:
+    """A health request padded with spaces to ``size`` bytes."""
+    line = f'{{"op":"health","id":"{request_id}"'
+    return line + " " * (size - len(line) - 1) + "}"
+
+
+def test_a_message_over_the_limit_is_answered_and_the_connection_carries_on(host):
+    """A message over 8 MiB is answered with an untagged error, as an overlong line on the pipe, and not read; the
+    connection goes on: a turn running meanwhile finishes, its session keeps the conversation (the host used to
+    close the connection, code 1009, and cancel the turn)."""
+    from pocketllm.harness.host import MAX_MESSAGE_BYTES
+
+    conn = _connect_when_free(host)
+    try:
+        assert conn.call({"op": "open", "id": "o", "session": "beside-long"})["resumed"] is False
+        conn.send({"op": "chat", "id": 1, "session": "beside-long", "messages": FRANCE, "temp": 0})
+        conn.send(_health_line("at-limit", MAX_LINE_BYTES))
+        conn.send(_health_line("over-limit", MAX_LINE_BYTES + 1))
+        conn.ws.send(b"x" * MAX_MESSAGE_BYTES)   # binary, as large as the host reads
+        assert conn.router.first("at-limit", timeout=60)["state"] == "ready"
+        for _ in range(2):
+            assert conn.router.untagged_matching(lambda x: x.get("error") == LINE_TOO_LONG, timeout=60)
+        text, done = conn.router.collect(1)
+        assert text == "The capital of France is Paris." and done["finish"] == "eos"
+        _, done = conn.request({"op": "chat", "id": 2, "session": "beside-long", "temp": 0, "n": 4,
+                                "messages": [{"role": "user", "content": "And of Italy?"}], "diag": True})
+        assert done["diag"]["prefill"]["cached_tokens"] > 0   # the first turn is in the session
+        assert "over-limit" not in conn.router.by_id and not conn.closed.is_set()
+        conn.call({"op": "close", "id": "c", "session": "beside-long"})
+    finally:
+        conn.close()
+
+
+def test_a_message_past_what_the_host_reads_closes_the_connection_with_1009(host):
+    from websockets.exceptions import ConnectionClosed
+
+    from pocketllm.harness.host import MAX_MESSAGE_BYTES
+
+    conn = _connect_when_free(host)
+    try:
+        try:
+            conn.ws.send(b"x" * (MAX_MESSAGE_BYTES + 1))
+        except (ConnectionClosed, OSError):
+            pass   # the host may close before the whole message is sent
+        assert conn.wait_closed(30) == 1009
+    finally:
+        conn.close()
+    conn = _connect_when_free(host)   # the host carries on
+    try:
+        assert conn.call({"op": "health", "id": 1})["state"] == "ready"
+    finally:
+        conn.close()
+
+
+def test_a_request_reusing_a_running_id_is_refused_untagged(host):
+    """On a connection, a line reusing the id of a running request is refused with an untagged error naming the
+    id; the request runs on; its id is free again once it has ended. Ids are per connection."""
+    conn, other = _connect_when_free(host), _connect_when_free(host)
+    try:
+        story = [{"role": "user", "content": "Write a very long story about a dragon."}]
+        conn.send({"op": "chat", "id": "dup", "messages": story, "n": 1000, "temp": 0.8, "seed": 5})
+        conn.send({"op": "generate", "id": "dup", "prompt": "again", "n": 2})
+        conn.send({"op": "open", "id": "dup", "session": "dup-session"})
+        conn.send({"op": "health", "id": "dup"})
+        for op in ("generate", "open", "health"):
+            refusal = conn.router.untagged_matching(lambda x: "'dup'" in x.get("error", ""))
+            assert refusal == {"id": None, "error": f"{op} refused: send it with another id "
+                                                    "(the line's id 'dup' belongs to a request still running)"}
+        assert other.call({"op": "health", "id": "dup"})["state"] == "ready"   # another connection's id
+        assert "chunk" in conn.router.first("dup")
+        conn.send({"op": "cancel", "id": "dup"})
+        _, done = conn.router.collect("dup")
+        assert done["finish"] == "cancel" and done["usage"]["gen_tokens"] < 1000, done
+        assert "dup" not in conn.router.by_id   # no error line, no answer to a refused line
+        assert "not open" in conn.request({"op": "chat", "id": 1, "session": "dup-session",
+                                           "messages": FRANCE})[1]["error"]
+        assert conn.call({"op": "health", "id": "dup"})["state"] == "ready"
+    finally:
+        conn.close()
+        other.close()
 
 
 def _turn(conn, request_id, sid, content, **extra):

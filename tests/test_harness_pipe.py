@@ -14,6 +14,8 @@ from harness_utils import (
     checkpoint_without_template,
 )
 
+from pocketllm.harness.protocol import LINE_TOO_LONG, MAX_LINE_BYTES
+
 pytestmark = pytest.mark.usefixtures("smollm2_gguf")
 
 
@@ -145,16 +147,49 @@ def test_a_prompt_certainly_past_the_context_is_refused_before_it_is_encoded(pip
 
 
 def test_duplicate_running_id_is_refused(pipe):
-    count = [{"role": "user", "content": "Count from one to one hundred in words."}]
-    pipe.send({"op": "chat", "id": "dup", "messages": count, "n": 200, "temp": 0})
+    """A line reusing the id of a running request is refused with an untagged error naming the id (a tagged one
+    reads as that request's end); the request runs on, and its id is free again once it has ended."""
+    story = [{"role": "user", "content": "Write a very long story about a dragon."}]
+    pipe.send({"op": "chat", "id": "dup", "messages": story, "n": 1500, "temp": 0.8, "seed": 1})
     pipe.send({"op": "generate", "id": "dup", "prompt": "again", "n": 2})
-    lines = [pipe.router.first("dup") for _ in range(2)]
-    errors = [line for line in lines if "error" in line]
-    assert errors and "still running" in errors[0]["error"]
+    pipe.send({"op": "open", "id": "dup", "session": "dup-session"})
+    pipe.send({"op": "health", "id": "dup"})
+    for op in ("generate", "open", "health"):
+        refusal = pipe.router.untagged_matching(lambda x: "'dup'" in x.get("error", ""))
+        assert refusal == {"id": None, "error": f"{op} refused: send it with another id "
+                                                "(the line's id 'dup' belongs to a request still running)"}
+    assert "chunk" in pipe.router.first("dup")
     pipe.send({"op": "cancel", "id": "dup"})
     _, done = pipe.router.collect("dup")
-    # Cancelled while running (a chunk of it came before the refusal was read): neither its budget nor EOS.
-    assert done["finish"] == "cancel" and done["usage"]["gen_tokens"] < 200, done
+    # Cancelled while running; every line tagged "dup" was its own (chunks, then the done line: no error line, no
+    # answer to a refused line).
+    assert done["finish"] == "cancel" and done["usage"]["gen_tokens"] < 1500, done
+    assert "dup" not in pipe.router.by_id
+    _, error = pipe.request({"op": "chat", "id": "after-dup", "session": "dup-session", "messages": FRANCE})
+    assert "not open" in error["error"]   # the refused open opened nothing
+    pipe.send({"op": "health", "id": "dup"})
+    assert pipe.router.first("dup")["state"] == "ready"
+
+
+def test_a_line_over_the_limit_is_answered_and_the_pipe_carries_on(pipe):
+    """A line over 8 MiB is answered with an untagged error and not read, whether it came whole or grew past the
+    limit before its newline; a line of exactly 8 MiB is served; a request running meanwhile finishes."""
+    pipe.send({"op": "generate", "id": "beside-long", "prompt": "Once upon a time", "n": 24, "temp": 0})
+
+    def health(request_id: str, size: int) -> bytes:
+        line = b'{"op":"health","id":"' + request_id.encode() + b'"'
+        return line + b" " * (size - len(line) - 1) + b"}"
+    pipe.send(health("at-limit", MAX_LINE_BYTES))
+    pipe.send(health("over-limit", MAX_LINE_BYTES + 1))
+    pipe.send(b"x" * (MAX_LINE_BYTES + (3 << 20)))
+    pipe.send({"op": "health", "id": "after-long"})
+    assert pipe.router.first("at-limit", timeout=60)["state"] == "ready"
+    for _ in range(2):
+        assert pipe.router.untagged_matching(lambda x: x.get("error") == LINE_TOO_LONG, timeout=60)
+    assert pipe.router.first("after-long", timeout=60)["state"] == "ready"
+    assert "over-limit" not in pipe.router.by_id
+    _, done = pipe.router.collect("beside-long")
+    assert done["finish"] == "budget" and done["usage"]["gen_tokens"] == 24
 
 
 def test_fuzz_lines_then_health(pipe):

@@ -11,8 +11,8 @@ import pytest
 
 from pocketllm.config import EngineArgs
 from pocketllm.harness.host import Host, HostConfig
-from pocketllm.harness.protocol import ProtocolError, parse_line
-from pocketllm.harness.service import Channel, Harness
+from pocketllm.harness.protocol import LINE_TOO_LONG, MAX_LINE_BYTES, ProtocolError, parse_line
+from pocketllm.harness.service import Channel, Harness, Turn
 from pocketllm.harness.sessions import Session
 
 
@@ -117,4 +117,72 @@ def test_taking_a_session_over_is_answered_at_once_when_its_old_client_does_not_
             assert stuck_writes.lines == [{"id": None, "session": "s", "detached": "opened on another connection"}]
         finally:
             stuck_writes.gate.set()
+    asyncio.run(main())
+
+
+def test_a_line_reusing_the_id_of_a_running_request_is_refused_untagged() -> None:
+    """Any line but that request's cancel is refused, the error untagged (it used to carry the id, read as the
+    running request's end, or the line was served with its answer tagged so) and naming the id; the request runs
+    on, nothing the line asked for is done, and once the request has ended its id is free again. Ids are per
+    channel."""
+    async def main() -> None:
+        harness = _harness()
+        writes, other_writes = Recorder(), Recorder()
+        channel, other = Channel("one", writes), Channel("other", other_writes)
+        turn = channel.requests["dup"] = Turn("dup", "engine-id", None)
+        lines = [('{"op":"generate","id":"dup","prompt":"again"}', "generate refused: send it with another id"),
+                 ('{"op":"chat","id":"dup","messages":[{"role":"user","content":"x"}]}', "chat refused"),
+                 ('{"op":"open","id":"dup","session":"s"}', "open refused"),
+                 ('{"op":"close","id":"dup","session":"s"}', "close refused"),
+                 ('{"op":"health","id":"dup"}', "health refused"),
+                 ('{"op":"shutdown","id":"dup"}', "shutdown refused"),
+                 ('{"op":"generate","id":"dup"}', "generate needs a non-empty string 'prompt'"),
+                 ('{"op":"cancel","id":"dup","x":1}', "unknown field(s) 'x'")]
+        for line, reason in lines:
+            await harness.handle(channel, line)
+            assert writes.lines[-1] == {"id": None, "error": writes.lines[-1]["error"]}, line
+            error = writes.lines[-1]["error"]
+            assert reason in error and "id 'dup' belongs to a request still running" in error, error
+        assert len(writes.lines) == len(lines)
+        assert channel.requests == {"dup": turn} and not turn.cancelled
+        assert harness.sessions == {} and not harness.draining
+        await harness.handle(other, '{"op":"health","id":"dup"}')   # another channel's id
+        assert other_writes.lines == [{"id": "dup", "state": "loading", "model": harness.model_label}]
+        await harness.handle(channel, '{"op":"cancel","id":"dup"}')   # answered by the request's done line
+        assert turn.cancelled and len(writes.lines) == len(lines)
+        del channel.requests["dup"]   # the request has ended
+        await harness.handle(channel, '{"op":"health","id":"dup"}')
+        await harness.handle(channel, '{"op":"cancel","id":"dup"}')
+        assert writes.lines[-2:] == [{"id": "dup", "state": "loading", "model": harness.model_label},
+                                     {"id": "dup", "error": "no running request with id 'dup'"}]
+    asyncio.run(main())
+
+
+def test_a_line_over_the_limit_is_refused_unread() -> None:
+    """The limit both faces share (the pipe's lines, the host's messages, read as bytes): a line of exactly
+    ``MAX_LINE_BYTES`` is read, one byte more is refused with an untagged error whatever it holds."""
+    health = b'{"op":"health","id":1'
+    assert parse_line(health + b" " * (MAX_LINE_BYTES - len(health) - 1) + b"}").id == 1
+    with pytest.raises(ProtocolError) as info:
+        parse_line(health + b" " * (MAX_LINE_BYTES - len(health)) + b"}")
+    assert info.value.message == LINE_TOO_LONG and info.value.request_id is None
+    assert "8388608 bytes (8 MiB)" in LINE_TOO_LONG
+
+
+def test_a_request_frees_its_id_and_session_before_its_last_line_is_written() -> None:
+    """A client may reuse the id, and the session, as soon as it reads the request's done or error line (an error
+    line used to be written while both were still taken)."""
+    async def main() -> None:
+        harness = _harness()
+        harness.load_error, harness.llm = RuntimeError("no such model"), None
+        harness.ready.set()
+        seen: list[tuple[dict, bool, object]] = []
+
+        async def write(line: str) -> None:
+            seen.append((json.loads(line), 1 in channel.requests, harness.sessions["s"].busy))
+        channel = Channel("one", write)
+        _own(harness, channel, "s")
+        await harness.handle(channel, '{"op":"generate","id":1,"prompt":"x","session":"s"}')
+        await asyncio.gather(*harness.tasks)
+        assert seen == [({"id": 1, "error": "the model failed to load: no such model"}, False, None)]
     asyncio.run(main())

@@ -37,7 +37,9 @@ namespace pocket {
 namespace {
 
 using Clock = std::chrono::steady_clock;
-constexpr size_t kMaxLineBytes = 8u << 20;
+constexpr size_t kMaxLineBytes = 8u << 20;   // the newline not counted (protocol.py's MAX_LINE_BYTES, LINE_TOO_LONG)
+const std::string kLineTooLong =
+    "the line is longer than " + std::to_string(kMaxLineBytes) + " bytes (8 MiB), the protocol's limit; it was not read";
 constexpr size_t kMaxIdChars = 128;
 constexpr size_t kMaxStops = 16;
 const char* const kOps[] = {"generate", "chat", "health", "cancel", "open", "close", "auth", "shutdown"};
@@ -212,11 +214,12 @@ class Server {
     try {
       request = parse_line(line, op);
     } catch (const Refusal& r) {
-      send_error(r.message, r.has_id ? &r.id : nullptr);
+      refuse(r.message, r.has_id ? &r.id : nullptr);
       return;
     }
     const WireValue* id = request.find("id");
     try {
+      if (op != "cancel" && id && running(*id)) throw Refusal{op + " refused: send it with another id", false, {}};
       if (op == "health") op_health(id);
       else if (op == "auth") throw Refusal{"auth is for host connections; the pipe needs no token", false, {}};
       else if (op == "shutdown") op_shutdown(id);
@@ -225,10 +228,25 @@ class Server {
       else if (op == "close") op_close(request, id);
       else op_generate(request, op == "chat" ? "chat" : "text");
     } catch (const Refusal& r) {
-      send_error(r.message, id);
+      refuse(r.message, id);
     } catch (const std::exception& err) {
-      send_error(std::string("internal error: ") + err.what(), id);
+      refuse(std::string("internal error: ") + err.what(), id);
     }
+  }
+
+  // The error answering a line just read: tagged with its id, unless a request still running holds that id; then
+  // untagged and naming the id, so that it cannot be taken for that request's end (service.py's _refuse).
+  void refuse(std::string message, const WireValue* id) {
+    if (id && running(*id)) {
+      message += " (the line's id " + py_repr(*id) + " belongs to a request still running)";
+      id = nullptr;
+    }
+    send_error(message, id);
+  }
+
+  bool running(const WireValue& id) {
+    std::lock_guard<std::mutex> guard(mutex_);
+    return requests_.count(request_key(id)) > 0;
   }
 
   // Waits for the load, then for every running request; stops the scheduler.
@@ -527,8 +545,6 @@ class Server {
     {
       std::lock_guard<std::mutex> guard(mutex_);
       if (draining_) throw Refusal{"the harness is shutting down and takes no new requests", false, {}};
-      if (requests_.count(request->key))
-        throw Refusal{"request " + py_repr(request->id) + " is still running; use another id", false, {}};
       if (state_ == "failed") throw Refusal{"the model failed to load: " + load_error_, false, {}};
       if (const WireValue* s = obj.find("session")) {
         auto it = sessions_.find(s->text);
@@ -967,10 +983,11 @@ int run(int argc, char** argv) {
       std::string line = pending.substr(0, cut + 1);
       pending.erase(0, cut + 1);
       if (skipping) skipping = false;
+      else if (cut > kMaxLineBytes) send_error(kLineTooLong, nullptr);   // it came whole: refused all the same
       else serve(line);
     }
-    if (pending.size() > kMaxLineBytes) {
-      if (!skipping) send_error("line longer than " + std::to_string(kMaxLineBytes) + " bytes", nullptr);
+    if (pending.size() > kMaxLineBytes) {   // no newline yet: the rest of the line is skipped as it comes
+      if (!skipping) send_error(kLineTooLong, nullptr);
       skipping = true;
       pending.clear();
     }

@@ -21,7 +21,7 @@ from typing import Any
 
 from pocketllm.config import EngineArgs
 from pocketllm.harness.lifecycle import LOOPBACK, StopSignals, display_name, run_until_done, say
-from pocketllm.harness.protocol import ProtocolError, encode, error_line, parse_line
+from pocketllm.harness.protocol import MAX_LINE_BYTES, ProtocolError, encode, error_line, parse_line
 from pocketllm.harness.service import Channel, Harness
 from pocketllm.harness.sessions import SessionStore
 from pocketllm.server.exposure import ExposurePolicy
@@ -30,7 +30,12 @@ logger = logging.getLogger("pocketllm.harness")
 
 AUTH_TIMEOUT_S = 30.0
 DRAIN_TIMEOUT_S = 30.0
-MAX_MESSAGE_BYTES = 8 << 20
+# A message over MAX_LINE_BYTES is read, then refused with an error line like an overlong line on the pipe (the
+# connection carries on); the library reads one up to MAX_MESSAGE_BYTES and closes the connection (code 1009) on a
+# larger one unread. At most MAX_QUEUED_FRAMES frames wait to be handled before reading pauses, so what one connection
+# holds stays under about (MAX_QUEUED_FRAMES + 1) x MAX_MESSAGE_BYTES.
+MAX_MESSAGE_BYTES = 2 * MAX_LINE_BYTES
+MAX_QUEUED_FRAMES = 4
 # Connections not yet authenticated, at most; a newcomer past it closes the oldest (code 1013). They do not count
 # towards --max-conns, so a process without the token cannot hold the slots of the clients that have it.
 MAX_PENDING_AUTH = 32
@@ -168,8 +173,8 @@ class Host:
             finally:
                 self.pending.pop(ws, None)
             logger.info("connection %s authenticated", name)
-            async for message in ws:
-                await self.harness.handle(channel, message)
+            while True:   # until the connection closes (ConnectionClosed)
+                await self.harness.handle(channel, await ws.recv(decode=False))   # bytes: parse_line measures them
         except Exception as exc:  # a dropped connection ends here; the host carries on
             logger.debug("connection %s ended: %r", name, exc)
         finally:
@@ -178,7 +183,7 @@ class Host:
 
     async def _authenticate(self, ws, send) -> bool:
         try:
-            first = await asyncio.wait_for(ws.recv(), AUTH_TIMEOUT_S)
+            first = await asyncio.wait_for(ws.recv(decode=False), AUTH_TIMEOUT_S)
         except asyncio.TimeoutError:
             await send(error_line(f"no auth within {AUTH_TIMEOUT_S:.0f} s"))
             await ws.close(CLOSE_POLICY, "auth timeout")
@@ -222,7 +227,8 @@ class Host:
         signals.install(asyncio.get_running_loop())
         sock = self.config.sock   # bound already (the CLI's), else bound here
         server = await serve(self._handler, None if sock else LOOPBACK, None if sock else self.config.port, sock=sock,
-                             process_request=self._http, max_size=MAX_MESSAGE_BYTES, compression=None)
+                             process_request=self._http, max_size=MAX_MESSAGE_BYTES, max_queue=MAX_QUEUED_FRAMES,
+                             compression=None)
         loader = asyncio.create_task(self._load())
         loader.add_done_callback(lambda task: task.cancelled() or task.exception() is None or self.stop.set())
         await self.stop.wait()

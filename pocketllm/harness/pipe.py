@@ -14,12 +14,10 @@ import threading
 
 from pocketllm.config import EngineArgs
 from pocketllm.harness.lifecycle import StopSignals, run_until_done, say
-from pocketllm.harness.protocol import error_line
+from pocketllm.harness.protocol import LINE_TOO_LONG, MAX_LINE_BYTES, error_line
 from pocketllm.harness.service import Channel, Harness
 
 logger = logging.getLogger("pocketllm.harness")
-
-MAX_LINE_BYTES = 8 << 20
 
 
 def _protocol_stdout():
@@ -32,9 +30,11 @@ def _protocol_stdout():
 
 
 def _read_lines(loop: asyncio.AbstractEventLoop, queue: asyncio.Queue, fd: int = 0) -> None:
-    """Reader thread: stdin lines (bytes) into the queue, then None at EOF.
+    """Reader thread: stdin lines (bytes, without their newline) into the queue, then None at EOF.
 
-    Reads the raw descriptor (not ``sys.stdin``), so a read still blocked at exit holds no interpreter lock.
+    A line that grows past ``MAX_LINE_BYTES`` before its newline comes is not kept: a ``ValueError`` takes its
+    place and the rest of it is skipped (one that came whole is refused by ``parse_line``). Reads the raw
+    descriptor (not ``sys.stdin``), so a read still blocked at exit holds no interpreter lock.
     """
     def put(item) -> None:
         loop.call_soon_threadsafe(queue.put_nowait, item)
@@ -51,14 +51,14 @@ def _read_lines(loop: asyncio.AbstractEventLoop, queue: asyncio.Queue, fd: int =
                 cut = pending.find(b"\n")
                 if cut < 0:
                     break
-                line, pending = pending[:cut + 1], pending[cut + 1:]
+                line, pending = pending[:cut], pending[cut + 1:]
                 if skipping:
                     skipping = False
                 else:
                     put(line)
             if len(pending) > MAX_LINE_BYTES:
                 if not skipping:
-                    put(ValueError(f"line longer than {MAX_LINE_BYTES} bytes"))
+                    put(ValueError(LINE_TOO_LONG))
                 skipping, pending = True, b""
         if pending and not skipping:
             put(pending)

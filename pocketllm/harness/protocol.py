@@ -14,8 +14,8 @@ from typing import Any
 
 from pocketllm.sampling_params import SEED_RANGE
 
-__all__ = ["OPS", "SAMPLING_FIELDS", "Op", "ProtocolError", "encode", "error_line", "finish_of", "parse_line",
-           "valid_session_id"]
+__all__ = ["LINE_TOO_LONG", "MAX_LINE_BYTES", "OPS", "SAMPLING_FIELDS", "Op", "ProtocolError", "encode", "error_line",
+           "finish_of", "parse_line", "valid_session_id"]
 
 SAMPLING_FIELDS = ("n", "temp", "top_k", "top_p", "repeat_penalty", "seed", "stop")
 OPS: dict[str, tuple[str, ...]] = {
@@ -31,6 +31,10 @@ OPS: dict[str, tuple[str, ...]] = {
 ID_REQUIRED = frozenset({"generate", "chat", "cancel"})
 ROLES = ("system", "user", "assistant")
 MAX_ID_CHARS = 128
+# The longest request line (a WebSocket message on a host), in bytes, the newline not counted; a longer one is
+# answered with LINE_TOO_LONG (id null) and not read.
+MAX_LINE_BYTES = 8 << 20
+LINE_TOO_LONG = f"the line is longer than {MAX_LINE_BYTES} bytes (8 MiB), the protocol's limit; it was not read"
 MAX_STOPS = 16
 _SESSION_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}")
 
@@ -188,8 +192,11 @@ def _validate(op: str, fields: dict[str, Any]) -> None:
 
 
 def parse_line(line: str | bytes) -> Op:
-    """Validate one request line; raises ``ProtocolError`` (with the id to answer, if any)."""
+    """Validate one request line; raises ``ProtocolError`` (with the id to answer, if any). A line read as bytes
+    (both faces read bytes) longer than ``MAX_LINE_BYTES`` is refused unread."""
     if isinstance(line, (bytes, bytearray)):
+        if len(line) > MAX_LINE_BYTES:
+            raise ProtocolError(LINE_TOO_LONG)
         try:
             line = bytes(line).decode("utf-8")
         except UnicodeDecodeError:

@@ -192,21 +192,33 @@ class Harness:
 
     # --- lines ------------------------------------------------------------------------------------
     async def handle(self, channel: Channel, line: str | bytes) -> None:
-        """Serve one line; never raises for anything the line contains."""
+        """Serve one line; never raises for anything the line contains. A line carrying the id of a request still
+        running on the channel is refused, unless it is that request's ``cancel``."""
         try:
             op = parse_line(line)
         except ProtocolError as exc:
-            await channel.send(error_line(exc.message, exc.request_id))
+            await self._refuse(channel, exc.message, exc.request_id)
             return
         try:
+            if op.op != "cancel" and op.id in channel.requests:
+                raise ProtocolError(f"{op.op} refused: send it with another id")
             await getattr(self, f"_op_{op.op}")(channel, op)
         except ProtocolError as exc:
-            await channel.send(error_line(exc.message, op.id))
+            await self._refuse(channel, exc.message, op.id)
         except PocketLLMError as exc:
-            await channel.send(error_line(str(exc), op.id))
+            await self._refuse(channel, str(exc), op.id)
         except Exception as exc:
             logger.exception("op %s failed", op.op)
-            await channel.send(error_line(f"internal error: {exc!r}", op.id))
+            await self._refuse(channel, f"internal error: {exc!r}", op.id)
+
+    @staticmethod
+    async def _refuse(channel: Channel, message: str, request_id: Any) -> None:
+        """The error line answering a line just read: tagged with the line's id, unless a request still running
+        holds that id. Then it is untagged and names the id, so that it cannot be taken for that request's end."""
+        if request_id is not None and request_id in channel.requests:
+            message = f"{message} (the line's id {request_id!r} belongs to a request still running)"
+            request_id = None
+        await channel.send(error_line(message, request_id))
 
     async def _op_health(self, channel: Channel, op: Op) -> None:
         await channel.send({"id": op.id, "state": self.state, "model": self.model_label})
@@ -334,8 +346,6 @@ class Harness:
     async def _start(self, channel: Channel, op: Op, kind: str) -> None:
         if self.draining:
             raise ProtocolError("the harness is shutting down and takes no new requests")
-        if op.id in channel.requests:
-            raise ProtocolError(f"request {op.id!r} is still running; use another id")
         session = None
         sid = op.get("session")
         if sid is not None:
@@ -407,13 +417,13 @@ class Harness:
 
     async def _run_turn(self, channel: Channel, op: Op, turn: Turn, kind: str) -> None:
         session = turn.session
-        done: dict[str, Any] | None = None
+        last: dict[str, Any] | None = None   # the done or error line, sent once the id and the session are free
         try:
             await self.ready.wait()
             if self.llm is None:
                 raise ProtocolError(f"the model failed to load: {self.load_error}")
             if turn.cancelled:
-                done = {"id": op.id, "done": True, "finish": "cancel",
+                last = {"id": op.id, "done": True, "finish": "cancel",
                         "usage": {"prompt_tokens": 0, "gen_tokens": 0, "prefill_ms": 0.0, "decode_ms": 0.0}}
                 return
             prompt_ids, new_state = await asyncio.to_thread(self._prompt, op, session, kind)
@@ -431,23 +441,23 @@ class Harness:
                     await channel.send({"id": op.id, "chunk": event.text})
                 if event.finished:
                     output = event.output
-            done = self._done(op, output, restored)
+            last = self._done(op, output, restored)
             if session is not None and not session.closed:
                 self._advance(session, kind, new_state, prompt_ids, output)
                 if self.store is not None:
                     self._spawn(self._save(session, session.record()))
         except (ProtocolError, PocketLLMError) as exc:
-            await channel.send(error_line(getattr(exc, "message", None) or str(exc), op.id))
+            last = error_line(getattr(exc, "message", None) or str(exc), op.id)
         except Exception as exc:
             logger.exception("request %r failed", op.id)
-            await channel.send(error_line(f"internal error: {exc!r}", op.id))
+            last = error_line(f"internal error: {exc!r}", op.id)
         finally:
             channel.requests.pop(op.id, None)
             if session is not None:
                 session.busy = None
                 session.touch()
-            if done is not None:
-                await channel.send(done)
+            if last is not None:
+                await channel.send(last)
 
     @staticmethod
     def _advance(session: Session, kind: str, new_state: Any, prompt_ids: list[int], output) -> None:
