@@ -113,7 +113,7 @@ def test_store_kv(dtype):
 @pytest.mark.parametrize("splits", [1, 4, 16])
 def test_paged_decode(dtype, heads, kv_heads, head_dim, splits):
     _need_kernels(dtype, uses_dot=True)
-    from pocketllm.kernels.attention import WHOLE_CONTEXT_TOKENS, paged_decode
+    from pocketllm.kernels.attention import WHOLE_CONTEXT_TILE, paged_decode
 
     gen = torch.Generator().manual_seed(heads * 7 + splits)
     block_size, num_blocks = 16, 64
@@ -148,7 +148,7 @@ def test_paged_decode(dtype, heads, kv_heads, head_dim, splits):
     # one row's whole context in one tile (one split; wider heads and float32 loop over a few tiles)
     for row in live:
         whole = paged_decode(q[row:row + 1], k_cache, v_cache, tables[row:row + 1], ctx[row:row + 1],
-                             head_dim ** -0.5, 1, block_n=WHOLE_CONTEXT_TOKENS)
+                             head_dim ** -0.5, 1, block_n=WHOLE_CONTEXT_TILE)
         torch.testing.assert_close(whole, out[row:row + 1], atol=1e-5 if dtype == torch.float32 else 2e-2,
                                    rtol=1e-3)
 
@@ -159,7 +159,7 @@ def test_decode_splits_follow_the_longest_context():
     _need_cuda()
     from pocketllm.kernels.attention import (
         SPLIT_TOKENS,
-        WHOLE_CONTEXT_TOKENS,
+        WHOLE_CONTEXT_TILE,
         decode_split_options,
         decode_splits,
         decode_tile,
@@ -173,9 +173,14 @@ def test_decode_splits_follow_the_longest_context():
     assert decode_splits(2, 8, max_context=10 ** 6) == fill
     # fewer splits than fill the GPU: each is one tile of SPLIT_TOKENS; otherwise the kernel's own tile
     assert decode_tile(2, 8, 4) == SPLIT_TOKENS and decode_tile(2, 8, fill) is None
-    # one row (on a GPU with the shared memory for it): a context up to WHOLE_CONTEXT_TOKENS in one tile
-    assert decode_splits(1, 8, max_context=WHOLE_CONTEXT_TOKENS) == 1 and decode_tile(1, 8, 1) == WHOLE_CONTEXT_TOKENS
-    assert decode_splits(1, 8, max_context=WHOLE_CONTEXT_TOKENS + 1) > 1
+    # the one-tile rule (on a GPU with the shared memory for it): one row's context up to 256 tokens in one split
+    # read in tiles of WHOLE_CONTEXT_TILE; none for more rows, or with the rule off
+    assert decode_splits(1, 8, max_context=256, whole_context=256) == 1
+    assert decode_tile(1, 8, 1, whole_context=256) == WHOLE_CONTEXT_TILE
+    assert decode_splits(1, 8, max_context=257, whole_context=256) == decode_splits(1, 8, max_context=257) > 1
+    assert decode_splits(2, 8, max_context=256, whole_context=256) == decode_splits(2, 8, max_context=256) > 1
+    assert decode_splits(1, 8, max_context=64, whole_context=0) == 2 and decode_tile(1, 8, 1, whole_context=0) == 32
+    assert decode_split_options(1, 8, whole_context=256) == [1, decode_splits(1, 8)]
     for batch in (1, 2, 4, 8, 16, 32, 256):
         options = decode_split_options(batch, 8)
         assert max(options) == decode_splits(batch, 8)

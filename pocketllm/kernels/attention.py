@@ -461,48 +461,63 @@ SMALL_BATCH_WARPS = 2
 # Context tokens a decode split covers at least when the split count follows the step's contexts.
 SPLIT_TOKENS = 32
 
-# A one-row decode step whose context is at most this long attends it in one tile per KV head: one split, so no
-# partial results to merge, and the whole context read before the wait on the kernel before (kernels/pdl.py).
-# Measured on an H100 (Qwen3-0.6B, batch 1, context 256): with 8 splits of 32 tokens the attention kernel ends
-# about 10 µs after the QKV preparation before it, of a 25 µs layer; its merge is a chain of memory round trips.
-WHOLE_CONTEXT_TOKENS = 256
+# A one-row decode step whose context is at most ``ONE_ROW_WHOLE_CONTEXT`` tokens may attend it in one tile per
+# KV head, ``WHOLE_CONTEXT_TILE`` wide: one split, so no partial results to merge, and the whole context read
+# before the wait on the kernel before (kernels/pdl.py). Why: on an H100 (Qwen3-0.6B, batch 1, context 256) the
+# attention kernel with 8 splits of 32 tokens ends about 10 µs after the QKV preparation before it, of a 25 µs
+# layer (8.3 µs alone): its split, merge and reads are a chain of memory round trips. The rule is off (0) until
+# it is timed in the engine on a GPU; its kernel compiles for sm_90 without spills (bfloat16: 109 registers,
+# 132 KB of shared memory at 16 warps) and matches the split kernel under Triton's interpreter.
+ONE_ROW_WHOLE_CONTEXT = 0
+WHOLE_CONTEXT_TILE = 256
 WHOLE_CONTEXT_WARPS = 16
 WHOLE_CONTEXT_SHARED_BYTES = 160 << 10
 
 
-def decode_splits(batch: int, num_kv_heads: int, max_splits: int = 16, max_context: int | None = None) -> int:
+def decode_splits(batch: int, num_kv_heads: int, max_splits: int = 16, max_context: int | None = None,
+                  whole_context: int | None = None) -> int:
     """Context splits per sequence so that batch × KV heads × splits fills the GPU about twice; given the step's
     longest context, no more than the power of two that cuts it into pieces of ``SPLIT_TOKENS``, and one for a
-    one-row step within ``WHOLE_CONTEXT_TOKENS``. Programs past a context's active splits return at once but still
-    cost: Qwen3-0.6B at batch 1 and contexts up to 256 (H200) decoded 1,443-1,461 tok/s with 4 splits of 64
-    tokens launched against 1,398-1,417 with 16 (of which 4 active); 8 splits of one 32-token tile each
-    (``decode_tile``) took it to 1,481-1,518."""
+    one-row step within ``whole_context`` tokens (default ``ONE_ROW_WHOLE_CONTEXT``; 0: never). Programs past a
+    context's active splits return at once but still cost: Qwen3-0.6B at batch 1 and contexts up to 256 (H200)
+    decoded 1,443-1,461 tok/s with 4 splits of 64 tokens launched against 1,398-1,417 with 16 (of which 4
+    active); 8 splits of one 32-token tile each (``decode_tile``) took it to 1,481-1,518."""
     target = 2 * _num_sms(torch.cuda.current_device())
     fill = max(1, min(max_splits, -(-target // max(1, batch * num_kv_heads))))
     if max_context is None:
         return fill
-    if batch == 1 and max_context <= WHOLE_CONTEXT_TOKENS and _whole_context_fits(torch.cuda.current_device()):
+    if _one_tile(batch, whole_context) and max_context <= _whole(whole_context):
         return 1
     pieces = max(1, -(-max_context // SPLIT_TOKENS))
     return min(fill, 1 << (pieces - 1).bit_length())
 
 
-def decode_tile(batch: int, num_kv_heads: int, num_splits: int) -> int | None:
-    """The KV tile width for a decode launch of ``num_splits`` splits. One split of one row covers a context of up
-    to ``WHOLE_CONTEXT_TOKENS`` in one tile that wide. Another count below the one that fills the GPU was chosen
-    from the contexts, so every split is at most ``SPLIT_TOKENS`` long and one tile that wide covers it.
-    Otherwise None: the kernel's default (64 tokens in 16-bit), as longer splits loop over fewer, wider tiles
-    (32-token tiles there took Qwen3-0.6B at context 2,048 from 1,157 to 1,062-1,065 tok/s)."""
+def _whole(whole_context: int | None) -> int:
+    return ONE_ROW_WHOLE_CONTEXT if whole_context is None else whole_context
+
+
+def _one_tile(batch: int, whole_context: int | None) -> bool:
+    """Whether a one-tile launch may serve this batch: one row, the rule on, the GPU's shared memory enough."""
+    return batch == 1 and _whole(whole_context) > 0 and _whole_context_fits(torch.cuda.current_device())
+
+
+def decode_tile(batch: int, num_kv_heads: int, num_splits: int, whole_context: int | None = None) -> int | None:
+    """The KV tile width for a decode launch of ``num_splits`` splits. One split of one row under the
+    ``whole_context`` rule (``decode_splits``) reads its context in tiles of ``WHOLE_CONTEXT_TILE``. Another count
+    below the one that fills the GPU was chosen from the contexts, so every split is at most ``SPLIT_TOKENS``
+    long and one tile that wide covers it. Otherwise None: the kernel's default (64 tokens in 16-bit), as longer
+    splits loop over fewer, wider tiles (32-token tiles there took Qwen3-0.6B at context 2,048 from 1,157 to
+    1,062-1,065 tok/s)."""
     fill = decode_splits(batch, num_kv_heads)
-    if batch == 1 and num_splits == 1 < fill and _whole_context_fits(torch.cuda.current_device()):
-        return WHOLE_CONTEXT_TOKENS
+    if num_splits == 1 < fill and _one_tile(batch, whole_context):
+        return WHOLE_CONTEXT_TILE
     return SPLIT_TOKENS if num_splits < fill else None
 
 
-def decode_split_options(batch: int, num_kv_heads: int) -> list[int]:
+def decode_split_options(batch: int, num_kv_heads: int, whole_context: int | None = None) -> list[int]:
     """Every split count ``decode_splits`` gives for this batch size, whatever the contexts."""
     fill = decode_splits(batch, num_kv_heads)
-    return sorted({decode_splits(batch, num_kv_heads, max_context=SPLIT_TOKENS << i)
+    return sorted({decode_splits(batch, num_kv_heads, max_context=SPLIT_TOKENS << i, whole_context=whole_context)
                    for i in range(fill.bit_length() + 1)})
 
 
@@ -526,9 +541,9 @@ def _decode_launch(batch: int, dtype: torch.dtype, d_pad: int, block_n: int | No
     two stages in sequence order (4.2 against 3.9 TB/s of KV reads). A float8 cache (``kv_bytes`` 1) takes
     128-token tiles at large batch (186 against 191 µs there)."""
     small = batch <= 16
-    if block_n == WHOLE_CONTEXT_TOKENS and small:   # one tile, no loop: one stage, and wider heads or float32
+    if block_n == WHOLE_CONTEXT_TILE and small:   # one tile, no loop: one stage, and wider heads or float32
         # tiles hold as many bytes as 16-bit 128-wide ones (the one split then loops over a few)
-        tile = WHOLE_CONTEXT_TOKENS * 256 // (d_pad * max(2, kv_bytes, torch.finfo(dtype).bits // 8))
+        tile = WHOLE_CONTEXT_TILE * 256 // (d_pad * max(2, kv_bytes, torch.finfo(dtype).bits // 8))
         return _DecodeLaunch(tile, num_warps or WHOLE_CONTEXT_WARPS, num_stages or 1,
                              False if heads_first is None else heads_first)
     return _DecodeLaunch(
