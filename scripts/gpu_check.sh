@@ -142,14 +142,15 @@ for stage in $stages; do
       if [ -n "${SERVE_BASELINE:-}" ]; then serve_bench baseline "$SERVE_BASELINE"; fi
       serve_bench served "" "${SERVE_PROFILE-profile}" ;;   # SERVE_PROFILE= (empty): no py-spy pass
     ab)
-      # Batch-1 decode of AB_PRESETS with this tree and with the package in AB_BASE (a folder holding another
-      # commit's pocketllm/, e.g. from `git archive REV pocketllm | tar -x -C build/base`), alternated.
+      # Batch-1 decode of AB_PRESETS with this tree (or the package in AB_NEW) and with the package in AB_BASE (a
+      # folder holding another commit's pocketllm/, e.g. from `git archive REV pocketllm | tar -x -C build/base`),
+      # alternated; AB_ARGS: more `bench latency` arguments (e.g. --quantization fp8).
       for preset in ${AB_PRESETS:-qwen3.5-35b-a3b}; do
         for which in new base new base; do
-          src=$PWD; [ $which = base ] && src=${AB_BASE:?AB_BASE names the other tree}
+          src=${AB_NEW:-$PWD}; [ $which = base ] && src=${AB_BASE:?AB_BASE names the other tree}
           # -P: without it `python -m` puts the working directory, this tree, ahead of AB_BASE
           PYTHONPATH=$src:$PYTHONPATH timeout ${AB_TIMEOUT:-150} $PY -P -m pocketllm bench latency --model $preset \
-            --load-format dummy > "$OUT/ab-$preset-$which.log" 2>&1
+            --load-format dummy ${AB_ARGS:-} > "$OUT/ab-$preset-$which.log" 2>&1
           echo "ab $preset $which: $(grep '^pocketllm:' "$OUT/ab-$preset-$which.log" | tail -1)" | tee -a "$OUT/bench.log"
         done
       done ;;
