@@ -426,3 +426,31 @@ def check_sampling_fields(pipe: PipeProcess, echo_tokens: int) -> None:
     greedy, _ = pipe.request({**echo, "id": "s4", "repeat_penalty": 1.0})
     penalised, _ = pipe.request({**echo, "id": "s5", "repeat_penalty": 2.0})
     assert greedy != penalised
+
+
+def check_running_id_refused(channel: PipeProcess | Conn, budget: int, seed: int, meanwhile=None) -> None:
+    """A line reusing the id of a running request (a chat of up to ``budget`` tokens, sampled with ``seed``) is
+    refused with an untagged error naming the id, whatever its op (a tagged one reads as that request's end); the
+    request runs on (``meanwhile()`` is called while it does) until cancelled, every line tagged with the id is
+    its own, the refused ``open`` opened nothing, and the id is free again once the request has ended."""
+    story = [{"role": "user", "content": "Write a very long story about a dragon."}]
+    channel.send({"op": "chat", "id": "dup", "messages": story, "n": budget, "temp": 0.8, "seed": seed})
+    channel.send({"op": "generate", "id": "dup", "prompt": "again", "n": 2})
+    channel.send({"op": "open", "id": "dup", "session": "dup-session"})
+    channel.send({"op": "health", "id": "dup"})
+    for op in ("generate", "open", "health"):
+        refusal = channel.router.untagged_matching(lambda x: "'dup'" in x.get("error", ""))
+        assert refusal == {"id": None, "error": f"{op} refused: send it with another id "
+                                                "(the line's id 'dup' belongs to a request still running)"}
+    if meanwhile is not None:
+        meanwhile()
+    assert "chunk" in channel.router.first("dup")
+    channel.send({"op": "cancel", "id": "dup"})
+    _, done = channel.router.collect("dup")
+    # cancelled while running: chunks, then the done line (no error line, no answer to a refused line)
+    assert done["finish"] == "cancel" and done["usage"]["gen_tokens"] < budget, done
+    assert "dup" not in channel.router.by_id
+    _, error = channel.request({"op": "chat", "id": "after-dup", "session": "dup-session", "messages": FRANCE})
+    assert "not open" in error["error"]   # the refused open opened nothing
+    channel.send({"op": "health", "id": "dup"})
+    assert channel.router.first("dup")["state"] == "ready"

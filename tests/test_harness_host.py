@@ -11,7 +11,7 @@ import time
 import httpx
 import pytest
 import torch
-from harness_utils import FRANCE, FUZZ_LINES, USAGE_KEYS, HostProcess, fuzz_lines
+from harness_utils import FRANCE, FUZZ_LINES, USAGE_KEYS, HostProcess, check_running_id_refused, fuzz_lines
 
 from pocketllm.harness.protocol import LINE_TOO_LONG, MAX_LINE_BYTES
 
@@ -352,24 +352,10 @@ def test_a_request_reusing_a_running_id_is_refused_untagged(host):
     id; the request runs on; its id is free again once it has ended. Ids are per connection."""
     conn, other = _connect_when_free(host), _connect_when_free(host)
     try:
-        story = [{"role": "user", "content": "Write a very long story about a dragon."}]
-        conn.send({"op": "chat", "id": "dup", "messages": story, "n": 1000, "temp": 0.8, "seed": 5})
-        conn.send({"op": "generate", "id": "dup", "prompt": "again", "n": 2})
-        conn.send({"op": "open", "id": "dup", "session": "dup-session"})
-        conn.send({"op": "health", "id": "dup"})
-        for op in ("generate", "open", "health"):
-            refusal = conn.router.untagged_matching(lambda x: "'dup'" in x.get("error", ""))
-            assert refusal == {"id": None, "error": f"{op} refused: send it with another id "
-                                                    "(the line's id 'dup' belongs to a request still running)"}
-        assert other.call({"op": "health", "id": "dup"})["state"] == "ready"   # another connection's id
-        assert "chunk" in conn.router.first("dup")
-        conn.send({"op": "cancel", "id": "dup"})
-        _, done = conn.router.collect("dup")
-        assert done["finish"] == "cancel" and done["usage"]["gen_tokens"] < 1000, done
-        assert "dup" not in conn.router.by_id   # no error line, no answer to a refused line
-        assert "not open" in conn.request({"op": "chat", "id": 1, "session": "dup-session",
-                                           "messages": FRANCE})[1]["error"]
-        assert conn.call({"op": "health", "id": "dup"})["state"] == "ready"
+        def other_connection_keeps_its_ids() -> None:
+            assert other.call({"op": "health", "id": "dup"})["state"] == "ready"
+
+        check_running_id_refused(conn, 1000, seed=5, meanwhile=other_connection_keeps_its_ids)
     finally:
         conn.close()
         other.close()

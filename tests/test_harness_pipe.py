@@ -9,6 +9,7 @@ from harness_utils import (
     check_chat_usage_and_diag,
     check_four_conversations_interleave,
     check_fuzz_lines_answered,
+    check_running_id_refused,
     check_sampling_fields,
     check_sessions,
     checkpoint_without_template,
@@ -147,28 +148,9 @@ def test_a_prompt_certainly_past_the_context_is_refused_before_it_is_encoded(pip
 
 
 def test_duplicate_running_id_is_refused(pipe):
-    """A line reusing the id of a running request is refused with an untagged error naming the id (a tagged one
-    reads as that request's end); the request runs on, and its id is free again once it has ended."""
-    story = [{"role": "user", "content": "Write a very long story about a dragon."}]
-    pipe.send({"op": "chat", "id": "dup", "messages": story, "n": 1500, "temp": 0.8, "seed": 1})
-    pipe.send({"op": "generate", "id": "dup", "prompt": "again", "n": 2})
-    pipe.send({"op": "open", "id": "dup", "session": "dup-session"})
-    pipe.send({"op": "health", "id": "dup"})
-    for op in ("generate", "open", "health"):
-        refusal = pipe.router.untagged_matching(lambda x: "'dup'" in x.get("error", ""))
-        assert refusal == {"id": None, "error": f"{op} refused: send it with another id "
-                                                "(the line's id 'dup' belongs to a request still running)"}
-    assert "chunk" in pipe.router.first("dup")
-    pipe.send({"op": "cancel", "id": "dup"})
-    _, done = pipe.router.collect("dup")
-    # Cancelled while running; every line tagged "dup" was its own (chunks, then the done line: no error line, no
-    # answer to a refused line).
-    assert done["finish"] == "cancel" and done["usage"]["gen_tokens"] < 1500, done
-    assert "dup" not in pipe.router.by_id
-    _, error = pipe.request({"op": "chat", "id": "after-dup", "session": "dup-session", "messages": FRANCE})
-    assert "not open" in error["error"]   # the refused open opened nothing
-    pipe.send({"op": "health", "id": "dup"})
-    assert pipe.router.first("dup")["state"] == "ready"
+    """A line reusing the id of a running request is refused with an untagged error naming the id; the request
+    runs on, and its id is free again once it has ended."""
+    check_running_id_refused(pipe, 1500, seed=1)
 
 
 def test_a_line_over_the_limit_is_answered_and_the_pipe_carries_on(pipe):
