@@ -170,6 +170,18 @@ def test_usage_errors_are_one_line(command, args):
     assert stdout == ""
 
 
+@pytest.mark.parametrize(("flag", "kind"),
+                         [("--seed", "int"), ("--cpu-kv-cache-gb", "float"), ("--logit-bias", "JSON")])
+def test_a_bad_flag_value_names_the_type_expected(capsys, flag, kind):
+    from pocketllm.cli.main import main
+
+    with pytest.raises(SystemExit) as exited:
+        main(["run", "Hello", flag, "{x"])
+    assert exited.value.code == 2
+    assert capsys.readouterr().err == (f"pocketllm run: error: argument {flag}: invalid {kind} value: '{{x' "
+                                       "(see 'pocketllm run --help')\n")
+
+
 def test_run_without_a_prompt_says_so(command):
     status, _, stderr = command("run", stdin=subprocess.DEVNULL).finish()   # stdin: empty, not a terminal
     assert status == 2 and stderr.splitlines() == ["pocketllm run: error: the prompt is empty"], stderr
