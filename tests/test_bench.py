@@ -173,6 +173,14 @@ def test_llama_cpp_peer_needs_a_gguf(tiny_checkpoint, tmp_path):
               *SMALL_ENGINE])
 
 
+@pytest.mark.parametrize(("flag", "value", "least"), [("--num-iters", "0", 1), ("--output-len", "-3", 1),
+                                                      ("--input-len", "0", 1), ("--warmup-iters", "-1", 0)])
+def test_bench_latency_checks_its_sizes_before_loading(tmp_path, flag, value, least):
+    """A size that cannot run is one line before the model loads (the checkpoint here does not even exist)."""
+    with pytest.raises(SystemExit, match=f"^pocketllm bench latency: {flag} must be at least {least}, got {value}$"):
+        main(["bench", "latency", "--model", str(tmp_path / "missing.gguf"), flag, value])
+
+
 def test_bench_startup(smollm2_gguf, tmp_path, capsys):
     """Cold processes of ``pocketllm run`` on the default model, one with a tokenizer cache to fill."""
     out = tmp_path / "startup.json"

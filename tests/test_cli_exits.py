@@ -8,6 +8,7 @@ safety net against a hung command.
 
 from __future__ import annotations
 
+import io
 import os
 import re
 import signal
@@ -170,6 +171,18 @@ def test_usage_errors_are_one_line(command, args):
     assert stdout == ""
 
 
+@pytest.mark.parametrize(("flag", "kind"),
+                         [("--seed", "int"), ("--cpu-kv-cache-gb", "float"), ("--logit-bias", "JSON")])
+def test_a_bad_flag_value_names_the_type_expected(capsys, flag, kind):
+    from pocketllm.cli.main import main
+
+    with pytest.raises(SystemExit) as exited:
+        main(["run", "Hello", flag, "{x"])
+    assert exited.value.code == 2
+    assert capsys.readouterr().err == (f"pocketllm run: error: argument {flag}: invalid {kind} value: '{{x' "
+                                       "(see 'pocketllm run --help')\n")
+
+
 def test_run_without_a_prompt_says_so(command):
     status, _, stderr = command("run", stdin=subprocess.DEVNULL).finish()   # stdin: empty, not a terminal
     assert status == 2 and stderr.splitlines() == ["pocketllm run: error: the prompt is empty"], stderr
@@ -193,3 +206,16 @@ def test_run_takes_the_prompt_positionally_or_on_stdin(command, tiny_checkpoint)
         assert status == 0, stderr
         assert "[4 tokens, finish length" in stderr and "Traceback" not in stderr
     assert _prompt_tokens(positional[2]) == _prompt_tokens(piped[2])   # the same prompt either way
+
+
+def test_chat_answers_help_and_unknown_commands_itself(tiny_checkpoint, monkeypatch, capsys):
+    """/help (or /?) lists the chat's commands and a mistyped one says so: neither goes to the model."""
+    from pocketllm.cli.main import main
+
+    monkeypatch.setattr("sys.stdin", io.StringIO("/help\n/?\n/frobnicate\n/bye\nnever read\n"))
+    assert main(["chat", "-m", tiny_checkpoint("llama"), "--max-tokens", "2", "--num-kv-blocks", "64",
+                 "--device", "cpu"]) == 0
+    err = capsys.readouterr().err
+    assert "tokens, finish" not in err, err   # nothing was generated
+    assert err.count("/clear forgets the conversation") == 4, err   # the greeting, /help, /? and /frobnicate
+    assert "[unknown command /frobnicate: " in err, err

@@ -95,10 +95,19 @@ def run_hf(engine_args, prompt: list[int], output_len: int, iters: int) -> dict[
     return {"ttft_s": ttft, "decode_tokens_per_s": decode, "total_s": full, "mode": "generate"}
 
 
+def _check(args: argparse.Namespace) -> None:
+    """The workload's sizes, before anything loads."""
+    for flag, value, least in (("--input-len", args.input_len, 1), ("--output-len", args.output_len, 1),
+                               ("--num-iters", args.num_iters, 1), ("--warmup-iters", args.warmup_iters, 0)):
+        if value < least:
+            raise SystemExit(f"pocketllm bench latency: {flag} must be at least {least}, got {value}")
+
+
 def run(args: argparse.Namespace, engine_args) -> dict[str, Any]:
     from pocketllm.api import LLM
     from pocketllm.runner.model_runner import resolve_device
 
+    _check(args)
     if engine_args.speculative_config is not None:
         from pocketllm.bench import speculative
 

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
+from collections.abc import Callable
 from typing import Any
 
 from pocketllm.config import EngineArgs, field_kind, parse_field
@@ -26,6 +28,14 @@ def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
+def _typed(parse: Callable[[str], Any], name: str) -> Callable[[str], Any]:
+    """``parse`` under ``name``, which argparse's error for a bad value shows ("invalid int value: 'x'")."""
+    def typed(raw: str) -> Any:
+        return parse(raw)
+    typed.__name__ = name
+    return typed
+
+
 def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("engine")
     for f in dataclasses.fields(EngineArgs):
@@ -37,7 +47,7 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
                                help=help_text)
         else:
             group.add_argument(*flags, dest=f.name, default=None, metavar=kind.__name__.upper(),
-                               type=lambda raw, name=f.name: parse_field(name, raw), help=help_text)
+                               type=_typed(functools.partial(parse_field, f.name), kind.__name__), help=help_text)
 
 
 def engine_args_from(namespace: argparse.Namespace) -> EngineArgs:
@@ -54,7 +64,7 @@ def add_sampling_flags(parser: argparse.ArgumentParser, defaults: dict[str, Any]
                            help=f"{help_text} (default: {defaults.get(name, 'the library default')})")
     group.add_argument("--stop", action="append", default=None, help="A stop string (repeatable).")
     group.add_argument("--ignore-eos", action="store_true", help="Keep generating past end-of-sequence.")
-    group.add_argument("--logit-bias", type=json.loads, default=None,
+    group.add_argument("--logit-bias", type=_typed(json.loads, "JSON"), default=None,
                        help='Token-id → bias map as JSON, e.g. {"42": -100}.')
 
 

@@ -23,6 +23,8 @@ from pocketllm.harness.line_input import read_line
 from pocketllm.sampling_params import SamplingParams
 
 CLEAR_COMMAND = "/clear"   # chat: forget the conversation so far (the system message stays)
+HELP_COMMANDS = ("/help", "/?")
+CHAT_COMMANDS = "/clear forgets the conversation, /exit (or /bye) leaves, /help lists these, Ctrl-C stops an answer"
 
 if TYPE_CHECKING:   # (imported when a command runs: they import torch)
     from pocketllm.api import LLM
@@ -163,17 +165,23 @@ def chat_command(args: argparse.Namespace) -> int:
         params = _sampling(args, llm)
         llm.render_chat(_messages(args.system, [{"role": "user", "content": "hi"}]))  # fail early without template
         turns: list[dict[str, str]] = []
-        print("Type a message; /clear forgets the conversation, /exit (or /bye) leaves, Ctrl-C stops an answer.",
-              file=sys.stderr)
+        print(f"Type a message; {CHAT_COMMANDS}.", file=sys.stderr)
         while True:
             line = read_line()
             if line is None:
                 return 0
-            if not line.strip():
+            command = line.strip()
+            if not command:
                 continue
-            if line.strip() == CLEAR_COMMAND:
+            if command == CLEAR_COMMAND:
                 turns.clear()
                 print("[conversation cleared]", file=sys.stderr)
+                continue
+            if command in HELP_COMMANDS:
+                print(f"[{CHAT_COMMANDS}]", file=sys.stderr)
+                continue
+            if command.startswith("/") and len(command.split()) == 1:   # a mistyped command is not a message
+                print(f"[unknown command {command}: {CHAT_COMMANDS}]", file=sys.stderr)
                 continue
             turns.append({"role": "user", "content": line})
             try:
