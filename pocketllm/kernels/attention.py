@@ -542,8 +542,9 @@ def _decode_launch(batch: int, dtype: torch.dtype, d_pad: int, block_n: int | No
     128-token tiles at large batch (186 against 191 µs there)."""
     small = batch <= 16
     if block_n == WHOLE_CONTEXT_TILE and small:   # one tile, no loop: one stage, and wider heads or float32
-        # tiles hold as many bytes as 16-bit 128-wide ones (the one split then loops over a few)
-        tile = WHOLE_CONTEXT_TILE * 256 // (d_pad * max(2, kv_bytes, torch.finfo(dtype).bits // 8))
+        # tiles hold at most as many bytes as 16-bit 128-wide ones (the one split then loops over a few)
+        tile = min(WHOLE_CONTEXT_TILE,
+                   WHOLE_CONTEXT_TILE * 256 // (d_pad * max(2, kv_bytes, torch.finfo(dtype).bits // 8)))
         return _DecodeLaunch(tile, num_warps or WHOLE_CONTEXT_WARPS, num_stages or 1,
                              False if heads_first is None else heads_first)
     return _DecodeLaunch(
