@@ -181,6 +181,19 @@ def test_bench_latency_checks_its_sizes_before_loading(tmp_path, flag, value, le
         main(["bench", "latency", "--model", str(tmp_path / "missing.gguf"), flag, value])
 
 
+@pytest.mark.parametrize("benchmark", ["latency", "throughput", "startup"])
+@pytest.mark.parametrize("flag", ["--output-json", "--plot"])
+def test_bench_refuses_an_output_path_it_cannot_write_before_running(tmp_path, capsys, benchmark, flag):
+    """An output file in a folder that does not exist is one line and status 2 before anything runs (the results
+    of a whole run were lost when the write failed at its end)."""
+    path = str(tmp_path / "absent" / "result.json")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", benchmark, "--model", str(tmp_path / "missing.gguf"), flag, path])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err == (f"pocketllm bench {benchmark}: error: {flag} {path}: the folder "
+                                       f"{tmp_path / 'absent'} does not exist or cannot be written\n")
+
+
 def test_bench_startup(smollm2_gguf, tmp_path, capsys):
     """Cold processes of ``pocketllm run`` on the default model, one with a tokenizer cache to fill."""
     out = tmp_path / "startup.json"

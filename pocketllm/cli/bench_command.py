@@ -6,8 +6,10 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 
 from pocketllm.cli.engine_flags import add_engine_flags, engine_args_from
+from pocketllm.cli.exits import usage_error
 from pocketllm.cli.launched_ranks import launched_rank
 
 
@@ -47,7 +49,17 @@ def add_bench_parser(subparsers, full: bool = True) -> None:
         sub.set_defaults(handler=bench_command, bench_module=module, bench_engine=engine)
 
 
+def _check_outputs(args: argparse.Namespace) -> None:
+    """``--output-json`` and ``--plot`` name files in writable folders: found before the run, not after it."""
+    for flag, path in (("--output-json", args.output_json), ("--plot", args.plot)):
+        folder = os.path.dirname(os.path.abspath(path)) if path else None
+        if folder is not None and not (os.path.isdir(folder) and os.access(folder, os.W_OK)):
+            usage_error(f"bench {args.bench_command}",
+                        f"{flag} {path}: the folder {folder} does not exist or cannot be written")
+
+
 def bench_command(args: argparse.Namespace) -> int:
+    _check_outputs(args)
     if not args.verbose:
         logging.getLogger("pocketllm").setLevel(logging.INFO)
         logging.getLogger("pocketllm.scheduler").setLevel(logging.WARNING)
