@@ -52,8 +52,10 @@ def add_bench_parser(subparsers, full: bool = True) -> None:
 def _check_outputs(args: argparse.Namespace) -> None:
     """``--output-json`` and ``--plot`` name files in writable folders: found before the run, not after it."""
     for flag, path in (("--output-json", args.output_json), ("--plot", args.plot)):
-        folder = os.path.dirname(os.path.abspath(path)) if path else None
-        if folder is not None and not (os.path.isdir(folder) and os.access(folder, os.W_OK)):
+        if not path:
+            continue
+        folder = os.path.dirname(os.path.abspath(path))
+        if not (os.path.isdir(folder) and os.access(folder, os.W_OK)):
             usage_error(f"bench {args.bench_command}",
                         f"{flag} {path}: the folder {folder} does not exist or cannot be written")
 

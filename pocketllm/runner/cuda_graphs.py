@@ -230,9 +230,9 @@ class CudaStepRunner:
         largest = decode_split_options(1, self.num_kv_heads)[-1]
         served: dict[int, list[int]] = {}   # split count: [shortest, longest] context it serves
         for context in range(1, max_context, SPLIT_TOKENS):
-            span = served.setdefault(self._splits(1, [context]), [context, context])
-            span[1] = context + SPLIT_TOKENS - 1
-            if self._splits(1, [context]) == largest:
+            splits = self._splits(1, [context])
+            served.setdefault(splits, [context, context])[1] = context + SPLIT_TOKENS - 1
+            if splits == largest:
                 break
         contexts = {}
         for splits, (low, high) in served.items():
