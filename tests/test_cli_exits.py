@@ -171,6 +171,18 @@ def test_usage_errors_are_one_line(command, args):
     assert stdout == ""
 
 
+@pytest.mark.parametrize(("argv", "prog"), [(["run", "Hello", "--no-such-flag"], "pocketllm run"),
+                                           (["bench", "latency", "--no-such-flag"], "pocketllm bench latency")])
+def test_an_unknown_flag_is_refused_by_its_command(capsys, argv, prog):
+    from pocketllm.cli.main import main
+
+    with pytest.raises(SystemExit) as exited:
+        main(argv)
+    assert exited.value.code == 2
+    assert capsys.readouterr().err == (f"{prog}: error: unrecognized arguments: --no-such-flag "
+                                       f"(see '{prog} --help')\n")
+
+
 @pytest.mark.parametrize(("flag", "kind"),
                          [("--seed", "int"), ("--cpu-kv-cache-gb", "float"), ("--logit-bias", "JSON")])
 def test_a_bad_flag_value_names_the_type_expected(capsys, flag, kind):

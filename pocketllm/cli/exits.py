@@ -18,7 +18,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from typing import NoReturn
 
 from pocketllm.harness.lifecycle import INTERRUPTED
@@ -32,6 +32,23 @@ class CliParser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
+
+    def parse_args(self, args: Sequence[str] | None = None,  # type: ignore[override]
+                   namespace: argparse.Namespace | None = None) -> argparse.Namespace:
+        """As argparse's, but arguments no parser took are refused by the innermost command's parser (its name
+        and ``--help`` in the message: ``pocketllm run``, not ``pocketllm``)."""
+        parsed, extra = self.parse_known_args(args, namespace)
+        if extra:
+            self._command_parser(parsed).error(f"unrecognized arguments: {' '.join(extra)}")
+        return parsed
+
+    def _command_parser(self, parsed: argparse.Namespace) -> argparse.ArgumentParser:
+        for action in self._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                chosen = action.choices.get(getattr(parsed, action.dest, None) or "")
+                if isinstance(chosen, CliParser):
+                    return chosen._command_parser(parsed)
+        return self
 
 
 class UsageError(SystemExit):
