@@ -102,6 +102,19 @@ def _window_start(start, ctx, window):
 
 
 @triton.jit
+def _decode_program(lens_ptr, num_splits, window, BLOCK_N: tl.constexpr, SPLIT_MIN: tl.constexpr,
+                    HEADS_FIRST: tl.constexpr, PDL: tl.constexpr):
+    """A decode program's opening: its dependents may launch (``PDL``; each waits on this kernel before it reads
+    this kernel's output); then (sequence, KV head, split, context length, first token under the window, end
+    token, active splits). A split wholly before the window is empty (its lse -inf)."""
+    if PDL:
+        gdc_launch_dependents()
+    seq, kvh, split = _program_ids(HEADS_FIRST)
+    ctx, start, end, active = _split_range(lens_ptr, seq, split, num_splits, BLOCK_N, SPLIT_MIN)
+    return seq, kvh, split, ctx, _window_start(start, ctx, window), end, active
+
+
+@triton.jit
 def _kv_slots(table, tok, end, BLOCK_SIZE: tl.constexpr):
     """(which of tokens ``tok`` lie before ``end``, their cache slots through the block table)."""
     valid = tok < end
@@ -320,13 +333,10 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, lens_ptr, out_pt
     goes through float32; the query is scaled before it is rounded to float16. With ``FP8_PAIRS`` (a float8
     cache, float16 dots, a power-of-two head size of at least 32) the codes are widened as they are loaded and
     the dot products run over even and odd dimensions apart (``_decode_fp8_pairs``)."""
-    if PDL:   # dependents may launch now: each waits on this kernel before it reads this kernel's output
-        gdc_launch_dependents()
-    seq, kvh, split = _program_ids(HEADS_FIRST)
-    ctx, start, end, active = _split_range(lens_ptr, seq, split, num_splits, BLOCK_N, SPLIT_MIN)
+    seq, kvh, split, ctx, start, end, active = _decode_program(lens_ptr, num_splits, window, BLOCK_N, SPLIT_MIN,
+                                                               HEADS_FIRST, PDL)
     if split >= active:
         return
-    start = _window_start(start, ctx, window)   # (a split wholly before the window: empty, lse -inf)
 
     rows = tl.arange(0, GROUP_PAD)
     dims = tl.arange(0, D_PAD)
@@ -361,13 +371,10 @@ def _packed_decode_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, sl
     them in the cache), and attends. Everything but the projection's output (the step's metadata, the cached
     context's first tile (with ``PREFETCH``), the rotary row, the norm weights) is read before waiting on the
     kernel before it."""
-    if PDL:   # dependents may launch now: each waits on this kernel before it reads this kernel's output
-        gdc_launch_dependents()
-    seq, kvh, split = _program_ids(HEADS_FIRST)
-    ctx, start, end, active = _split_range(lens_ptr, seq, split, num_splits, BLOCK_N, SPLIT_MIN)
+    seq, kvh, split, ctx, start, end, active = _decode_program(lens_ptr, num_splits, window, BLOCK_N, SPLIT_MIN,
+                                                               HEADS_FIRST, PDL)
     if split >= active:
         return
-    start = _window_start(start, ctx, window)   # (a split wholly before the window: empty, lse -inf)
     half: tl.constexpr = HEAD_DIM // 2
     rows = tl.arange(0, GROUP_PAD)
     dims = tl.arange(0, HEAD_DIM)
