@@ -97,13 +97,20 @@ def shape_rows(name: str, n: int, k: int, prologue: str | None, configs: list[On
 
 def float8_settings() -> list[OneRowConfig]:
     """Tiles of 4-32 KiB of float8 weight: narrow ones many programs wide, and up to 32 rows a tile (the
-    activation is read once per tile, so wider tiles read less of it per weight byte)."""
+    activation is read once per tile, so wider tiles read less of it per weight byte). Also 8-32 rows of
+    256-512 columns summed once at the end: compiled for sm_90 their K loop issues 3.6 instructions a weight
+    against 4.2-6.3 for the engine's candidates (``scripts/one_row_instructions.py``), which may matter where
+    the memory is fast enough for the issue rate to bind (an H200 reads float8 weights at 77% of its copy
+    bandwidth where bfloat16 ones reach 97%)."""
     out = []
     for bn, bk, warps, stages in itertools.product((1, 2, 4, 8, 16, 32), (1024, 2048, 4096, 8192), (8, 16), (1,)):
         if 4096 <= bn * bk <= 32768:
             out += [OneRowConfig(bn, bk, True, warps, stages)]
             if bn <= 2:
                 out += [OneRowConfig(bn, bk, False, warps, stages)]
+    for bn, bk, warps in itertools.product((8, 16, 32), (256, 512), (4, 8)):
+        if bn * bk <= 8192:
+            out += [OneRowConfig(bn, bk, False, warps, 1)]
     return out
 
 
@@ -112,24 +119,36 @@ def _float8_product(x: torch.Tensor, weight: tuple[torch.Tensor, torch.Tensor], 
     return skinny_linear(x, codes, config, scale=scale)
 
 
-def float8_rows(name: str, n: int, k: int, configs: list[OneRowConfig]) -> None:
-    """The one-row kernel on a float8 weight of [n, k] over ``configs``, against the engine's candidates."""
+def float8_rows(name: str, n: int, k: int, configs: list[OneRowConfig], norm: bool = False) -> None:
+    """The one-row kernel on a float8 weight of [n, k] over ``configs``, against the engine's candidates; with
+    ``norm``, the product with the RMSNorm prologue (residual added) against the engine's fused candidates."""
     from pocketllm.kernels.fp8 import quantize_weight
-    from pocketllm.kernels.gemv import one_row_candidates
+    from pocketllm.kernels.gemv import fused_candidates, one_row_candidates
 
     pair = rotating(n, k, lambda n, k: quantize_weight(torch.randn(n, k, device="cuda")))   # (codes, scales)
-    x = torch.randn(1, k, dtype=torch.bfloat16, device="cuda")
+    x, residual = torch.randn(2, 1, k, dtype=torch.bfloat16, device="cuda")
+    norm_weight = torch.rand(k, dtype=torch.bfloat16, device="cuda")
     nbytes = n * k + 4 * n
     times = {}
     candidates = one_row_candidates(k, float8=True)
+    if norm:
+        candidates = fused_candidates(k, candidates[0], float8=True)
+
+    def product(c: OneRowConfig) -> torch.Tensor:
+        if norm:
+            codes, scale = pair()
+            return skinny_rms_norm_linear(x, residual, norm_weight, 1e-6, codes, config=c, scale=scale)[0]
+        return _float8_product(x, pair(), c)
+
     for c in dict.fromkeys(candidates + configs):
         try:
-            times[c] = us(lambda c=c: _float8_product(x, pair(), c))
+            times[c] = us(lambda c=c: product(c))
         except Exception as exc:  # a setting that does not compile (e.g. out of shared memory)
             print(f"  {name} {c}: {type(exc).__name__}")
     best = sorted(times, key=times.get)
     engine = min((c for c in candidates if c in times), key=times.get)
-    print(f"{name:12s} N={n} K={k} float8: engine's best candidate {fmt(times[engine], nbytes)}  {engine}")
+    label = f"{name}{' + norm' if norm else ''}"
+    print(f"{label:19s} N={n} K={k} float8: engine's best candidate {fmt(times[engine], nbytes)}  {engine}")
     for c in best[:6]:
         print(f"    {fmt(times[c], nbytes)}  {c}")
 
@@ -138,8 +157,10 @@ def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "fp8":
         print(f"copy bandwidth: {copy_bandwidth():,.0f} GB/s (4 GiB, read + write)")
         configs = float8_settings()
-        for name in ("l8 qkv", "l8 o", "l8 gate_up", "l8 down"):
+        for name in ("l8 qkv", "l8 o", "l8 gate_up", "l8 down", "l8 lm_head"):
             float8_rows(name, *SHAPES[name][:2], configs)
+            if SHAPES[name][2] == "norm":
+                float8_rows(name, *SHAPES[name][:2], configs, norm=True)
         return
     part, parts = (int(v) for v in (sys.argv[1].split("/") if len(sys.argv) > 1 else ("0", "1")))
     configs = settings()[part::parts]
