@@ -97,11 +97,11 @@ def shape_rows(name: str, n: int, k: int, prologue: str | None, configs: list[On
 
 def float8_settings() -> list[OneRowConfig]:
     """Tiles of 4-32 KiB of float8 weight: narrow ones many programs wide, and up to 32 rows a tile (the
-    activation is read once per tile, so wider tiles read less of it per weight byte). Also 8-32 rows of
-    256-512 columns summed once at the end: compiled for sm_90 their K loop issues 3.6 instructions a weight
-    against 4.2-6.3 for the engine's candidates (``scripts/one_row_instructions.py``), which may matter where
-    the memory is fast enough for the issue rate to bind (an H200 reads float8 weights at 77% of its copy
-    bandwidth where bfloat16 ones reach 97%)."""
+    activation is read once per tile, so wider tiles read less of it per weight byte). Also tiles of 2-8 KiB,
+    8-32 rows of 256-512 columns, summed once at the end: compiled for sm_90 at 4 warps, 16 × 512 and 32 × 256
+    issue 3.6 instructions a weight in their K loop against 4.2-6.3 for the engine's candidates
+    (``scripts/one_row_instructions.py``), which may matter where the memory is fast enough for the issue rate
+    to bind (an H200 reads float8 weights at 77% of its copy bandwidth where bfloat16 ones reach 97%)."""
     out = []
     for bn, bk, warps, stages in itertools.product((1, 2, 4, 8, 16, 32), (1024, 2048, 4096, 8192), (8, 16), (1,)):
         if 4096 <= bn * bk <= 32768:
@@ -119,9 +119,11 @@ def _float8_product(x: torch.Tensor, weight: tuple[torch.Tensor, torch.Tensor], 
     return skinny_linear(x, codes, config, scale=scale)
 
 
-def float8_rows(name: str, n: int, k: int, configs: list[OneRowConfig], norm: bool = False) -> None:
-    """The one-row kernel on a float8 weight of [n, k] over ``configs``, against the engine's candidates; with
-    ``norm``, the product with the RMSNorm prologue (residual added) against the engine's fused candidates."""
+def float8_rows(name: str, n: int, k: int, configs: list[OneRowConfig],
+                plain: OneRowConfig | None = None) -> OneRowConfig:
+    """The one-row kernel on a float8 weight of [n, k] over ``configs``, against the engine's candidates; given
+    ``plain`` (the plain product's best candidate), the product with the RMSNorm prologue (residual added)
+    against the engine's fused candidates for it. Returns the engine's best candidate."""
     from pocketllm.kernels.fp8 import quantize_weight
     from pocketllm.kernels.gemv import fused_candidates, one_row_candidates
 
@@ -130,9 +132,8 @@ def float8_rows(name: str, n: int, k: int, configs: list[OneRowConfig], norm: bo
     norm_weight = torch.rand(k, dtype=torch.bfloat16, device="cuda")
     nbytes = n * k + 4 * n
     times = {}
-    candidates = one_row_candidates(k, float8=True)
-    if norm:
-        candidates = fused_candidates(k, candidates[0], float8=True)
+    norm = plain is not None
+    candidates = fused_candidates(k, plain, float8=True) if norm else one_row_candidates(k, float8=True)
 
     def product(c: OneRowConfig) -> torch.Tensor:
         if norm:
@@ -151,6 +152,7 @@ def float8_rows(name: str, n: int, k: int, configs: list[OneRowConfig], norm: bo
     print(f"{label:19s} N={n} K={k} float8: engine's best candidate {fmt(times[engine], nbytes)}  {engine}")
     for c in best[:6]:
         print(f"    {fmt(times[c], nbytes)}  {c}")
+    return engine
 
 
 def main() -> None:
@@ -158,9 +160,9 @@ def main() -> None:
         print(f"copy bandwidth: {copy_bandwidth():,.0f} GB/s (4 GiB, read + write)")
         configs = float8_settings()
         for name in ("l8 qkv", "l8 o", "l8 gate_up", "l8 down", "l8 lm_head"):
-            float8_rows(name, *SHAPES[name][:2], configs)
+            plain = float8_rows(name, *SHAPES[name][:2], configs)
             if SHAPES[name][2] == "norm":
-                float8_rows(name, *SHAPES[name][:2], configs, norm=True)
+                float8_rows(name, *SHAPES[name][:2], configs, plain)
         return
     part, parts = (int(v) for v in (sys.argv[1].split("/") if len(sys.argv) > 1 else ("0", "1")))
     configs = settings()[part::parts]

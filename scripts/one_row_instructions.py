@@ -3,10 +3,12 @@ compiles the kernel for the target, its bundled cuobjdump disassembles the cubin
 last backward branch) is counted against the weights one pass of it multiplies.
 
     python scripts/one_row_instructions.py                          # the engine's float8 and bfloat16 candidates
-    python scripts/one_row_instructions.py --weight fp8 --config 32,256,0,4 --prologue 2
+    python scripts/one_row_instructions.py --weight fp8 --config 32,256,0,4 --prologue rms_norm
 
-A one-row product issues this many instructions for every weight it streams: where that times the bytes a second
-of the GPU's bandwidth comes near the multiprocessors' issue rate, the product is bound by issue, not memory.
+A one-row product issues this many instructions for every weight it streams: where that times the weights a
+second of the GPU's bandwidth brings comes near the multiprocessors' issue rate, the product is bound by issue, not
+memory. The count includes what only program 0 runs in the loop (the RMSNorm prologue's residual store, a few
+instructions a tile), so it is a little high for the others.
 Compile with the Triton release of the GPU machine (install it into a folder of its own, first on PYTHONPATH).
 """
 
@@ -32,7 +34,7 @@ BACKWARD = re.compile(r"/\*([0-9a-f]{4,})\*/.*\bBRA\s+0x([0-9a-f]+)")
 
 
 def compile_one_row(weight: str, config: OneRowConfig, prologue: int, silu_epilogue: bool) -> bytes:
-    """The cubin of one variant (a float8 weight with its per-row scales; PDL on, as the engine launches it)."""
+    """The cubin of one variant (float8 weights come with per-row scales; PDL on, as the engine launches it)."""
     types = {"x_ptr": "*bf16", "w_ptr": WEIGHT_TYPES[weight], "scale_ptr": "*fp32", "out_ptr": "*bf16",
              "res_ptr": "*bf16", "nw_ptr": "*bf16", "res_out_ptr": "*bf16", "normed_ptr": "*bf16", "N": "i32",
              "K": "i32", "stride_wn": "i32", "eps": "fp32"}
@@ -55,39 +57,48 @@ def _tool(name: str) -> str:
     return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
 
 
-def loop_counts(cubin: bytes) -> tuple[collections.Counter, dict[str, int]]:
+def loop_counts(cubin: bytes) -> tuple[collections.Counter[str], dict[str, int]]:
     """(instruction counts of the K loop's body, the kernel's registers and stack bytes)."""
     with tempfile.TemporaryDirectory() as folder:
         path = os.path.join(folder, "kernel.cubin")
         with open(path, "wb") as f:
             f.write(cubin)
-        sass = subprocess.run([_tool("cuobjdump"), "-sass", path], capture_output=True, text=True).stdout
-        usage = subprocess.run([_tool("cuobjdump"), "-res-usage", path], capture_output=True, text=True).stdout
+        sass = subprocess.run([_tool("cuobjdump"), "-sass", path], capture_output=True, text=True, check=True).stdout
+        usage = subprocess.run([_tool("cuobjdump"), "-res-usage", path], capture_output=True, text=True,
+                               check=True).stdout
     lines = [(int(m.group(1), 16), m.group(2)) for m in map(INSTRUCTION.search, sass.splitlines()) if m]
     body: list[str] = []
     for m in map(BACKWARD.search, sass.splitlines()):
         if m and int(m.group(2), 16) < int(m.group(1), 16):   # (the trailing self-branch is not a loop)
             first, last = int(m.group(2), 16), int(m.group(1), 16)
             body = [op for address, op in lines if first <= address <= last]
+    if not body:
+        raise RuntimeError("no loop found in the kernel's SASS (K no longer than one tile?)")
     resources = {key.lower(): int(value) for key, value in re.findall(r"(REG|STACK):(\d+)", usage)}
     return collections.Counter(body), resources
+
+
+def _config(text: str) -> OneRowConfig:
+    """``BLOCK_N,BLOCK_K,REDUCE_EACH,WARPS`` (REDUCE_EACH 0 or 1) → a one-stage setting."""
+    try:
+        block_n, block_k, reduce_each, warps = (int(v) for v in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected BLOCK_N,BLOCK_K,REDUCE_EACH,WARPS (four integers), got {text!r}") from None
+    return OneRowConfig(block_n, block_k, bool(reduce_each), warps, 1)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--weight", choices=sorted(WEIGHT_TYPES), action="append")
-    parser.add_argument("--config", action="append", help="BLOCK_N,BLOCK_K,REDUCE_EACH(0/1),WARPS")
+    parser.add_argument("--config", action="append", type=_config, help="BLOCK_N,BLOCK_K,REDUCE_EACH(0/1),WARPS")
     parser.add_argument("--prologue", choices=sorted(PROLOGUES), action="append")
     parser.add_argument("--silu-epilogue", action="store_true", help="the [gate; up] weight with SiLU·mul after")
     parser.add_argument("--k", type=int, default=4096, help="the row length the candidates are made for")
     args = parser.parse_args()
     print(f"Triton {triton.__version__}, sm_90: instructions of the K loop per weight it multiplies")
     for weight in args.weight or ["fp8", "bf16"]:
-        if args.config:
-            configs = [OneRowConfig(*(int(v) for v in c.split(",")[:2]), bool(int(c.split(",")[2])),
-                                    int(c.split(",")[3])) for c in args.config]
-        else:
-            configs = one_row_candidates(args.k, float8=weight == "fp8")
+        configs = args.config or one_row_candidates(args.k, float8=weight == "fp8")
         for prologue in args.prologue or ["none", "rms_norm"]:
             for config in configs:
                 ops, resources = loop_counts(compile_one_row(weight, config, PROLOGUES[prologue], args.silu_epilogue))

@@ -172,7 +172,8 @@ def test_usage_errors_are_one_line(command, args):
 
 
 @pytest.mark.parametrize(("argv", "prog"), [(["run", "Hello", "--no-such-flag"], "pocketllm run"),
-                                           (["bench", "latency", "--no-such-flag"], "pocketllm bench latency")])
+                                           (["bench", "latency", "--no-such-flag"], "pocketllm bench latency"),
+                                           (["--no-such-flag", "run", "Hello"], "pocketllm")])
 def test_an_unknown_flag_is_refused_by_its_command(capsys, argv, prog):
     from pocketllm.cli.main import main
 

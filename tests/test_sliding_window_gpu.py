@@ -144,3 +144,22 @@ def test_packed_decode_masks_keys_outside_the_window(dtype, splits):
     assert not counters.any()
     assert torch.equal(layer.v_cache, ref_v)
     assert _rel(out, ref) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [5, 40])
+def test_one_tile_decode_masks_keys_outside_the_window(dtype, window):
+    """A one-row step attended in one whole-context tile (``ONE_ROW_WHOLE_CONTEXT``) equals the split launch."""
+    _need_kernels(dtype)
+    from pocketllm.kernels.attention import WHOLE_CONTEXT_TILE, paged_decode
+
+    context = 45 if INTERPRET else 200
+    layer = _layer(window, dtype, seed=window)
+    tables = _tables([context], seed=window)
+    ctx = torch.tensor([context], dtype=torch.int32, device=DEVICE)
+    q = torch.randn(1, HEADS, HEAD_DIM, device=DEVICE).to(dtype)
+    ref = paged_decode(q, layer.k_cache, layer.v_cache, tables, ctx, layer.scale, 4, window=window)
+    out = paged_decode(q, layer.k_cache, layer.v_cache, tables, ctx, layer.scale, 1, block_n=WHOLE_CONTEXT_TILE,
+                       window=window)
+    assert _rel(out, ref) < TOL[dtype]
+    assert _rel(out, paged_decode(q, layer.k_cache, layer.v_cache, tables, ctx, layer.scale, 1)) > 10 * TOL[dtype]

@@ -37,9 +37,13 @@ class CliParser(argparse.ArgumentParser):
                    namespace: argparse.Namespace | None = None) -> argparse.Namespace:
         """As argparse's, but arguments no parser took are refused by the innermost command's parser (its name
         and ``--help`` in the message: ``pocketllm run``, not ``pocketllm``)."""
-        parsed, extra = self.parse_known_args(args, namespace)
+        argv = list(sys.argv[1:] if args is None else args)
+        parsed, extra = self.parse_known_args(argv, namespace)
         if extra:
-            self._command_parser(parsed).error(f"unrecognized arguments: {' '.join(extra)}")
+            # a flag before the command (``pocketllm --bogus run``) is this parser's to refuse
+            command_at = next((i for i, arg in enumerate(argv) if not arg.startswith("-")), len(argv))
+            after = all(argv.index(arg) > command_at for arg in extra if arg in argv)
+            (self._command_parser(parsed) if after else self).error(f"unrecognized arguments: {' '.join(extra)}")
         return parsed
 
     def _command_parser(self, parsed: argparse.Namespace) -> argparse.ArgumentParser:
