@@ -17,8 +17,7 @@ import subprocess
 import tempfile
 
 import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+from sm90_compile import compile_sm90, triton_tool
 
 from pocketllm.kernels.attention import _decode_kernel
 
@@ -36,23 +35,17 @@ def compile_decode(cache: str, block_n: int, warps: int, stages: int, fp8_pairs:
     constants = dict(NUM_KV_HEADS=8, GROUP=2, GROUP_PAD=16, HEAD_DIM=128, D_PAD=128, BLOCK_SIZE=16, BLOCK_N=block_n,
                      SPLIT_MIN=block_n, SPLIT=False, S_PAD=1, PRECISION="tf32", HEADS_FIRST=True, FP16_DOTS=fp8,
                      FP8_PAIRS=fp8 and fp8_pairs, PDL=False)
-    names = _decode_kernel.arg_names
-    signature = {name: types.get(name, "constexpr") for name in names}
     # As the launcher specialises them: pointers and row strides divisible by 16.
-    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in types if types[n][0] == "*" or "stride" in n}
-    source = ASTSource(fn=_decode_kernel, signature=signature, attrs=attrs,
-                       constexprs={(names.index(n),): v for n, v in constants.items()})
-    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32),
-                              options={"num_warps": warps, "num_stages": stages})
+    aligned = [n for n in types if types[n][0] == "*" or "stride" in n]
+    compiled = compile_sm90(_decode_kernel, types, constants, aligned, warps, stages)
     ptx = compiled.asm["ptx"]
     report = ""
-    bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
     with tempfile.TemporaryDirectory() as folder:
         path = os.path.join(folder, "kernel.ptx")
         with open(path, "w") as f:
             f.write(ptx)
         for ptxas in ("ptxas", "ptxas-blackwell"):   # (the first may predate the PTX version this Triton writes)
-            run = subprocess.run([os.path.join(bin_dir, ptxas), "-arch=sm_90a", "-v", path, "-o", path + ".o"],
+            run = subprocess.run([triton_tool(ptxas), "-arch=sm_90a", "-v", path, "-o", path + ".o"],
                                  capture_output=True, text=True)
             report = run.stderr
             if run.returncode == 0:

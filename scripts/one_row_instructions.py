@@ -22,8 +22,7 @@ import subprocess
 import tempfile
 
 import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+from sm90_compile import compile_sm90, triton_tool
 
 from pocketllm.kernels.gemv import OneRowConfig, _one_row_kernel, one_row_candidates
 
@@ -41,20 +40,10 @@ def compile_one_row(weight: str, config: OneRowConfig, prologue: int, silu_epilo
     constants = dict(BLOCK_N=config.block_n, BLOCK_K=config.block_k, REDUCE_EACH=config.reduce_each,
                      PROLOGUE=prologue, HAS_RESIDUAL=prologue == 2, NORM_OFFSET=False, SILU_EPILOGUE=silu_epilogue,
                      HAS_SCALE=weight == "fp8", NORMED_OUT=False, PDL=True)
-    names = _one_row_kernel.arg_names
-    signature = {name: types.get(name, "constexpr") for name in names}
     # As the launcher specialises them: pointers, K and the row stride divisible by 16.
     aligned = [n for n in types if types[n][0] == "*" or n in ("K", "stride_wn")]
-    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
-    source = ASTSource(fn=_one_row_kernel, signature=signature, attrs=attrs,
-                       constexprs={(names.index(n),): v for n, v in constants.items()})
-    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32),
-                              options={"num_warps": config.num_warps, "num_stages": config.num_stages})
+    compiled = compile_sm90(_one_row_kernel, types, constants, aligned, config.num_warps, config.num_stages)
     return compiled.asm["cubin"]
-
-
-def _tool(name: str) -> str:
-    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
 
 
 def loop_counts(cubin: bytes) -> tuple[collections.Counter[str], dict[str, int]]:
@@ -63,9 +52,9 @@ def loop_counts(cubin: bytes) -> tuple[collections.Counter[str], dict[str, int]]
         path = os.path.join(folder, "kernel.cubin")
         with open(path, "wb") as f:
             f.write(cubin)
-        sass = subprocess.run([_tool("cuobjdump"), "-sass", path], capture_output=True, text=True, check=True).stdout
-        usage = subprocess.run([_tool("cuobjdump"), "-res-usage", path], capture_output=True, text=True,
-                               check=True).stdout
+        # one pass of the tool: the SASS listing, then each function's resource line
+        sass = subprocess.run([triton_tool("cuobjdump"), "-sass", "-res-usage", path], capture_output=True,
+                              text=True, check=True).stdout
     lines = [(int(m.group(1), 16), m.group(2)) for m in map(INSTRUCTION.search, sass.splitlines()) if m]
     body: list[str] = []
     for m in map(BACKWARD.search, sass.splitlines()):
@@ -74,7 +63,7 @@ def loop_counts(cubin: bytes) -> tuple[collections.Counter[str], dict[str, int]]
             body = [op for address, op in lines if first <= address <= last]
     if not body:
         raise RuntimeError("no loop found in the kernel's SASS (K no longer than one tile?)")
-    resources = {key.lower(): int(value) for key, value in re.findall(r"(REG|STACK):(\d+)", usage)}
+    resources = {key.lower(): int(value) for key, value in re.findall(r"(REG|STACK):(\d+)", sass)}
     return collections.Counter(body), resources
 
 

@@ -27,6 +27,11 @@ ENGINE_THREAD = "pocketllm-engine"
 STOP_WAIT_S = 5.0
 
 
+def command_at(argv: Sequence[str]) -> int:
+    """Where the command word is in ``argv``: the first argument that is not a flag (``len(argv)`` if none)."""
+    return next((i for i, arg in enumerate(argv) if not arg.startswith("-")), len(argv))
+
+
 class CliParser(argparse.ArgumentParser):
     """argparse whose usage errors are one line (the options are listed by ``--help``, not on every error)."""
 
@@ -41,9 +46,9 @@ class CliParser(argparse.ArgumentParser):
         parsed, extra = self.parse_known_args(argv, namespace)
         if extra:
             # a flag before the command (``pocketllm --bogus run``) is this parser's to refuse
-            command_at = next((i for i, arg in enumerate(argv) if not arg.startswith("-")), len(argv))
-            after = all(argv.index(arg) > command_at for arg in extra if arg in argv)
-            (self._command_parser(parsed) if after else self).error(f"unrecognized arguments: {' '.join(extra)}")
+            before_command = set(argv[:command_at(argv)]) & set(extra)
+            parser = self if before_command else self._command_parser(parsed)
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
         return parsed
 
     def _command_parser(self, parsed: argparse.Namespace) -> argparse.ArgumentParser:

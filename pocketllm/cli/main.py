@@ -12,7 +12,7 @@ import os
 import sys
 
 from pocketllm.cli.bench_command import add_bench_parser
-from pocketllm.cli.exits import CliParser, engine_threads, finish, raise_on_ctrl_c
+from pocketllm.cli.exits import CliParser, command_at, engine_threads, finish, raise_on_ctrl_c
 from pocketllm.cli.generate_commands import add_chat_parser, add_run_parser
 from pocketllm.cli.harness_commands import add_harness_parsers
 from pocketllm.cli.serve_command import add_serve_parser
@@ -35,7 +35,8 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
 
 
 def _command(argv: list[str]) -> str:
-    return next((arg for arg in argv if not arg.startswith("-")), "")
+    at = command_at(argv)
+    return argv[at] if at < len(argv) else ""
 
 
 def _run(argv: list[str]) -> int:
