@@ -472,7 +472,7 @@ SPLIT_TOKENS = 32
 # head, ``WHOLE_CONTEXT_TILE`` wide: one split, so no partial results to merge, and the whole context read
 # before the wait on the kernel before (kernels/pdl.py). With 8 splits of 32 tokens, the attention kernel ended
 # about 10 µs after the QKV preparation before it, of a 25 µs layer (H100, Qwen3-0.6B, batch 1, context 256).
-# Measured on an H100 (engine latency bench, prompt 128, 128 tokens, two calls): Qwen3-0.6B 1,354.3, 1,349.2 and
+# Measured on an H100 (`pocketllm bench latency`, prompt 128, 128 tokens): Qwen3-0.6B 1,354.3, 1,349.2 and
 # 1,354.8 tok/s against 1,337.6, 1,338.7 and 1,340.9 with the splits; Llama-3-8B with float8 weights 319.6,
 # 319.1 and 317.6 against 314.4 and 314.5. 0 turns the rule off.
 ONE_ROW_WHOLE_CONTEXT = 256
